@@ -1,0 +1,165 @@
+"""Perplexity, per-block drift and generation for many variants of one dense model.
+
+Variants differ from the dense model only from their first modified block on, and they
+share the module objects before it. Perplexity therefore runs the common prefix once per
+batch of windows and only each variant's own suffix after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ghosted_core.calibration import CalibrationOptions, capture, run_forward, sink_mask
+from ghosted_core.errors import GhostedError
+from ghosted_core.plan import PruningPlan
+from ghosted_core.surgery import slice_view
+
+log = logging.getLogger(__name__)
+
+LOGITS_BUDGET = 2**28  # bytes of float32 logits materialized at once by the chunked LM head
+
+
+def shared_prefix(dense: PreTrainedModel, variant: PreTrainedModel) -> int:
+    """Number of leading blocks the variant runs exactly as the dense model (same module objects)."""
+    count = 0
+    for mine, theirs in zip(variant.model.layers, dense.model.layers):
+        if mine is not theirs:
+            break
+        count += 1
+    return count
+
+
+def _input_device(model: PreTrainedModel) -> torch.device:
+    weight = model.model.embed_tokens.weight
+    return weight.device if weight.device.type != "meta" else torch.device("cpu")
+
+
+def _token_nll(model: PreTrainedModel, hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL of the windows from the final hidden states, LM head in chunks."""
+    head = model.lm_head
+    batch, length, _ = hidden.shape
+    vocab = model.config.vocab_size
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    chunk = max(1, LOGITS_BUDGET // (4 * vocab * batch))
+    labels = input_ids[:, 1:].to(hidden.device)  # (B, T-1)
+    total = 0.0
+    for lo in range(0, length - 1, chunk):
+        hi = min(lo + chunk, length - 1)
+        logits = head(hidden[:, lo:hi]).float()  # (B, t, V)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        target = labels[:, lo:hi].to(logits.device)
+        total += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"))
+    return total, batch * (length - 1)
+
+
+def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], windows: torch.Tensor,
+               batch_size: int = 4, quiet: bool = False, desc: str = "perplexity") -> dict[str, float]:
+    """exp(mean NLL) over non-overlapping windows (N, T) for every variant, sharing the dense prefix."""
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise GhostedError("perplexity needs windows of at least 2 tokens")
+    prefix_len = min((shared_prefix(dense, v) for v in variants.values()), default=0)
+    prefix = slice_view(dense, dense, 0, prefix_len, final_norm=False)
+    suffixes = {name: slice_view(model, dense, prefix_len) for name, model in variants.items()}
+    nll = dict.fromkeys(variants, 0.0)
+    count = 0
+    device = _input_device(dense)
+    with torch.no_grad():
+        for ids in tqdm(windows.split(batch_size), desc=desc, disable=quiet, leave=False):
+            ids = ids.to(device)
+            h = prefix.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C) entering block prefix_len
+            for name, suffix in suffixes.items():
+                out = suffix.model(inputs_embeds=h, use_cache=False).last_hidden_state  # (B, T, C) after final norm
+                total, tokens = _token_nll(variants[name], out, ids)
+                nll[name] += total
+            count += tokens
+    return {name: math.exp(value / count) for name, value in nll.items()}
+
+
+@dataclass(frozen=True)
+class BlockDrift:
+    """Relative error of a variant's residual stream against the dense one, per dense block index."""
+
+    blocks: tuple[int, ...]  # dense index j (num_layers = final-norm input)
+    error: tuple[float, ...]  # ‖h_j − h_j^dense‖ / ‖h_j^dense‖ over all tokens
+    error_ordinary: tuple[float, ...]  # … with massive-activation tokens left out
+
+    def to_json(self) -> dict:
+        return {"blocks": list(self.blocks), "error": list(self.error), "error_ordinary": list(self.error_ordinary)}
+
+
+def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], plan: PruningPlan,
+                windows: torch.Tensor, options: CalibrationOptions = CalibrationOptions()) -> dict[str, BlockDrift]:
+    """Per-block drift downstream of the first boundary, for every variant (dense = 0 by definition)."""
+    if not plan.boundaries:
+        return {}
+    first = plan.boundaries[0].start
+    kept = list(plan.kept) + [plan.num_layers]  # variant layer i sits at dense index kept[i]; the last is the final norm
+    wanted = [(i, j) for i, j in enumerate(kept) if j >= first]
+    diff = {name: torch.zeros(len(wanted), 2, dtype=torch.float64) for name in variants}
+    ref = torch.zeros(len(wanted), 2, dtype=torch.float64)
+    with torch.no_grad():
+        for ids in windows.split(1):
+            with capture(dense, [j for _, j in wanted]) as seen_dense:
+                run_forward(dense, ids)
+            valid = torch.ones(ids.shape, dtype=torch.bool)
+            masks = []
+            for k, (_, j) in enumerate(wanted):
+                h = seen_dense[("residual", j)].double()
+                ordinary = (~sink_mask(h, h, valid.to(h.device), options)).to(h.device)
+                masks.append(ordinary)
+                ref[k, 0] += float((h * h).sum())
+                ref[k, 1] += float((h[ordinary] ** 2).sum())
+            for name, model in variants.items():
+                with capture(model, [i for i, _ in wanted]) as seen:
+                    run_forward(model, ids)
+                for k, (i, j) in enumerate(wanted):
+                    d = seen[("residual", i)].double().to(seen_dense[("residual", j)].device) - seen_dense[("residual", j)].double()
+                    diff[name][k, 0] += float((d * d).sum())
+                    diff[name][k, 1] += float((d[masks[k]] ** 2).sum())
+    ratios = {name: (d / ref.clamp_min(1e-30)).sqrt() for name, d in diff.items()}
+    blocks = tuple(j for _, j in wanted)
+    return {name: BlockDrift(blocks, tuple(r[:, 0].tolist()), tuple(r[:, 1].tolist())) for name, r in ratios.items()}
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Same prompt and seed for every variant."""
+
+    max_new_tokens: int = 40
+    do_sample: bool = False  # greedy by default; sampling is seeded per variant
+    temperature: float = 0.7
+    top_p: float = 0.9
+    seed: int = 0
+
+
+def generate(variants: Mapping[str, PreTrainedModel], tokenizer, prompt: str,
+             options: GenerationOptions = GenerationOptions()) -> dict[str, str]:
+    """Continuation of `prompt` by every variant (KV cache on), decoded without the prompt."""
+    if not prompt.strip():
+        raise GhostedError("the prompt is empty; type some text to continue")
+    encoded = tokenizer(prompt, return_tensors="pt")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    texts = {}
+    for name, model in variants.items():
+        device = _input_device(model)
+        kwargs = dict(max_new_tokens=options.max_new_tokens, do_sample=options.do_sample, pad_token_id=pad)
+        if options.do_sample:
+            kwargs.update(temperature=options.temperature, top_p=options.top_p)
+        else:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(options.seed)
+            out = model.generate(input_ids=encoded.input_ids.to(device),
+                                 attention_mask=encoded.attention_mask.to(device), **kwargs)
+        texts[name] = tokenizer.decode(out[0, encoded.input_ids.shape[1]:], skip_special_tokens=True)
+    return texts
+

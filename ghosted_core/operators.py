@@ -1,0 +1,342 @@
+"""Recovery operators: a registry of fits from boundary statistics to a linear map.
+
+Every operator is one decorated function `(stats, opts) -> Fit`. A fit is an update A (C×C,
+float64) applied at one of two sites:
+- "residual": the stream entering the first surviving block becomes x ↦ x (I + A);
+- "branch": block s−1's MLP branch output becomes m ↦ m (I + A) (ReplaceMe), folded into
+  its down projection where the architecture allows.
+Fits are pure tensor maths; `realize` turns a fit into the `nn.Module`s a variant needs, and
+`assess` measures it from the same statistics (errors on fit and held-out tokens).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ghosted_core.calibration import BoundaryStats, Moments, branch_module
+from ghosted_core.errors import GhostedError
+from ghosted_core.hadamard import hadamard
+from ghosted_core.plan import Boundary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """Numerical choices of the least-squares fits."""
+
+    epsilon: float = 1e-6  # the paper's absolute ridge: (XᵀX + εI) M = XᵀΔ
+    ridge: str = "absolute"  # "absolute" (paper) or "relative": ε = ridge_lambda · tr(XᵀX) / C
+    ridge_lambda: float = 1e-4  # relative ridge, also the fallback for rank-deficient fits
+    max_condition: float = 1e12  # cond(XᵀX) above which an absolute-ridge fit falls back to the relative ridge
+
+    def __post_init__(self) -> None:
+        if self.ridge not in {"absolute", "relative"}:
+            raise GhostedError(f"unknown ridge {self.ridge!r}; use absolute or relative")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What one operator found at one boundary."""
+
+    operator: str
+    boundary: Boundary
+    site: str  # "residual" or "branch"
+    update: torch.Tensor | None  # (C, C) float64 A; None = identity (plain pruning)
+    diagonal: bool = False  # A is diagonal: realized as a per-channel scale
+    tokens_used: int = 0
+    sinks_excluded: int = 0
+    ridge: float = 0.0  # ε actually added to the Gram matrix
+    condition_number: float = float("nan")  # of the Gram matrix the fit solved with
+    notes: tuple[str, ...] = ()  # warnings and fallbacks, shown to the user
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    name: str
+    fit: Callable[[BoundaryStats, FitOptions], Fit]
+    paper: str
+    description: str
+
+
+OPERATORS: dict[str, OperatorSpec] = {}
+
+
+def register_operator(name: str, *, paper: str, description: str):
+    """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import."""
+
+    def decorator(fn):
+        hints = typing.get_type_hints(fn)
+        params = list(inspect.signature(fn).parameters)
+        if params != ["stats", "opts"] or hints.get("stats") is not BoundaryStats or hints.get("opts") is not FitOptions \
+                or hints.get("return") is not Fit:
+            raise TypeError(f"operator {name}: signature must be (stats: BoundaryStats, opts: FitOptions) -> Fit")
+        if name in OPERATORS:
+            raise ValueError(f"operator {name} registered twice")
+        OPERATORS[name] = OperatorSpec(name, fn, paper, description)
+        return fn
+
+    return decorator
+
+
+def get_operator(name: str) -> OperatorSpec:
+    if name not in OPERATORS:
+        raise GhostedError(f"unknown operator {name!r}; known operators: {', '.join(OPERATORS)}")
+    return OPERATORS[name]
+
+
+# ---------------------------------------------------------------- shared maths
+
+
+def condition_number(gram: torch.Tensor) -> float:
+    """λ_max / λ_min of a symmetric PSD matrix (inf when singular)."""
+    eig = torch.linalg.eigvalsh(gram)
+    low, high = float(eig[0]), float(eig[-1])
+    return math.inf if low <= high * 1e-18 else high / low
+
+
+def solve_ridge(gram: torch.Tensor, cross: torch.Tensor, tokens: int, opts: FitOptions) -> tuple[torch.Tensor, float, float, tuple[str, ...]]:
+    """(A, ε, cond, notes) with (gram + εI) A = cross; falls back to a relative ridge when the
+    fit is rank-deficient (fewer tokens than channels) or ill-conditioned, never NaN."""
+    width = gram.shape[0]
+    cond = condition_number(gram)
+    relative = opts.ridge_lambda * float(torch.trace(gram)) / width
+    notes: tuple[str, ...] = ()
+    if opts.ridge == "relative":
+        eps = relative
+    elif tokens < width or cond > opts.max_condition:
+        eps = relative
+        reason = f"{tokens} tokens < {width} channels" if tokens < width else f"cond(XᵀX) = {cond:.2g}"
+        notes = (f"rank-deficient fit ({reason}): used a relative ridge ε = {opts.ridge_lambda:g}·tr(XᵀX)/C "
+                 f"= {eps:.3g} instead of ε = {opts.epsilon:g}",)
+        log.warning(notes[0])
+    else:
+        eps = opts.epsilon
+    if not math.isfinite(eps) or eps <= 0:
+        eps = opts.epsilon
+    eye = torch.eye(width, dtype=gram.dtype, device=gram.device)
+    update = torch.linalg.solve(gram + eps * eye, cross)
+    if not torch.isfinite(update).all():
+        raise GhostedError("the least-squares fit produced non-finite values; use more calibration text or --ridge relative")
+    return update, eps, cond, notes
+
+
+def _least_squares_fit(name: str, stats: BoundaryStats, moments: Moments, opts: FitOptions, sinks_excluded: int) -> Fit:
+    """The unconstrained optimum: (XᵀX + εI) M = XᵀΔ on the given tokens."""
+    update, eps, cond, notes = solve_ridge(moments.xtx, moments.xtd, moments.tokens, opts)
+    return Fit(name, stats.boundary, "residual", update, tokens_used=moments.tokens, sinks_excluded=sinks_excluded,
+               ridge=eps, condition_number=cond, notes=notes)
+
+
+def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """Per-channel numerator/denominator, 1 where the denominator vanishes."""
+    safe = denominator > 0
+    return torch.where(safe, numerator / torch.where(safe, denominator, 1.0), torch.ones_like(numerator))
+
+
+# ---------------------------------------------------------------- the operators
+
+
+@register_operator("none", paper="plain pruning", description="no recovery: W = I")
+def fit_none(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return Fit("none", stats.boundary, "residual", None, tokens_used=stats.fit.tokens)
+
+
+@register_operator("diag", paper="LinearPatch-D", description="per-channel scale mean|X_post| / mean|X_pre| (symmetric)")
+def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    moments = stats.fit
+    scale = _ratio(moments.abs_post, moments.abs_pre)  # (C,)
+    return Fit("diag", stats.boundary, "residual", torch.diag(scale - 1.0), diagonal=True, tokens_used=moments.tokens)
+
+
+@register_operator("rotate", paper="LinearPatch-R",
+                   description="per-channel scale in a Hadamard-rotated basis: H diag(r) Hᵀ (symmetric)")
+def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    moments = stats.fit
+    if moments.abs_pre_rot is None:
+        hadamard(stats.width)  # raises the user-facing explanation
+    rot = torch.from_numpy(hadamard(stats.width).copy()).to(moments.abs_pre.device)  # (C, C)
+    scale = _ratio(moments.abs_post_rot, moments.abs_pre_rot)  # (C,)
+    weight = (rot * scale) @ rot.T  # H diag(r) Hᵀ
+    eye = torch.eye(stats.width, dtype=weight.dtype, device=weight.device)
+    return Fit("rotate", stats.boundary, "residual", weight - eye, tokens_used=moments.tokens)
+
+
+@register_operator("ghost", paper="Ghosted Layers",
+                   description="least-squares optimum W = I + M, (XᵀX + εI) M = XᵀΔ over all calibration tokens")
+def fit_ghost(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _least_squares_fit("ghost", stats, stats.fit, opts, sinks_excluded=0)
+
+
+@register_operator("ghost_nosink", paper="Ghosted Layers, sink-aware (this project)",
+                   description="ghost fit without massive-activation (attention-sink) tokens, which otherwise dominate XᵀX")
+def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _least_squares_fit("ghost_nosink", stats, stats.fit_ordinary, opts, sinks_excluded=stats.fit_sink.tokens)
+
+
+@register_operator("replaceme", paper="ReplaceMe-LS",
+                   description="least-squares map on block s−1's MLP output, folded into its down projection")
+def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    moments = stats.fit
+    if not stats.has_branch:
+        note = f"ReplaceMe needs the block before the boundary; boundary {stats.boundary} starts at block 0 and is left unrecovered"
+        log.warning(note)
+        return Fit("replaceme", stats.boundary, "branch", None, tokens_used=moments.tokens, notes=(note,))
+    # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
+    update, eps, cond, notes = solve_ridge(moments.mtm, moments.mtd, moments.tokens, opts)
+    return Fit("replaceme", stats.boundary, "branch", update, tokens_used=moments.tokens, ridge=eps,
+               condition_number=cond, notes=notes)
+
+
+# ---------------------------------------------------------------- assessment
+
+
+def squared_error(fit: Fit, moments: Moments) -> float:
+    """‖U(I + A) − (U + Δ)‖² = tr(AᵀUᵀUA) − 2 tr(AᵀUᵀΔ) + ‖Δ‖², U = X_pre or m, from the moments alone."""
+    if fit.update is None:
+        return float(moments.dd)
+    gram, cross = (moments.xtx, moments.xtd) if fit.site == "residual" else (moments.mtm, moments.mtd)
+    a = fit.update.to(gram.device)
+    value = (gram @ a * a).sum() - 2 * (a * cross).sum() + moments.dd
+    return max(float(value), 0.0)
+
+
+def relative_error(fit: Fit, moments: Moments | None) -> float | None:
+    """‖X_pre W − X_post‖ / ‖X_post − X_pre‖ over a token group (1 = no better than pruning)."""
+    if moments is None or moments.tokens == 0 or float(moments.dd) == 0.0:
+        return None
+    return math.sqrt(squared_error(fit, moments) / float(moments.dd))
+
+
+def antisymmetric_fraction(update: torch.Tensor | None) -> float:
+    """‖(M − Mᵀ)/2‖_F / ‖M‖_F: the part no symmetric operator (LinearPatch) can represent."""
+    if update is None:
+        return 0.0
+    norm = float(torch.linalg.matrix_norm(update))
+    return 0.0 if norm == 0 else float(torch.linalg.matrix_norm((update - update.T) / 2)) / norm
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Numbers shown per boundary and operator."""
+
+    operator: str
+    boundary: str
+    fit_error: float | None  # relative boundary error on calibration tokens, all tokens
+    fit_error_ordinary: float | None  # … on calibration tokens that are not sinks
+    heldout_error: float | None  # … on held-out sequences, all tokens
+    heldout_error_ordinary: float | None  # … on held-out sequences, sinks left out
+    antisym_fraction: float
+    condition_number: float | None
+    tokens_used: int
+    sinks_excluded: int
+    ridge: float
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict:
+        def clean(value):
+            return None if isinstance(value, float) and not math.isfinite(value) else value
+        return {key: clean(value) for key, value in self.__dict__.items()} | {"notes": list(self.notes)}
+
+
+def assess(fit: Fit, stats: BoundaryStats) -> FitReport:
+    """Boundary errors of a fit (calibration and held-out, all and ordinary tokens) and its structure."""
+    return FitReport(
+        operator=fit.operator,
+        boundary=str(stats.boundary),
+        fit_error=relative_error(fit, stats.fit),
+        fit_error_ordinary=relative_error(fit, stats.fit_ordinary),
+        heldout_error=relative_error(fit, stats.heldout),
+        heldout_error_ordinary=relative_error(fit, stats.heldout_ordinary),
+        antisym_fraction=antisymmetric_fraction(fit.update),
+        condition_number=fit.condition_number if math.isfinite(fit.condition_number) else None,
+        tokens_used=fit.tokens_used,
+        sinks_excluded=fit.sinks_excluded,
+        ridge=fit.ridge,
+        notes=fit.notes,
+    )
+
+
+# ---------------------------------------------------------------- modules
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module computes: its execution device under accelerate, else its first tensor's device."""
+    hook = getattr(module, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)
+    for tensor in module.parameters():
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+class ResidualLinear(nn.Module):
+    """x ↦ x W on the residual stream at a boundary (W = I + M), computed in float32.
+
+    The input is moved to the operator's device, which is that of the block it feeds.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight.to(torch.float32), requires_grad=False)  # (C, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(self.weight.device, self.weight.dtype) @ self.weight).to(x.dtype)
+
+    def matrix(self) -> torch.Tensor:
+        return self.weight.detach()
+
+
+class ResidualScale(nn.Module):
+    """x ↦ x diag(s): a per-channel scale (LinearPatch-D), computed in float32."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.scale = nn.Parameter(scale.to(torch.float32), requires_grad=False)  # (C,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(self.scale.device, self.scale.dtype) * self.scale).to(x.dtype)
+
+    def matrix(self) -> torch.Tensor:
+        return torch.diag(self.scale.detach())
+
+
+def residual_module(fit: Fit, device: torch.device) -> nn.Module:
+    """The boundary module realizing a residual-site fit."""
+    eye = torch.eye(fit.update.shape[0], dtype=fit.update.dtype, device=fit.update.device)
+    if fit.diagonal:
+        return ResidualScale(torch.diagonal(fit.update) + 1.0).to(device)
+    return ResidualLinear(eye + fit.update).to(device)
+
+
+def branch_replacement(fit: Fit, block: nn.Module) -> dict[str, nn.Module]:
+    """Submodule replacements inside block s−1 realizing a branch-site fit (ReplaceMe).
+
+    Folded into `mlp.down_proj` (zero inference cost) when the MLP output is added to the
+    residual as is; applied as an explicit C×C map after the branch where a norm follows
+    the MLP (Gemma3) or the weights are offloaded.
+    """
+    transform = torch.eye(fit.update.shape[0], dtype=torch.float64, device=fit.update.device) + fit.update  # T (C, C)
+    target = branch_module(block)
+    down = getattr(getattr(block, "mlp", None), "down_proj", None)
+    if target is block.mlp and isinstance(down, nn.Linear) and down.weight.device.type != "meta":
+        # y = a W_downᵀ + b  →  y T = a (Tᵀ W_down)ᵀ + b T
+        weight = transform.T.to(down.weight.device) @ down.weight.to(torch.float64)  # (C, I)
+        folded = nn.Linear(down.in_features, down.out_features, bias=down.bias is not None,
+                           device=down.weight.device, dtype=down.weight.dtype)
+        folded.weight = nn.Parameter(weight.to(down.weight.dtype), requires_grad=False)
+        if down.bias is not None:
+            bias = down.bias.to(torch.float64) @ transform.to(down.bias.device)
+            folded.bias = nn.Parameter(bias.to(down.bias.dtype), requires_grad=False)
+        return {"mlp.down_proj": folded}
+    name = next(n for n, m in block.named_children() if m is target)
+    return {name: nn.Sequential(target, ResidualLinear(transform).to(module_device(target)))}
