@@ -20,18 +20,16 @@ import logging
 import os
 import random
 import re
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
 
 from ghosted_core import assets
 from ghosted_core.errors import GhostedError
+from ghosted_core.hub import hub_reachable  # one Hub check for models, corpora and tasks
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +37,6 @@ SPLITS = ("calibration", "evaluation")
 EVALUATION_SHARE = 0.2  # stand-ins keep ~20% of their documents for evaluation, chosen by hash
 SPLIT_KEY_CHARS = 64  # documents that open alike land in the same split
 MIX_SEED = 0  # the document order of `mix` is fixed, so every run calibrates on the same text
-HUB_TIMEOUT_S = 3.0
 C4_EVALUATION_DOCS = 1100  # the paper's C4 perplexity reads the first 1100 validation documents
 C4_CALIBRATION_DOCS = 5_000  # ~11M characters, ~1200 windows of 2048 tokens (the paper draws 128)
 OFFLINE_HINT = "offline corpora: ptb, wiki, books, brown, mix"
@@ -160,29 +157,6 @@ def ptb_documents(split: str) -> list[str]:
 
     text = treebank.penn["train" if split == "calibration" else "valid"]
     return _nonblank(line.strip() for line in text.splitlines())
-
-
-@functools.lru_cache(maxsize=1)
-def hub_reachable() -> bool:
-    """Whether the Hugging Face Hub answers within a few seconds (models.py reuses this)."""
-    offline_vars = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    if any(os.environ.get(var, "").lower() in ("1", "true", "yes", "on") for var in offline_vars):
-        return False
-    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
-    result: list[bool] = []
-
-    def connect() -> None:
-        try:
-            with socket.create_connection((host, 443), timeout=HUB_TIMEOUT_S):
-                result.append(True)
-        except OSError:
-            pass
-
-    # A thread bounds the DNS lookup too, which `create_connection`'s timeout does not cover.
-    probe = threading.Thread(target=connect, daemon=True)
-    probe.start()
-    probe.join(HUB_TIMEOUT_S + 0.5)
-    return bool(result)
 
 
 def _hub_dataset(name: str, *args, **kwargs):
