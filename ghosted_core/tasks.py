@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -32,6 +31,7 @@ import numpy as np
 
 from ghosted_core import task_data
 from ghosted_core.errors import GhostedError
+from ghosted_core.hub import hub_reachable
 
 log = logging.getLogger(__name__)
 
@@ -166,22 +166,6 @@ def select_examples(n_total: int, limit: int | None, seed: int) -> list[int] | N
 
 
 # ---------------------------------------------------------------- environment
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub can be used: not when HF_HUB_OFFLINE or
-    HF_DATASETS_OFFLINE is set, else whether huggingface.co:443 accepts a TCP connection."""
-    if _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("HF_DATASETS_OFFLINE")):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout_s).close()
-    except OSError:
-        return False
-    return True
 
 
 def _use_hub(source: Source) -> bool:

@@ -89,6 +89,15 @@ def test_select_examples_is_seeded_and_nested() -> None:
     assert tasks.select_examples(100, None, seed=0) is None and tasks.select_examples(100, 100, seed=0) is None
 
 
+def test_data_source_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tasks, "hub_reachable", lambda: False)
+    assert tasks._use_hub("auto") is False and tasks._use_hub("offline") is False
+    with pytest.raises(GhostedError, match="not reachable"):
+        tasks._use_hub("hub")
+    with pytest.raises(GhostedError, match="source"):
+        tasks._use_hub("web")  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------- lm-eval computes the stock gold
 
 
