@@ -183,6 +183,7 @@ class BoundaryStats:
     boundary: Boundary
     fit_ordinary: Moments  # calibration tokens that are not sinks
     fit_sink: Moments  # calibration tokens flagged as massive activations
+    fit_sink_capped: Moments  # the same sink tokens, each scaled down to the sink threshold norm
     heldout_ordinary: Moments | None  # held-out sequences (None when none were held out)
     heldout_sink: Moments | None
     sink_rule: str  # how sinks were found, for reports
@@ -229,12 +230,18 @@ def sink_mask(x_pre: torch.Tensor, x_post: torch.Tensor, valid: torch.Tensor, op
     if options.sink_rule == "position":
         positions = torch.arange(valid.shape[1], device=valid.device)
         return (positions < options.sink_positions).expand_as(valid) & valid
-    flagged = torch.zeros_like(valid)
+    return (sink_cap(x_pre, x_post, valid, options) < 1) & valid
+
+
+def sink_cap(x_pre: torch.Tensor, x_post: torch.Tensor, valid: torch.Tensor, options: CalibrationOptions) -> torch.Tensor:
+    """(B, T) factor ≤ 1 that brings each token's norm (of X_pre and of X_post) down to the sink threshold,
+    sink_ratio × the batch median norm; 1 for tokens already below it."""
+    cap = torch.ones(valid.shape, dtype=torch.float32, device=valid.device)
     for x in (x_pre, x_post):
         norms = x.float().norm(dim=-1)  # (B, T)
-        median = norms[valid].median()
-        flagged |= norms > options.sink_ratio * median
-    return flagged & valid
+        threshold = options.sink_ratio * norms[valid].median()
+        cap = torch.minimum(cap, threshold / norms.clamp_min(1e-30))
+    return cap.clamp(max=1.0)
 
 
 @dataclass(frozen=True)
@@ -254,24 +261,24 @@ def make_batches(fit_ids: torch.Tensor, heldout_ids: torch.Tensor | None, batch_
     return batches
 
 
-class _BoundaryAccumulator:
-    """The four token groups (fit/held-out × ordinary/sink) of one boundary."""
+class BoundaryAccumulator:
+    """The token groups of one boundary: fit/held-out × ordinary/sink, plus capped sinks (fit only)."""
 
     def __init__(self, boundary: Boundary, options: CalibrationOptions):
         self.boundary = boundary
         self.options = options
-        self.groups: dict[tuple[bool, bool], _MomentSum] = {}
+        self.groups: dict[tuple[bool, str], _MomentSum] = {}
 
-    def _group(self, heldout: bool, sink: bool, like: torch.Tensor) -> _MomentSum:
-        key = (heldout, sink)
-        if key not in self.groups:
+    def _group(self, heldout: bool, kind: str, like: torch.Tensor) -> _MomentSum:
+        if (heldout, kind) not in self.groups:
             width = like.shape[-1]
             rotation = None
             if hadamard_factors(width) is not None:
                 rotation = torch.from_numpy(hadamard(width).copy()).to(like.device)
-            for group_key in {(heldout, False), (heldout, True)}:  # both groups of a split exist together
-                self.groups[group_key] = _MomentSum(width, like.device, rotation, self.boundary.start > 0)
-        return self.groups[key]
+            kinds = ("ordinary", "sink") if heldout else ("ordinary", "sink", "sink_capped")
+            for name in kinds:  # the groups of a split exist together, even when one stays empty
+                self.groups[(heldout, name)] = _MomentSum(width, like.device, rotation, self.boundary.start > 0)
+        return self.groups[(heldout, kind)]
 
     def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None,
             valid: torch.Tensor, heldout: bool) -> None:
@@ -279,20 +286,31 @@ class _BoundaryAccumulator:
         valid = valid.to(x_pre.device)
         branch = None if branch is None else branch.to(x_pre.device)
         sinks = sink_mask(x_pre, x_post, valid, self.options)
-        for is_sink, rows in ((False, valid & ~sinks), (True, sinks)):
-            group = self._group(heldout, is_sink, x_pre)
-            group.add(x_pre[rows], x_post[rows], None if branch is None else branch[rows])
+
+        def rows(mask: torch.Tensor, scale: torch.Tensor | None = None):
+            picked = [x_pre[mask], x_post[mask], None if branch is None else branch[mask]]
+            if scale is not None:  # scaling a token's x, x_post and m together reweights it in every fit
+                factor = scale[mask].unsqueeze(-1).to(x_pre.dtype)  # (k, 1)
+                picked = [None if t is None else t * factor for t in picked]
+            return picked
+
+        self._group(heldout, "ordinary", x_pre).add(*rows(valid & ~sinks))
+        self._group(heldout, "sink", x_pre).add(*rows(sinks))
+        if not heldout:
+            cap = sink_cap(x_pre, x_post, valid, self.options)
+            self._group(heldout, "sink_capped", x_pre).add(*rows(sinks, cap))
 
     def freeze(self) -> BoundaryStats:
-        if (False, False) not in self.groups:
+        if (False, "ordinary") not in self.groups:
             raise GhostedError("no calibration tokens reached the statistics; give more calibration text")
-        held = (True, False) in self.groups
+        held = (True, "ordinary") in self.groups
         return BoundaryStats(
             boundary=self.boundary,
-            fit_ordinary=self.groups[(False, False)].freeze(),
-            fit_sink=self.groups[(False, True)].freeze(),
-            heldout_ordinary=self.groups[(True, False)].freeze() if held else None,
-            heldout_sink=self.groups[(True, True)].freeze() if held else None,
+            fit_ordinary=self.groups[(False, "ordinary")].freeze(),
+            fit_sink=self.groups[(False, "sink")].freeze(),
+            fit_sink_capped=self.groups[(False, "sink_capped")].freeze(),
+            heldout_ordinary=self.groups[(True, "ordinary")].freeze() if held else None,
+            heldout_sink=self.groups[(True, "sink")].freeze() if held else None,
             sink_rule=self.options.sink_rule if self.options.sink_rule != "norm"
             else f"norm > {self.options.sink_ratio:g}x batch median",
         )
@@ -309,7 +327,7 @@ def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batche
     """Statistics for every boundary from one pass of the dense model (independent fit)."""
     if not boundaries:
         return []
-    accumulators = [_BoundaryAccumulator(b, options) for b in boundaries]
+    accumulators = [BoundaryAccumulator(b, options) for b in boundaries]
     residuals = {j for b in boundaries for j in (b.start, b.end)}
     branches = {b.start - 1 for b in boundaries if b.start > 0}
     for batch in tqdm(batches, desc="calibrate", disable=options.quiet, leave=False):
@@ -328,7 +346,7 @@ def collect_boundary_stats(source: PreTrainedModel, source_start: int, dense: Pr
                            options: CalibrationOptions = CalibrationOptions()) -> BoundaryStats:
     """Statistics of one boundary with X_pre (and m) from `source` at its layer `source_start`
     and the target X_post from the dense model (the sequential fit)."""
-    acc = _BoundaryAccumulator(boundary, options)
+    acc = BoundaryAccumulator(boundary, options)
     branches = {source_start - 1} if boundary.start > 0 else set()
     for batch in tqdm(batches, desc=f"calibrate {boundary} (sequential)", disable=options.quiet, leave=False):
         with capture(dense, {boundary.end}) as target:

@@ -102,8 +102,12 @@ def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
     if not plan.boundaries:
         return {}
     first = plan.boundaries[0].start
-    kept = list(plan.kept) + [plan.num_layers]  # variant layer i sits at dense index kept[i]; the last is the final norm
+    kept = list(plan.kept) + [plan.num_layers]  # pruned layer i sits at dense index kept[i]; the last is the final norm
     wanted = [(i, j) for i, j in enumerate(kept) if j >= first]
+
+    def layer_of(model: PreTrainedModel, j: int) -> int:
+        return j if len(model.model.layers) == plan.num_layers else kept.index(j)
+
     diff = {name: torch.zeros(len(wanted), 2, dtype=torch.float64) for name in variants}
     ref = torch.zeros(len(wanted), 2, dtype=torch.float64)
     with torch.no_grad():
@@ -119,10 +123,10 @@ def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
                 ref[k, 0] += float((h * h).sum())
                 ref[k, 1] += float((h[ordinary] ** 2).sum())
             for name, model in variants.items():
-                with capture(model, [i for i, _ in wanted]) as seen:
+                with capture(model, [layer_of(model, j) for _, j in wanted]) as seen:
                     run_forward(model, ids)
-                for k, (i, j) in enumerate(wanted):
-                    d = seen[("residual", i)].double().to(seen_dense[("residual", j)].device) - seen_dense[("residual", j)].double()
+                for k, (_, j) in enumerate(wanted):
+                    d = seen[("residual", layer_of(model, j))].double().to(seen_dense[("residual", j)].device) - seen_dense[("residual", j)].double()
                     diff[name][k, 0] += float((d * d).sum())
                     diff[name][k, 1] += float((d[masks[k]] ** 2).sum())
     ratios = {name: (d / ref.clamp_min(1e-30)).sqrt() for name, d in diff.items()}

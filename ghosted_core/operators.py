@@ -53,7 +53,8 @@ class Fit:
     update: torch.Tensor | None  # (C, C) float64 A; None = identity (plain pruning)
     diagonal: bool = False  # A is diagonal: realized as a per-channel scale
     tokens_used: int = 0
-    sinks_excluded: int = 0
+    sink_tokens: int = 0  # massive-activation tokens treated specially (see sink_handling)
+    sink_handling: str = "included"  # "included" (paper), "excluded" or "capped" (weight capped at the threshold norm)
     ridge: float = 0.0  # ε actually added to the Gram matrix
     condition_number: float = float("nan")  # of the Gram matrix the fit solved with
     notes: tuple[str, ...] = ()  # warnings and fallbacks, shown to the user
@@ -129,11 +130,13 @@ def solve_ridge(gram: torch.Tensor, cross: torch.Tensor, tokens: int, opts: FitO
     return update, eps, cond, notes
 
 
-def _least_squares_fit(name: str, stats: BoundaryStats, moments: Moments, opts: FitOptions, sinks_excluded: int) -> Fit:
+def _least_squares_fit(name: str, stats: BoundaryStats, moments: Moments, opts: FitOptions,
+                       sink_handling: str = "included") -> Fit:
     """The unconstrained optimum: (XᵀX + εI) M = XᵀΔ on the given tokens."""
     update, eps, cond, notes = solve_ridge(moments.xtx, moments.xtd, moments.tokens, opts)
-    return Fit(name, stats.boundary, "residual", update, tokens_used=moments.tokens, sinks_excluded=sinks_excluded,
-               ridge=eps, condition_number=cond, notes=notes)
+    sinks = stats.fit_sink.tokens if sink_handling != "included" else 0
+    return Fit(name, stats.boundary, "residual", update, tokens_used=moments.tokens, sink_tokens=sinks,
+               sink_handling=sink_handling, ridge=eps, condition_number=cond, notes=notes)
 
 
 def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
@@ -173,13 +176,20 @@ def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
 @register_operator("ghost", paper="Ghosted Layers",
                    description="least-squares optimum W = I + M, (XᵀX + εI) M = XᵀΔ over all calibration tokens")
 def fit_ghost(stats: BoundaryStats, opts: FitOptions) -> Fit:
-    return _least_squares_fit("ghost", stats, stats.fit, opts, sinks_excluded=0)
+    return _least_squares_fit("ghost", stats, stats.fit, opts)
 
 
-@register_operator("ghost_nosink", paper="Ghosted Layers, sink-aware (this project)",
-                   description="ghost fit without massive-activation (attention-sink) tokens, which otherwise dominate XᵀX")
+@register_operator("ghost_capped", paper="Ghosted Layers, sink-aware (this project)",
+                   description="ghost with each massive-activation (attention-sink) token scaled down to the sink "
+                               "threshold norm: sinks still constrain W but no longer dominate XᵀX")
+def fit_ghost_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _least_squares_fit("ghost_capped", stats, stats.fit_ordinary + stats.fit_sink_capped, opts, "capped")
+
+
+@register_operator("ghost_nosink", paper="Ghosted Layers, sink-free (this project)",
+                   description="ghost fit on ordinary tokens only: massive-activation tokens left out of the statistics")
 def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
-    return _least_squares_fit("ghost_nosink", stats, stats.fit_ordinary, opts, sinks_excluded=stats.fit_sink.tokens)
+    return _least_squares_fit("ghost_nosink", stats, stats.fit_ordinary, opts, "excluded")
 
 
 @register_operator("replaceme", paper="ReplaceMe-LS",
@@ -237,7 +247,8 @@ class FitReport:
     antisym_fraction: float
     condition_number: float | None
     tokens_used: int
-    sinks_excluded: int
+    sink_tokens: int
+    sink_handling: str
     ridge: float
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -259,7 +270,8 @@ def assess(fit: Fit, stats: BoundaryStats) -> FitReport:
         antisym_fraction=antisymmetric_fraction(fit.update),
         condition_number=fit.condition_number if math.isfinite(fit.condition_number) else None,
         tokens_used=fit.tokens_used,
-        sinks_excluded=fit.sinks_excluded,
+        sink_tokens=fit.sink_tokens,
+        sink_handling=fit.sink_handling,
         ridge=fit.ridge,
         notes=fit.notes,
     )

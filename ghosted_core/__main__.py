@@ -1,0 +1,7 @@
+"""`python -m ghosted_core`: the command line."""
+
+import sys
+
+from ghosted_core.cli import main
+
+sys.exit(main())

@@ -1,0 +1,155 @@
+"""Command line: `python -m ghosted_core` with the seed repository's flags.
+
+Parses, builds `RunOptions`, calls `pipeline.run`, writes OUTDIR/results.json and prints
+a summary table. Holds no method logic. Bad input: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from ghosted_core import data
+from ghosted_core.calibration import CalibrationOptions
+from ghosted_core.errors import GhostedError
+from ghosted_core.evaluation import GenerationOptions
+from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names
+from ghosted_core.operators import OPERATORS, FitOptions
+from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
+from ghosted_core.selection import COSINE_AXES, CRITERIA, parse_layers
+
+log = logging.getLogger("ghosted_core")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports bad input as one line on stderr with exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}\n")
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip() and item.strip().lower() != "none")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="python -m ghosted_core",
+                       description="Prune decoder blocks of a causal LM and recover them without training.")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"embedded model ({', '.join(embedded_names())}), local folder, or Hub id")
+    p.add_argument("--pruning_method", default="streamline", choices=list(CRITERIA), help="how blocks are chosen")
+    p.add_argument("--layers", default="", help="blocks to remove for --pruning_method manual, e.g. 20,21,25-27")
+    p.add_argument("--total_num_prune", type=int, default=7, help="number of blocks to remove")
+    p.add_argument("--cosine", default="hidden", choices=COSINE_AXES,
+                   help="hidden: per-token cosine (papers); token-axis: the reference repos' variant")
+    p.add_argument("--insert_type", default=",".join(DEFAULT_VARIANTS),
+                   help=f"recovery operator(s), comma list of {', '.join(OPERATORS)}; "
+                        f"append {SEQUENTIAL_SUFFIX} for the sequential fit (e.g. ghost{SEQUENTIAL_SUFFIX})")
+    p.add_argument("--calibration_data", default="mix", help="calibration corpus: " + ", ".join(data.corpus_names()))
+    p.add_argument("--train_size", type=int, default=64, help="calibration sequences (paper: 128)")
+    p.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (paper: 2048)")
+    p.add_argument("--heldout_size", type=int, default=None, help="held-out calibration sequences (default train_size/8)")
+    p.add_argument("--eval_ppl", default="ptb,wiki", help="comma list of perplexity corpora ('none' to skip)")
+    p.add_argument("--eval_seqlen", type=int, default=None, help="perplexity window length (default: --seqlen)")
+    p.add_argument("--eval_max_tokens", type=int, default=16384,
+                   help="perplexity token cap per corpus for quick runs; 0 = the whole split")
+    p.add_argument("--eval_tasks", default="", help="zero-shot tasks (comma list or 'paper')")
+    p.add_argument("--prompt", default=None, help="also generate a continuation of this prompt with every variant")
+    p.add_argument("--max_new_tokens", type=int, default=40)
+    p.add_argument("--sink_rule", default="norm", choices=["norm", "position", "none"],
+                   help="how massive-activation tokens are found (for ghost_nosink and the ordinary-token errors)")
+    p.add_argument("--sink_ratio", type=float, default=CalibrationOptions.sink_ratio,
+                   help="a token is a sink when its norm exceeds this multiple of the batch median")
+    p.add_argument("--ridge", default="absolute", choices=["absolute", "relative"],
+                   help="absolute: the paper's ε; relative: ε = λ·tr(XᵀX)/C")
+    p.add_argument("--epsilon", type=float, default=FitOptions.epsilon, help="absolute ridge ε")
+    p.add_argument("--ridge_lambda", type=float, default=FitOptions.ridge_lambda, help="relative ridge λ")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per calibration forward pass")
+    p.add_argument("--outdir", default="out", help="folder for results.json")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, or map (accelerate offload)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    """Widget-free translation of the flags into the library's options."""
+    if args.eval_tasks:
+        raise GhostedError("--eval_tasks is not available yet: zero-shot task evaluation lands with the task-evaluation issue")
+    return RunOptions(
+        model=args.model,
+        load=LoadOptions(device=args.device, dtype=args.dtype),
+        criterion=args.pruning_method,
+        num_prune=args.total_num_prune,
+        layers=parse_layers(args.layers),
+        cosine=args.cosine,
+        variants=parse_variants(args.insert_type),
+        calibration=args.calibration_data,
+        train_size=args.train_size,
+        seqlen=args.seqlen,
+        heldout_size=args.heldout_size,
+        seed=args.seed,
+        eval_corpora=_comma_list(args.eval_ppl),
+        eval_seqlen=args.eval_seqlen,
+        eval_max_tokens=args.eval_max_tokens or None,
+        prompt=args.prompt,
+        generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
+        fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda),
+        calibrate=CalibrationOptions(sink_rule=args.sink_rule, sink_ratio=args.sink_ratio, batch_size=args.batch_size,
+                                     quiet=args.quiet),
+        quiet=args.quiet,
+    )
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}" if abs(value) < 1e4 else f"{value:.3g}"
+
+
+def summary(result: RunResult) -> str:
+    """A plain-text table of perplexity and boundary error per variant, with corpus labels."""
+    report = result.to_json()
+    lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {report['criterion']} | "
+             f"removed: {report['removed_layers']} | boundaries: {report['boundaries']}"]
+    if report["calibration"]["label"]:
+        cal = report["calibration"]
+        lines.append(f"calibration: {cal['label']}, {cal['sequences']} x {cal['seqlen']} tokens (seed {cal['seed']})")
+    corpora = list(result.perplexity)
+    for name in corpora:
+        info = report["corpora"][name]
+        lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens")
+    header = ["variant", *(f"ppl {c}" for c in corpora), "boundary err (held-out, all / ordinary)", "antisym"]
+    rows = []
+    for name, entry in report["variants"].items():
+        errors = entry.get("boundary_error", [])
+        err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])} / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
+        anti = ", ".join(_fmt(a, 2) for a in entry.get("antisym_fraction", [])) or "-"
+        rows.append([name, *(_fmt(entry["ppl"].get(c), 2) for c in corpora), err, anti])
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)))
+    lines += [f"note: {note}" for note in report["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "accelerate", "datasets", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    try:
+        options = options_from_args(args)
+        result = run(options)
+    except GhostedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    outdir = Path(args.outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / "results.json").write_text(json.dumps(result.to_json(), indent=2))
+    print(summary(result))
+    print(f"results: {outdir / 'results.json'}")
+    return 0

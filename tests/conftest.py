@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny random models built from configs in memory, and the real SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub, and say so quickly
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_LAYERS = 6
+TINY_WIDTH = 36  # a Paley Hadamard order, so rotate works too
+TINY_VOCAB = 97
+
+
+def _tiny_config(family: str):
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=TINY_WIDTH, intermediate_size=72, num_hidden_layers=TINY_LAYERS,
+                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+    if family == "llama":
+        return LlamaForCausalLM, LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2ForCausalLM, Qwen2Config(**common)
+    if family == "gemma3":
+        return Gemma3ForCausalLM, Gemma3TextConfig(
+            **common, head_dim=6, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * (TINY_LAYERS // 3))
+    raise ValueError(family)
+
+
+def make_tiny_model(family: str, seed: int = 0):
+    """A random decoder-only LM with 6 blocks of width 36 (seeded, eval mode, fp32).
+
+    Random init leaves the residual stream small; scaling the embeddings up makes the blocks'
+    contributions comparable to it, as in a trained model.
+    """
+    torch.manual_seed(seed)
+    cls, config = _tiny_config(family)
+    model = cls(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20)
+    model.requires_grad_(False)
+    return model
+
+
+FAMILIES = ["llama", "qwen2", "gemma3"]
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_model(request):
+    return make_tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma():
+    return make_tiny_model("gemma3")
+
+
+def random_tokens(n: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY_VOCAB, (n, length), generator=generator)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded SmolLM2-135M (converted from GGUF once, then cached)."""
+    from ghosted_core.models import load_model
+
+    return load_model("smollm2-135m")

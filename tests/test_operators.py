@@ -1,0 +1,231 @@
+"""Operators: exact linear algebra against numpy, the optimality of ghost, symmetry, fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_tokens
+from ghosted_core.calibration import BoundaryAccumulator, CalibrationOptions, capture, collect_stats, make_batches, \
+    run_forward
+from ghosted_core.errors import GhostedError
+from ghosted_core.operators import OPERATORS, Fit, FitOptions, ResidualLinear, antisymmetric_fraction, assess, \
+    get_operator, register_operator
+from ghosted_core.pipeline import VariantSpec, build_recovered
+from ghosted_core.plan import Boundary, PruningPlan
+
+WIDTH = 12  # a Paley Hadamard order
+
+
+def synthetic_stats(tokens: int = 400, width: int = WIDTH, seed: int = 0, sinks: int = 0, heldout: bool = True,
+                    options: CalibrationOptions = CalibrationOptions()):
+    """Statistics of random full-rank activations with a non-symmetric true map, plus the raw arrays."""
+    rng = np.random.default_rng(seed)
+    x_pre = rng.normal(size=(tokens, width))
+    true_map = np.eye(width) + 0.3 * rng.normal(size=(width, width))
+    x_post = x_pre @ true_map + 0.2 * rng.normal(size=(tokens, width))
+    x_pre[:sinks] *= 100.0  # massive activations
+    x_post[:sinks] *= 100.0
+    branch = rng.normal(size=(tokens, width))
+    acc = BoundaryAccumulator(Boundary(2, 4), options)
+    as_t = lambda a: torch.from_numpy(a).unsqueeze(0)  # noqa: E731  (1, T, C)
+    valid = torch.ones(1, tokens, dtype=torch.bool)
+    acc.add(as_t(x_pre), as_t(x_post), as_t(branch), valid, heldout=False)
+    if heldout:
+        held_pre = rng.normal(size=(tokens // 4, width))
+        acc.add(as_t(held_pre), as_t(held_pre @ true_map), as_t(rng.normal(size=held_pre.shape)),
+                torch.ones(1, tokens // 4, dtype=torch.bool), heldout=True)
+    return acc.freeze(), x_pre, x_post, branch
+
+
+def test_ghost_equals_numpy_lstsq():
+    stats, x_pre, x_post, _ = synthetic_stats()
+    fit = get_operator("ghost").fit(stats, FitOptions())
+    expected, *_ = np.linalg.lstsq(x_pre, x_post - x_pre, rcond=None)
+    got = fit.update.numpy()
+    assert np.linalg.norm(got - expected) / np.linalg.norm(expected) < 1e-8
+
+
+def test_replaceme_equals_numpy_lstsq_on_branch():
+    stats, x_pre, x_post, branch = synthetic_stats()
+    fit = get_operator("replaceme").fit(stats, FitOptions())
+    transform, *_ = np.linalg.lstsq(branch, x_post - x_pre + branch, rcond=None)  # m T ≈ Δ + m
+    got = np.eye(WIDTH) + fit.update.numpy()
+    assert np.linalg.norm(got - transform) / np.linalg.norm(transform) < 1e-8
+
+
+def test_diag_and_rotate_match_their_formulas():
+    stats, x_pre, x_post, _ = synthetic_stats()
+    diag = get_operator("diag").fit(stats, FitOptions())
+    expected = np.abs(x_post).mean(0) / np.abs(x_pre).mean(0)
+    np.testing.assert_allclose(np.diag(diag.update.numpy()) + 1, expected, rtol=1e-12)
+    from ghosted_core.hadamard import hadamard
+
+    h = hadamard(WIDTH)
+    rotate = get_operator("rotate").fit(stats, FitOptions())
+    scale = np.abs(x_post @ h).mean(0) / np.abs(x_pre @ h).mean(0)
+    np.testing.assert_allclose(np.eye(WIDTH) + rotate.update.numpy(), h @ np.diag(scale) @ h.T, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["diag", "rotate"])
+def test_linearpatch_operators_are_symmetric(name):
+    stats, *_ = synthetic_stats()
+    fit = get_operator(name).fit(stats, FitOptions())
+    weight = torch.eye(WIDTH, dtype=torch.float64) + fit.update
+    assert torch.allclose(weight, weight.T, atol=1e-12)
+    assert antisymmetric_fraction(fit.update) < 1e-12
+
+
+def test_ghost_has_an_antisymmetric_part():
+    stats, *_ = synthetic_stats()
+    assert antisymmetric_fraction(get_operator("ghost").fit(stats, FitOptions()).update) > 0.3
+
+
+@pytest.mark.parametrize("name", list(OPERATORS))
+def test_ghost_is_optimal_on_calibration_tokens(name):
+    stats, *_ = synthetic_stats(sinks=3)
+    ghost = assess(get_operator("ghost").fit(stats, FitOptions()), stats)
+    other = assess(get_operator(name).fit(stats, FitOptions()), stats)
+    assert ghost.fit_error <= other.fit_error + 1e-9
+
+
+@pytest.mark.parametrize("name", list(OPERATORS))
+def test_every_operator_gives_finite_reports(name):
+    stats, *_ = synthetic_stats(sinks=3)
+    fit = get_operator(name).fit(stats, FitOptions())
+    report = assess(fit, stats)
+    assert fit.update is None or torch.isfinite(fit.update).all()
+    for value in (report.fit_error, report.fit_error_ordinary, report.heldout_error, report.heldout_error_ordinary):
+        assert value is not None and np.isfinite(value) and value >= 0
+    assert report.to_json()["operator"] == name
+
+
+def test_none_has_unit_error():
+    stats, *_ = synthetic_stats()
+    report = assess(get_operator("none").fit(stats, FitOptions()), stats)
+    assert report.fit_error == pytest.approx(1.0) and report.heldout_error == pytest.approx(1.0)
+
+
+def test_error_formula_matches_direct_computation():
+    stats, x_pre, x_post, _ = synthetic_stats(sinks=2)
+    for name in ("diag", "rotate", "ghost", "ghost_capped"):
+        fit = get_operator(name).fit(stats, FitOptions())
+        weight = np.eye(WIDTH) + fit.update.numpy()
+        direct = np.linalg.norm(x_pre @ weight - x_post) / np.linalg.norm(x_post - x_pre)
+        assert assess(fit, stats).fit_error == pytest.approx(direct, rel=1e-9)
+
+
+def test_sink_handling():
+    stats, x_pre, x_post, _ = synthetic_stats(sinks=3)
+    assert stats.fit_sink.tokens == 3 and stats.fit_ordinary.tokens == 397
+    nosink = get_operator("ghost_nosink").fit(stats, FitOptions())
+    expected, *_ = np.linalg.lstsq(x_pre[3:], (x_post - x_pre)[3:], rcond=None)
+    assert np.linalg.norm(nosink.update.numpy() - expected) / np.linalg.norm(expected) < 1e-8
+    assert (nosink.sink_tokens, nosink.sink_handling) == (3, "excluded")
+    capped = get_operator("ghost_capped").fit(stats, FitOptions())
+    assert (capped.sink_tokens, capped.sink_handling, capped.tokens_used) == (3, "capped", 400)
+    # capping = weighted least squares with each sink scaled to the threshold norm
+    norms = np.linalg.norm(x_pre, axis=1)
+    post_norms = np.linalg.norm(x_post, axis=1)
+    lower_median = lambda v: np.sort(v)[(len(v) - 1) // 2]  # noqa: E731  (torch.median's convention)
+    threshold = 10.0 * lower_median(norms)
+    post_threshold = 10.0 * lower_median(post_norms)
+    scale = np.minimum(1.0, np.minimum(threshold / norms, post_threshold / post_norms))[:, None]
+    weighted, *_ = np.linalg.lstsq(x_pre * scale, (x_post - x_pre) * scale, rcond=None)
+    assert np.linalg.norm(capped.update.numpy() - weighted) / np.linalg.norm(weighted) < 1e-6
+
+
+def test_rank_deficient_fit_warns_and_falls_back(caplog):
+    stats, *_ = synthetic_stats(tokens=8, heldout=False)  # 8 tokens < 12 channels
+    with caplog.at_level(logging.WARNING):
+        fit = get_operator("ghost").fit(stats, FitOptions())
+    assert torch.isfinite(fit.update).all()
+    assert fit.ridge > FitOptions().epsilon
+    assert fit.notes and "rank-deficient" in fit.notes[0]
+    assert any("rank-deficient" in r.message for r in caplog.records)
+
+
+def test_relative_ridge_option():
+    stats, *_ = synthetic_stats()
+    fit = get_operator("ghost").fit(stats, FitOptions(ridge="relative", ridge_lambda=1e-3))
+    expected = 1e-3 * float(torch.trace(stats.fit.xtx)) / WIDTH
+    assert fit.ridge == pytest.approx(expected) and not fit.notes
+
+
+def test_registry_checks_signatures_and_names():
+    with pytest.raises(TypeError):
+        @register_operator("broken", paper="-", description="-")
+        def broken(stats, options):  # wrong names, no annotations
+            return None
+    assert "broken" not in OPERATORS
+    with pytest.raises(GhostedError, match="known operators: none, diag"):
+        get_operator("nope")
+
+
+def test_replaceme_refuses_block_zero_visibly():
+    acc = BoundaryAccumulator(Boundary(0, 2), CalibrationOptions())
+    x = torch.randn(1, 50, WIDTH, dtype=torch.float64)
+    acc.add(x, 2 * x, None, torch.ones(1, 50, dtype=torch.bool), heldout=False)
+    fit = get_operator("replaceme").fit(acc.freeze(), FitOptions())
+    assert fit.update is None and "block 0" in fit.notes[0]
+
+
+# ---------------------------------------------------------------- on a real (tiny) model
+
+
+def _boundary_input(model, layer_index: int, ids: torch.Tensor) -> torch.Tensor:
+    with capture(model, [layer_index]) as seen:
+        run_forward(model, ids)
+    return seen[("residual", layer_index)].double()
+
+
+@pytest.mark.parametrize("name", list(OPERATORS))
+def test_assessed_error_equals_the_recovered_models_error(tiny_model, name):
+    """The error computed from streamed moments equals the error of the built variant's own activations."""
+    plan = PruningPlan(6, (2, 3), "manual")
+    ids = random_tokens(4, 16)
+    stats = collect_stats(tiny_model, plan.boundaries, make_batches(ids, None, 2), CalibrationOptions(quiet=True))[0]
+    fit = get_operator(name).fit(stats, FitOptions())
+    variant = build_recovered(tiny_model, plan, VariantSpec(name, name), [fit])
+    h_start = _boundary_input(tiny_model, 2, ids)
+    h_end = _boundary_input(tiny_model, 4, ids)
+    recovered = _boundary_input(variant, 2, ids)  # variant layer 2 is dense block 4
+    direct = float((recovered - h_end).norm() / (h_end - h_start).norm())
+    assert assess(fit, stats).fit_error == pytest.approx(direct, rel=1e-4)
+
+
+def test_replaceme_fold_equals_unfolded_computation(tiny_llama):
+    plan = PruningPlan(6, (3, 4), "manual")
+    ids = random_tokens(4, 16)
+    stats = collect_stats(tiny_llama, plan.boundaries, make_batches(ids, None, 4), CalibrationOptions(quiet=True))[0]
+    fit = get_operator("replaceme").fit(stats, FitOptions())
+    folded = build_recovered(tiny_llama, plan, VariantSpec("replaceme", "replaceme"), [fit])
+    assert isinstance(folded.model.layers[2].mlp.down_proj, torch.nn.Linear)  # folded: no extra module
+    block = tiny_llama.model.layers[2]
+    transform = torch.eye(fit.update.shape[0], dtype=torch.float64) + fit.update
+    from ghosted_core.surgery import build_variant
+
+    unfolded = build_variant(tiny_llama, plan.removed,
+                             replacements={2: {"mlp": torch.nn.Sequential(block.mlp, ResidualLinear(transform))}})
+    with torch.no_grad():
+        torch.testing.assert_close(folded(ids).logits, unfolded(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_replaceme_on_gemma_applies_after_the_post_norm(tiny_gemma):
+    plan = PruningPlan(6, (3,), "manual")
+    ids = random_tokens(4, 16)
+    stats = collect_stats(tiny_gemma, plan.boundaries, make_batches(ids, None, 4), CalibrationOptions(quiet=True))[0]
+    fit = get_operator("replaceme").fit(stats, FitOptions())
+    variant = build_recovered(tiny_gemma, plan, VariantSpec("replaceme", "replaceme"), [fit])
+    replaced = variant.model.layers[2].post_feedforward_layernorm
+    assert isinstance(replaced, torch.nn.Sequential)
+    assert replaced[0] is tiny_gemma.model.layers[2].post_feedforward_layernorm
+
+
+def test_fit_is_a_frozen_record():
+    fit = Fit("none", Boundary(1, 2), "residual", None)
+    with pytest.raises(Exception):
+        fit.operator = "ghost"
