@@ -12,6 +12,9 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub, and say so quickly
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+ALL_THREADS = torch.get_num_threads()
+torch.set_num_threads(1)  # tiny models: thread start-up costs more than the maths (and spins under load)
+
 TINY_LAYERS = 6
 TINY_WIDTH = 36  # a Paley Hadamard order, so rotate works too
 TINY_VOCAB = 97
@@ -67,6 +70,14 @@ def tiny_gemma():
 def random_tokens(n: int, length: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, TINY_VOCAB, (n, length), generator=generator)
+
+
+@pytest.fixture
+def all_threads():
+    """Real models: use every core for the duration of the test."""
+    torch.set_num_threads(ALL_THREADS)
+    yield
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
