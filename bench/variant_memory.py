@@ -1,0 +1,102 @@
+"""Resident memory of recovered variants: they share the dense weights, so building them costs
+little beyond their operator matrices.
+
+    .venv/bin/python bench/variant_memory.py [--model smollm2-135m]
+
+Prints the process RSS after loading the dense model and after building every variant, the
+bytes of operator tensors (boundary matrices and ReplaceMe's folded projection), and the
+growth beyond those as a share of the dense model's resident size. Also builds the naive
+alternative (a deepcopy per variant, as the official code does) for the same plan, for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from ghosted_core import data  # noqa: E402
+from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches  # noqa: E402
+from ghosted_core.models import load_model  # noqa: E402
+from ghosted_core.operators import FitOptions, get_operator  # noqa: E402
+from ghosted_core.pipeline import DEFAULT_VARIANTS, build_recovered, parse_variants  # noqa: E402
+from ghosted_core.plan import PruningPlan  # noqa: E402
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, from /proc."""
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--removed", default="20,21,22,23,24,25,26", help="blocks to remove")
+    parser.add_argument("--out", default="bench/results/variant_memory.json")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model)
+    dense = loaded.model
+    gc.collect()
+    base = rss_bytes()
+    plan = PruningPlan(loaded.num_layers, tuple(int(i) for i in args.removed.split(",")), "manual")
+    fit_ids, _ = data.calibration_windows(loaded.tokenizer, "ptb", 8, 128, 0)
+    stats = collect_stats(dense, plan.boundaries, make_batches(fit_ids, None, 8), CalibrationOptions(quiet=True))
+    del fit_ids
+    gc.collect()
+    after_stats = rss_bytes()
+
+    variants, operator_bytes = {}, 0
+    dense_ptrs = {t.data_ptr() for t in dense.state_dict().values()}
+    for spec in parse_variants(DEFAULT_VARIANTS):
+        fits = [get_operator(spec.operator).fit(s, FitOptions()) for s in stats]
+        variants[spec.name] = build_recovered(dense, plan, spec, fits)
+        new = {t.data_ptr(): t for t in variants[spec.name].state_dict().values() if t.data_ptr() not in dense_ptrs}
+        operator_bytes += sum(t.numel() * t.element_size() for t in new.values())
+        del fits
+    gc.collect()
+    after_variants = rss_bytes()
+    dense_bytes = sum(t.numel() * t.element_size() for t in dense.state_dict().values())
+    growth = after_variants - after_stats - operator_bytes
+
+    copies = [copy.deepcopy(dense) for _ in range(2)]  # what a deepcopy-per-variant design costs, for two variants
+    gc.collect()
+    deepcopy_growth = (rss_bytes() - after_variants) / len(copies)
+    del copies
+
+    result = {
+        "model": args.model,
+        "removed": list(plan.removed),
+        "variants": list(variants),
+        "dense_weight_bytes": dense_bytes,
+        "rss_after_load": base,
+        "rss_growth_building_variants": after_variants - after_stats,
+        "operator_bytes": operator_bytes,
+        "growth_beyond_operators": growth,
+        "growth_beyond_operators_percent_of_dense": 100.0 * growth / dense_bytes,
+        "deepcopy_rss_per_variant": deepcopy_growth,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    mib = 2**20
+    print(f"model {args.model}: dense weights {dense_bytes / mib:.1f} MiB, RSS after load {base / mib:.1f} MiB")
+    print(f"building {len(variants)} variants ({', '.join(variants)}): RSS +{(after_variants - after_stats) / mib:.1f} MiB, "
+          f"of which operator tensors {operator_bytes / mib:.1f} MiB")
+    print(f"growth beyond the operators: {growth / mib:+.1f} MiB = {result['growth_beyond_operators_percent_of_dense']:+.2f}% "
+          f"of the dense weights")
+    print(f"for scale, one deepcopy of the dense model: +{deepcopy_growth / mib:.1f} MiB RSS")
+    print(f"written {args.out}")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
