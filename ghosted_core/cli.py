@@ -20,6 +20,7 @@ from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names
 from ghosted_core.operators import OPERATORS, FitOptions
 from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
 from ghosted_core.selection import COSINE_AXES, CRITERIA, parse_layers
+from ghosted_core.tasks import parse_tasks
 
 log = logging.getLogger("ghosted_core")
 
@@ -56,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_seqlen", type=int, default=None, help="perplexity window length (default: --seqlen)")
     p.add_argument("--eval_max_tokens", type=int, default=16384,
                    help="perplexity token cap per corpus for quick runs; 0 = the whole split")
-    p.add_argument("--eval_tasks", default="", help="zero-shot tasks (comma list or 'paper')")
+    p.add_argument("--eval_tasks", default="", help="zero-shot tasks through lm-eval: comma list, 'paper' or 'all'")
+    p.add_argument("--task_limit", type=int, default=None, help="examples per task (seeded, same for every variant)")
+    p.add_argument("--task_batch_size", type=int, default=8)
     p.add_argument("--prompt", default=None, help="also generate a continuation of this prompt with every variant")
     p.add_argument("--max_new_tokens", type=int, default=40)
     p.add_argument("--sink_rule", default="norm", choices=["norm", "position", "none"],
@@ -78,8 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     """Widget-free translation of the flags into the library's options."""
-    if args.eval_tasks:
-        raise GhostedError("--eval_tasks is not available yet: zero-shot task evaluation lands with the task-evaluation issue")
     return RunOptions(
         model=args.model,
         load=LoadOptions(device=args.device, dtype=args.dtype),
@@ -96,6 +97,9 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         eval_corpora=_comma_list(args.eval_ppl),
         eval_seqlen=args.eval_seqlen,
         eval_max_tokens=args.eval_max_tokens or None,
+        tasks=tuple(parse_tasks(args.eval_tasks)) if args.eval_tasks else (),
+        task_limit=args.task_limit,
+        task_batch_size=args.task_batch_size,
         prompt=args.prompt,
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
         fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda),
@@ -128,11 +132,28 @@ def summary(result: RunResult) -> str:
         err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])} / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
         anti = ", ".join(_fmt(a, 2) for a in entry.get("antisym_fraction", [])) or "-"
         rows.append([name, *(_fmt(entry["ppl"].get(c), 2) for c in corpora), err, anti])
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)))
+    lines += _table(header, rows)
+    if result.tasks:
+        lines += _task_table(result)
     lines += [f"note: {note}" for note in report["notes"]]
     return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
+
+
+def _task_table(result: RunResult) -> list[str]:
+    """Zero-shot accuracy per variant and task, with where the data came from."""
+    first = next(iter(result.tasks.values()))
+    names = [s.task for s in first.scores]
+    lines = [f"zero-shot acc (lm-eval; {first.source} data, {first.limit or 'all'} examples per task, seed {first.seed}):"]
+    rows = [[variant, *(f"{r.score(t).acc:.3f}" for t in names), _fmt(r.mean_acc)] for variant, r in result.tasks.items()]
+    lines += _table(["variant", *names, "mean"], rows)
+    lines.append(f"  chance level (mean over tasks): {_fmt(first.mean_chance)}")
+    lines += [f"  {u.task}: unavailable ({u.reason})" for u in first.unavailable]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from ghosted_core.operators import Fit, FitOptions, FitReport, assess, branch_re
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
 from ghosted_core.surgery import build_variant, patch_site
+from ghosted_core.tasks import TaskResults, evaluate_tasks, parse_tasks
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class RunOptions:
     eval_max_tokens: int | None = 16384  # perplexity token cap per corpus (None: the whole split)
     eval_batch_size: int = 4
     drift_windows: int = 2  # windows of the first evaluation corpus used for per-block drift
+    tasks: tuple[str, ...] = ()  # zero-shot tasks through lm-eval (see tasks.parse_tasks); empty: none
+    task_limit: int | None = None  # examples per task (a seeded subset, the same for every variant); None: all
+    task_batch_size: int = 8
     prompt: str | None = None  # generation prompt (None: no generation)
     generation: GenerationOptions = GenerationOptions()
     fit: FitOptions = FitOptions()
@@ -103,6 +107,7 @@ class RunResult:
     corpora: dict[str, dict] = field(default_factory=dict)  # corpus → {label, real}
     drift: dict[str, BlockDrift] = field(default_factory=dict)
     generations: dict[str, str] = field(default_factory=dict)
+    tasks: dict[str, TaskResults] = field(default_factory=dict)  # variant → zero-shot task scores
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     models: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)  # dense + variants (not serialized)
@@ -128,6 +133,8 @@ class RunResult:
                 entry["drift"] = self.drift[name].to_json()
             if name in self.generations:
                 entry["generation"] = self.generations[name]
+            if name in self.tasks:
+                entry["tasks"] = self.tasks[name].to_json()
             variants[name] = entry
         plan = self.plan.to_json() if self.plan else {}
         return {
@@ -160,6 +167,10 @@ def validate(options: RunOptions, num_layers: int | None = None) -> None:
     for name in (options.calibration, *options.eval_corpora):
         if name not in data.corpus_names():
             raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}")
+    if options.tasks:
+        parse_tasks(",".join(options.tasks))  # unknown task names fail before any work
+        if options.task_limit is not None and options.task_limit < 1:
+            raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
     if options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
     if num_layers is not None:
@@ -283,6 +294,11 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     if options.prompt:
         result.generations = generate(result.models, tokenizer, options.prompt, options.generation)
         yield done("generate")
+
+    for name, model in result.models.items() if options.tasks else ():
+        result.tasks[name] = evaluate_tasks(model, tokenizer, options.tasks, options.task_limit, options.seed,
+                                            options.task_batch_size, progress=not options.quiet)
+        yield done("tasks")
 
 
 def _corpus_entry(name: str, split: str) -> dict:

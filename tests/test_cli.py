@@ -57,3 +57,25 @@ def test_bad_input_gives_one_line_and_exit_code_2(args, message):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], done.stderr
     assert lines[0].startswith("error: ")
+
+
+def test_unknown_task_is_one_line_and_exit_code_2():
+    done = run_cli("--eval_tasks", "arc_easy,hellaswagg", "--quiet", "--eval_ppl", "none")
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "unknown task(s): hellaswagg" in lines[0]
+
+
+def test_tasks_stage_runs_lm_eval_for_every_variant(tiny_model_folder, tmp_path):
+    code = main(["--model", str(tiny_model_folder), "--pruning_method", "manual", "--layers", "3,4",
+                 "--insert_type", "none,ghost", "--calibration_data", "ptb", "--train_size", "4", "--seqlen", "32",
+                 "--eval_ppl", "none", "--eval_tasks", "copa,race", "--task_limit", "6", "--outdir", str(tmp_path),
+                 "--quiet"])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    for name in ("dense", "none", "ghost"):
+        tasks = results["variants"][name]["tasks"]
+        copa = tasks["scores"][0]
+        assert copa["task"] == "copa" and copa["n"] == 6 and 0 <= copa["acc"] <= 1
+        assert tasks["unavailable"][0]["task"] == "race"
+        assert copa["example_ids"] == results["variants"]["dense"]["tasks"]["scores"][0]["example_ids"]
