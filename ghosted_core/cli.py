@@ -16,6 +16,7 @@ from ghosted_core import data
 from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
+from ghosted_core.export import save_recovered
 from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names
 from ghosted_core.operators import OPERATORS, FitOptions
 from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ridge_lambda", type=float, default=FitOptions.ridge_lambda, help="relative ridge λ")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per calibration forward pass")
     p.add_argument("--outdir", default="out", help="folder for results.json")
+    p.add_argument("--save_model", default=None, metavar="DIR",
+                   help="save each recovered variant to DIR/<variant> (load with ghosted_core.export.load_recovered)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, or map (accelerate offload)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
@@ -176,5 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     (outdir / "results.json").write_text(json.dumps(result.to_json(), indent=2))
     print(summary(result))
+    if args.save_model:
+        for name, model in result.models.items():
+            if name != "dense":
+                print(f"saved {name}: {save_recovered(model, result.tokenizer, Path(args.save_model) / name)}")
     print(f"results: {outdir / 'results.json'}")
     return 0

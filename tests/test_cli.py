@@ -21,8 +21,11 @@ def test_whole_run_writes_results(tiny_model_folder, tmp_path, capsys):
     code = main(["--model", str(tiny_model_folder), "--pruning_method", "streamline", "--total_num_prune", "2",
                  "--insert_type", "none,diag,rotate,ghost,ghost_capped,replaceme,ghost+seq", "--calibration_data", "ptb",
                  "--train_size", "4", "--seqlen", "32", "--eval_ppl", "ptb,wiki", "--eval_max_tokens", "128",
-                 "--outdir", str(tmp_path), "--prompt", "The market", "--max_new_tokens", "4", "--quiet"])
+                 "--outdir", str(tmp_path), "--prompt", "The market", "--max_new_tokens", "4", "--quiet",
+                 "--save_model", str(tmp_path / "saved")])
     assert code == 0
+    assert (tmp_path / "saved" / "ghost+seq" / "model.safetensors").exists()
+    assert not (tmp_path / "saved" / "dense").exists()
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["num_layers"] == 6 and len(results["removed_layers"]) == 2
     assert results["boundaries"] == [[results["removed_layers"][0], results["removed_layers"][0] + 2]]

@@ -1,0 +1,48 @@
+"""Save → load round trip of recovered variants reproduces their logits exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import random_tokens
+from ghosted_core.errors import GhostedError
+from ghosted_core.export import load_recovered, save_recovered
+from ghosted_core.plan import PruningPlan
+from test_surgery import recovered_variants
+
+
+@pytest.mark.parametrize("removed", [(1, 2), (0, 3, 5)])
+def test_round_trip_reproduces_logits(tiny_model, tmp_path, removed):
+    plan, variants = recovered_variants(tiny_model, removed)
+    ids = random_tokens(2, 12, seed=9)
+    for name in ("none", "diag", "ghost", "replaceme"):
+        variant = variants[name]
+        folder = save_recovered(variant, None, tmp_path / name)
+        loaded, _tokenizer = load_recovered(folder)
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, variant(ids).logits), name
+        config = json.loads((folder / "config.json").read_text())
+        assert config["num_hidden_layers"] == 6 - len(plan.removed)
+        assert config["ghosted"]["removed_layers"] == list(plan.removed)
+        saved_blocks = {k.split(".")[2] for k in _keys(folder) if k.startswith("model.layers.")}
+        assert len(saved_blocks) == 6 - len(plan.removed)  # only the surviving blocks
+
+
+def _keys(folder):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
+def test_dense_model_cannot_be_saved_as_a_variant(tiny_llama, tmp_path):
+    with pytest.raises(GhostedError, match="only pruned variants"):
+        save_recovered(tiny_llama, None, tmp_path / "dense")
+
+
+def test_loading_a_plain_folder_is_refused(tmp_path):
+    with pytest.raises(GhostedError, match="not a saved recovered model"):
+        load_recovered(tmp_path)
