@@ -11,10 +11,8 @@ Fits are pure tensor maths; `realize` turns a fit into the `nn.Module`s a varian
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +23,7 @@ from ghosted_core.calibration import BoundaryStats, Moments, branch_module
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard
 from ghosted_core.plan import Boundary
+from ghosted_core.registry import add, check_signature, lookup
 
 log = logging.getLogger(__name__)
 
@@ -75,23 +74,15 @@ def register_operator(name: str, *, paper: str, description: str):
     """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import."""
 
     def decorator(fn):
-        hints = typing.get_type_hints(fn)
-        params = list(inspect.signature(fn).parameters)
-        if params != ["stats", "opts"] or hints.get("stats") is not BoundaryStats or hints.get("opts") is not FitOptions \
-                or hints.get("return") is not Fit:
-            raise TypeError(f"operator {name}: signature must be (stats: BoundaryStats, opts: FitOptions) -> Fit")
-        if name in OPERATORS:
-            raise ValueError(f"operator {name} registered twice")
-        OPERATORS[name] = OperatorSpec(name, fn, paper, description)
+        check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
+        add(OPERATORS, name, OperatorSpec(name, fn, paper, description), "operator")
         return fn
 
     return decorator
 
 
 def get_operator(name: str) -> OperatorSpec:
-    if name not in OPERATORS:
-        raise GhostedError(f"unknown operator {name!r}; known operators: {', '.join(OPERATORS)}")
-    return OPERATORS[name]
+    return lookup(OPERATORS, name, "operator")
 
 
 # ---------------------------------------------------------------- shared maths

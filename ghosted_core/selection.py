@@ -10,10 +10,8 @@ reproduces that variant, and its plans are labelled as such.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +23,7 @@ from ghosted_core.calibration import CalibrationBatch, capture, run_forward
 from ghosted_core.errors import GhostedError
 from ghosted_core.models import decoder_blocks
 from ghosted_core.plan import PruningPlan
+from ghosted_core.registry import add, check_signature, lookup
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +68,15 @@ def register_criterion(name: str, *, paper: str, needs_similarity: bool):
     """Add `fn(request: SelectionRequest, sim: SimilarityStats | None) -> PruningPlan` to CRITERIA."""
 
     def decorator(fn):
-        hints = typing.get_type_hints(fn)
-        if list(inspect.signature(fn).parameters) != ["request", "sim"] or hints.get("request") is not SelectionRequest \
-                or hints.get("return") is not PruningPlan:
-            raise TypeError(f"criterion {name}: signature must be (request: SelectionRequest, sim) -> PruningPlan")
-        CRITERIA[name] = CriterionSpec(name, fn, needs_similarity, paper)
+        check_signature(fn, f"criterion {name}", {"request": SelectionRequest, "sim": None}, PruningPlan)
+        add(CRITERIA, name, CriterionSpec(name, fn, needs_similarity, paper), "criterion")
         return fn
 
     return decorator
 
 
 def get_criterion(name: str) -> CriterionSpec:
-    if name not in CRITERIA:
-        raise GhostedError(f"unknown pruning method {name!r}; known: {', '.join(CRITERIA)}")
-    return CRITERIA[name]
+    return lookup(CRITERIA, name, "pruning method")
 
 
 # ---------------------------------------------------------------- the similarity pass
