@@ -6,6 +6,8 @@ import functools
 import logging
 import os
 import socket
+import threading
+import urllib.parse
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +23,17 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     """
     if any(os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"} for name in _OFFLINE_ENV):
         return False
-    try:
-        with socket.create_connection((HUB_HOST, 443), timeout=timeout):
-            return True
-    except OSError as err:
-        log.info("the Hugging Face Hub is not reachable (%s)", err)
-        return False
+    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", f"https://{HUB_HOST}")).hostname or HUB_HOST
+    answered: list[bool] = []
+
+    def connect() -> None:  # in a thread: a hanging DNS lookup is not bounded by the socket timeout
+        try:
+            with socket.create_connection((host, 443), timeout=timeout):
+                answered.append(True)
+        except OSError as err:
+            log.info("the Hugging Face Hub (%s) is not reachable: %s", host, err)
+
+    worker = threading.Thread(target=connect, daemon=True)
+    worker.start()
+    worker.join(timeout + 0.5)
+    return bool(answered)
