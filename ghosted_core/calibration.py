@@ -203,6 +203,15 @@ class BoundaryStats:
     def has_branch(self) -> bool:
         return self.fit_ordinary.mtm is not None
 
+    def merged(self, other: BoundaryStats) -> BoundaryStats:
+        """The statistics of both token sets (sums are additive: calibration can grow in steps)."""
+        def add(a: Moments | None, b: Moments | None) -> Moments | None:
+            return b if a is None else a if b is None else a + b
+        return BoundaryStats(self.boundary, self.fit_ordinary + other.fit_ordinary, self.fit_sink + other.fit_sink,
+                             self.fit_sink_capped + other.fit_sink_capped,
+                             add(self.heldout_ordinary, other.heldout_ordinary), add(self.heldout_sink, other.heldout_sink),
+                             self.sink_rule)
+
     @property
     def width(self) -> int:
         return self.fit_ordinary.xtx.shape[0]

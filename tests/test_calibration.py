@@ -155,3 +155,13 @@ def test_branch_module_per_family(tiny_llama, tiny_gemma):
 
 def test_run_forward_without_capture_runs_whole_model(tiny_llama):
     run_forward(tiny_llama, random_tokens(1, 4))  # no hook: completes without raising
+
+
+def test_merged_stats_equal_one_pass_over_both(tiny_llama):
+    ids = random_tokens(8, 10)
+    both = collect_stats(tiny_llama, [Boundary(2, 4)], make_batches(ids, None, 4), QUIET)[0]
+    first = collect_stats(tiny_llama, [Boundary(2, 4)], make_batches(ids[:4], None, 4), QUIET)[0]
+    second = collect_stats(tiny_llama, [Boundary(2, 4)], make_batches(ids[4:], None, 4), QUIET)[0]
+    merged = first.merged(second)
+    assert merged.fit.tokens == both.fit.tokens
+    torch.testing.assert_close(merged.fit.xtd, both.fit.xtd)
