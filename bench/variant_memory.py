@@ -65,7 +65,8 @@ def main() -> None:
         del fits
     gc.collect()
     after_variants = rss_bytes()
-    dense_bytes = sum(t.numel() * t.element_size() for t in dense.state_dict().values())
+    unique = {t.data_ptr(): t for t in dense.state_dict().values()}  # tied embeddings count once
+    dense_bytes = sum(t.numel() * t.element_size() for t in unique.values())
     growth = after_variants - after_stats - operator_bytes
 
     copies = [copy.deepcopy(dense) for _ in range(2)]  # what a deepcopy-per-variant design costs, for two variants
