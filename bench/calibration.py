@@ -22,6 +22,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -108,8 +109,7 @@ def main() -> None:
 
     sizes = [4096, 8192, 16384] if args.quick else [16384, 65536, 262144]
     rows = []
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="ghosted-calibration-bench-"))
     for tokens in sizes:
         measured = {}
         for method in ("ours", "baseline"):
