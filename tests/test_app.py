@@ -177,7 +177,7 @@ def test_default_run_streams_and_fills_every_output(client, all_threads):
     partial = dict(zip(app.OUTPUT_NAMES, streamed[5]))
     assert partial["ppl_table"]["data"] and "data-variant" not in partial["generations"]
 
-    assert "Done" in outputs["status"] and "smollm2-135m" in outputs["status"]
+    assert "Run complete" in outputs["status"] and "smollm2-135m" in outputs["status"]
 
     cards = dict(re.findall(r"data-variant='([^']+)'.*?<div class='gen-text'>(.*?)</div>", outputs["generations"]))
     assert list(cards) == variants and all(text.strip() and "(empty)" not in text for text in cards.values())

