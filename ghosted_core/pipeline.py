@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -30,7 +29,7 @@ from ghosted_core.tasks import TaskResults, evaluate_tasks, parse_tasks
 log = logging.getLogger(__name__)
 
 SEQUENTIAL_SUFFIX = "+seq"
-DEFAULT_VARIANTS = ("none", "diag", "rotate", "ghost", "replaceme")
+DEFAULT_VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
 
 
 @dataclass(frozen=True)
@@ -261,8 +260,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.calibration_label = data.load_corpus(options.calibration, "calibration").label
         result.calibration_tokens = int(fit_ids.numel())
         result.corpora[options.calibration] = _corpus_entry(options.calibration, "calibration")
-    with torch.inference_mode(False):
-        plan, sim = select_blocks(dense, options.criterion, _request(options, loaded.num_layers), batches, options.quiet)
+    plan, sim = select_blocks(dense, options.criterion, _request(options, loaded.num_layers), batches, options.quiet)
     result.plan, result.similarity = plan, sim
     yield done("score blocks")
 
