@@ -12,17 +12,23 @@ the decorator is a no-op.
 
 from __future__ import annotations
 
+import os
+
+# Before torch loads: idle OpenMP threads sleep instead of spinning. On a machine whose cores are
+# shared (a Space, a busy server) spinning threads fight for them; measured on 2 shared cores
+# (load average ~4), a default run took 70-87 s with this and 302 s without it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import html
 import json
 import logging
 import math
-import os
 import tempfile
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
@@ -44,7 +50,6 @@ from ghosted_core.tasks import TASKS, evaluate_tasks
 log = logging.getLogger("ghosted_app")
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-RESULTS_DIR = Path(tempfile.gettempdir()) / "ghosted-app-results"
 
 
 # ---------------------------------------------------------------- defaults and limits
@@ -613,11 +618,9 @@ def blank_outputs(status: str) -> tuple:
             "Quick tasks run after the other stages when enabled.", None, None, None)
 
 
-def write_results(report: dict) -> str:
-    """results.json of this run in a fresh folder (Gradio serves it from its cache)."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="run-", dir=RESULTS_DIR))
-    path = folder / "results.json"
+def write_results(report: dict, folder: str) -> str:
+    """results.json of the run so far, in the run's own folder (Gradio copies it into its cache on every update)."""
+    path = Path(folder) / "results.json"
     path.write_text(json.dumps(report, indent=2))
     return str(path)
 
@@ -656,12 +659,13 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         stages = planned_stages(options, quick)
         progress(0.0, desc=f"{stages[0]}…")
         yield blank_outputs(f"**Running:** {stages[0]}…")
-        for done, (stage, report) in enumerate(run_job(options, quick), start=1):
-            elapsed = time.perf_counter() - start
-            following = stages[done] if done < len(stages) else None
-            progress(min(done / len(stages), 1.0), desc=f"{following}…" if following else "done")
-            status = status_markdown(stage, done, len(stages), elapsed, report, finished=following is None)
-            yield render(report, status, write_results(report))
+        with tempfile.TemporaryDirectory(prefix="ghosted-run-") as folder:  # removed when the run ends or is stopped
+            for done, (stage, report) in enumerate(run_job(options, quick), start=1):
+                elapsed = time.perf_counter() - start
+                following = stages[done] if done < len(stages) else None
+                progress(min(done / len(stages), 1.0), desc=f"{following}…" if following else "done")
+                status = status_markdown(stage, done, len(stages), elapsed, report, finished=following is None)
+                yield render(report, status, write_results(report, folder))
     except GhostedError as err:
         raise gr.Error(page_message(err), duration=None) from err
     except Exception as err:  # a bug: keep serving, say so, keep the traceback in the log

@@ -38,10 +38,10 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the measurements to this file")
     args = parser.parse_args()
 
+    import app  # first: it sets OMP_WAIT_POLICY before torch loads, as `python app.py` does
+
     import torch
     from gradio_client import Client
-
-    import app
 
     start = time.perf_counter()
     app.MODELS.get(app.DEFAULTS.model)
