@@ -354,8 +354,11 @@ def generations_html(report: dict) -> str:
             f"<div class='gen-head'><span class='gen-name'><span class='gen-swatch' style='background:{colors[name]}'>"
             f"</span>{html.escape(name)}</span><span class='gen-ppl'>{html.escape(ppl and 'ppl ' + ppl)}</span></div>"
             f"<div class='gen-text'>{html.escape(text.strip()) or '<i>(empty)</i>'}</div></div>")
-    return (f"<div class='gen-prompt'><b>Prompt:</b> {html.escape(prompt)} <span>· greedy, "
-            f"{app.get('max_new_tokens', '?')} new tokens, seed {app.get('generation_seed', '?')}</span></div>"
+    corpora = ", ".join(corpus_tag(report, c) for c in variants.get("dense", {}).get("ppl", {}))
+    about = (f"{report.get('model', '')}, blocks {blocks_text(report.get('removed_layers', []))} removed · greedy, "
+             f"{app.get('max_new_tokens', '?')} new tokens, seed {app.get('generation_seed', '?')}"
+             + (f" · ppl on {corpora}" if corpora else ""))
+    return (f"<div class='gen-prompt'><b>Prompt:</b> {html.escape(prompt)}<br><span>{html.escape(about)}</span></div>"
             f"<div class='gen-grid'>{''.join(cards)}</div>")
 
 
@@ -461,7 +464,7 @@ def scores_figure(report: dict) -> go.Figure:
         fig.add_bar(x=list(range(len(scores))), y=scores, marker_color=colors, name=label, hovertemplate=hover,
                     showlegend=False)
         fig.update_xaxes(title_text="run start s (the run removes s … s+n−1)" if per_run else "block i")
-        fig.update_yaxes(title_text=label.split(",")[0][:60])
+        fig.update_yaxes(title_text=label.rsplit(", per", 1)[0][:60])
         low, high = min(scores), max(scores)
         pad = 0.1 * (high - low or abs(high) or 1)
         fig.update_yaxes(range=[low - pad, high + pad])
@@ -690,10 +693,15 @@ def on_model_change(name: str, depth: float) -> tuple:
         return f"**Cannot use this model:** {err}", gr.update(), gr.update()
     except Exception as err:  # an unreadable folder or config: say so, keep serving
         return f"**Cannot read {name!r}:** {err}", gr.update(), gr.update()
-    info = f"{layers} blocks; {layers} would remove every block (refused)"
+    info = depth_info(layers)
     return (f"{name}: {layers} decoder blocks (0–{layers - 1}).", gr.update(maximum=layers, value=min(int(depth), layers - 1),
                                                                             info=info),
             gr.update(info=f"block indices 0–{layers - 1}, e.g. {max(0, layers - 11)}-{layers - 5}"))
+
+
+def depth_info(layers: int) -> str:
+    """The depth slider's help text for a model with `layers` blocks."""
+    return f"of {layers} blocks (removing all {layers} is refused)"
 
 
 def on_criterion_change(criterion: str) -> tuple:
@@ -742,7 +750,7 @@ def build_demo() -> gr.Blocks:
                                              for name, spec in CRITERIA.items()],
                                             value=DEFAULTS.criterion, label="Which blocks to remove")
                     depth = gr.Slider(1, default_layers, value=DEFAULTS.depth, step=1, label="Blocks to remove",
-                                      info=f"{default_layers} blocks; {default_layers} would remove every block (refused)")
+                                      info=depth_info(default_layers))
                     manual_blocks = gr.Textbox(label="Blocks to remove (manual)", value="19-25", visible=False,
                                                info=f"block indices 0–{default_layers - 1}, e.g. 19-25 or 3,7,12")
                 with gr.Accordion("Recovery operators", open=True):
