@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gradio as gr
@@ -40,12 +40,13 @@ from ghosted_core import data
 from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
+from ghosted_core.export import archive_recovered
 from ghosted_core.hub import hub_reachable
 from ghosted_core.models import DEFAULT_MODEL, EMBEDDED, LoadedModel, load_model, peek_config
 from ghosted_core.operators import OPERATORS
 from ghosted_core.pipeline import SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run_stages, validate
 from ghosted_core.selection import CRITERIA, parse_layers
-from ghosted_core.tasks import TASKS, evaluate_tasks
+from ghosted_core.tasks import TASKS
 
 log = logging.getLogger("ghosted_app")
 
@@ -53,6 +54,9 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 # ---------------------------------------------------------------- defaults and limits
+
+
+NO_SAVE = "don't save"
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class Defaults:
     new_tokens: int = 24
     tasks: tuple[str, ...] = ("arc_easy", "copa", "piqa")
     task_examples: int = 20
+    save_variant: str = NO_SAVE  # a variant to download as a recovered model (zip); off by default (~0.4 GB)
 
 
 DEFAULTS = Defaults()
@@ -162,8 +167,7 @@ class QuickTasks:
 
     enabled: bool = False
     tasks: tuple[str, ...] = ()
-    limit: int = DEFAULTS.task_examples
-    seed: int = 0
+    limit: int = DEFAULTS.task_examples  # examples per task, a seeded subset (the run's seed)
 
 
 def build_options(model: str, criterion: str, depth: float, manual_blocks: str, operators: Sequence[str],
@@ -197,7 +201,23 @@ def build_options(model: str, criterion: str, depth: float, manual_blocks: str, 
     )
 
 
-def planned_stages(options: RunOptions, quick: QuickTasks) -> list[str]:
+def check_options(options: RunOptions) -> None:
+    """The library's checks of `options` against the model's block count, before any weights load."""
+    validate(options, num_blocks(options.model))
+
+
+def check_save(options: RunOptions, save_variant: str) -> str | None:
+    """The variant to save as a download, None for none; it must be one the run builds."""
+    if not save_variant or save_variant == NO_SAVE:
+        return None
+    built = [v.name for v in options.variants] if options.criterion != "none" else []
+    if save_variant not in built:
+        raise GhostedError(f"cannot save {save_variant!r}: it is not among this run's variants "
+                           f"({', '.join(built) or 'none: nothing is pruned'}); add it to 'Operators' or choose {NO_SAVE!r}")
+    return save_variant
+
+
+def planned_stages(options: RunOptions, quick: QuickTasks, save_variant: str | None = None) -> list[str]:
     """The stage names `run_job` will yield, in order (for the progress bar)."""
     prunes = options.criterion != "none"
     stages = ["load model", "score blocks"]
@@ -206,27 +226,17 @@ def planned_stages(options: RunOptions, quick: QuickTasks) -> list[str]:
     stages += ["drift"] if prunes and options.eval_corpora and options.drift_windows else []
     stages += ["generate"] if options.prompt else []
     stages += ["tasks"] * len(("dense", *(v.name for v in options.variants))) if quick.enabled else []
+    stages += ["save model"] if save_variant else []
     return stages
 
 
 # ---------------------------------------------------------------- the run (the @spaces.GPU unit)
 
 
-def quick_tasks(result: RunResult, quick: QuickTasks) -> Iterator[dict[str, dict]]:
-    """Zero-shot accuracy of every variant, one variant at a time (variant → TaskResults JSON so far).
-
-    Stands in for a tasks stage of `ghosted_core.pipeline`; swap it for that stage once it exists.
-    """
-    scores: dict[str, dict] = {}
-    for name, model in result.models.items():
-        scores[name] = evaluate_tasks(model, result.tokenizer, quick.tasks, quick.limit, quick.seed,
-                                      progress=False).to_json()
-        yield dict(scores)
-
-
-def snapshot(result: RunResult, options: RunOptions, load_seconds: float, tasks: dict | None = None) -> dict:
+def snapshot(result: RunResult, options: RunOptions, load_seconds: float) -> dict:
     """Plain JSON-ready data of the run so far: results.json's layout plus what the page also shows."""
     report = result.to_json()
+    tasks = {name: entry["tasks"] for name, entry in report["variants"].items() if "tasks" in entry}
     report["timings"]["load model"] = round(load_seconds, 3)
     report["app"] = {
         "drift_corpus": options.eval_corpora[0] if options.eval_corpora else None,
@@ -234,28 +244,39 @@ def snapshot(result: RunResult, options: RunOptions, load_seconds: float, tasks:
         "max_new_tokens": options.generation.max_new_tokens,
         "generation_seed": options.generation.seed,
     }
-    if tasks is not None:
+    if tasks:
         report["tasks"] = tasks
     return report
 
 
 @gpu
-def run_job(options: RunOptions, quick: QuickTasks) -> Iterator[tuple[str, dict]]:
-    """Load → select → calibrate → fit → evaluate (→ tasks), yielding (stage, snapshot) after each stage.
+def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None,
+            folder: str | None = None) -> Iterator[tuple[str, dict]]:
+    """Load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each stage.
 
-    Refuses bad input before loading any weights. Yields only plain data, so it can run in a
-    ZeroGPU worker process.
+    Refuses bad input before loading any weights. Yields only plain data (a saved model is a
+    zip path in `folder`), so it can run in a ZeroGPU worker process.
     """
-    validate(options, num_blocks(options.model))
+    check_options(options)
     start = time.perf_counter()
     loaded = MODELS.get(options.model)
     load_seconds = time.perf_counter() - start
+    if quick.enabled and quick.tasks:
+        options = replace(options, tasks=quick.tasks, task_limit=quick.limit)
     result = None
     for stage, result in run_stages(options, loaded):
         yield stage, snapshot(result, options, load_seconds)
-    if quick.enabled and quick.tasks and result is not None:
-        for tasks in quick_tasks(result, quick):
-            yield "tasks", snapshot(result, options, load_seconds, tasks)
+    if save_variant and folder and result is not None:
+        path = archive_recovered(result.models[save_variant], result.tokenizer,
+                                 Path(folder) / f"{safe_name(options.model)}-{save_variant}.zip")
+        report = snapshot(result, options, load_seconds)
+        report["app"]["saved_model"] = str(path)
+        yield "save model", report
+
+
+def safe_name(model: str) -> str:
+    """A model id or folder as a file-name stem ('org/name' → 'org-name')."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in model.strip("/")).strip("-.") or "model"
 
 
 # ---------------------------------------------------------------- formatting: text and tables
@@ -358,7 +379,8 @@ def generations_html(report: dict) -> str:
     about = (f"{report.get('model', '')}, blocks {blocks_text(report.get('removed_layers', []))} removed · greedy, "
              f"{app.get('max_new_tokens', '?')} new tokens, seed {app.get('generation_seed', '?')}"
              + (f" · ppl on {corpora}" if corpora else ""))
-    return (f"<div class='gen-prompt'><b>Prompt:</b> {html.escape(prompt)}<br><span>{html.escape(about)}</span></div>"
+    return (f"<div class='gen-prompt'><b>Prompt:</b> <span class='gen-prompt-text'>{html.escape(prompt)}</span>"
+            f"<div class='gen-about'>{html.escape(about)}</div></div>"
             f"<div class='gen-grid'>{''.join(cards)}</div>")
 
 
@@ -419,7 +441,8 @@ def tasks_caption(report: dict) -> str:
     if not tasks:
         return "Quick tasks run after the other stages when enabled."
     first = next(iter(tasks.values()))
-    lines = [context_line(report)]
+    lines = [context_line(report) + f" · lm-eval, {first.get('limit') or 'all'} examples per task "
+                                    f"(seeded subset, the same for every variant)"]
     lines += [f"{s['task']}: {s['data']}; chance {100 * s['chance']:.0f}%" for s in first["scores"]]
     lines += [f"{u['task']}: not run ({u['reason']})" for u in first.get("unavailable", [])]
     return "  \n".join(lines)
@@ -589,7 +612,7 @@ def empty_figure(message: str) -> go.Figure:
 
 
 OUTPUT_NAMES = ("status", "generations", "ppl_caption", "ppl_table", "scores", "errors", "drift", "structure",
-                "tasks_caption", "tasks_table", "tasks_plot", "results_file")
+                "tasks_caption", "tasks_table", "tasks_plot", "results_file", "model_file")
 
 
 def render(report: dict, status: str, results_path: str | None) -> tuple:
@@ -610,6 +633,7 @@ def render(report: dict, status: str, results_path: str | None) -> tuple:
         tasks_table(report) if report.get("tasks") else None,
         tasks_figure(report) if report.get("tasks") else None,
         results_path,
+        report.get("app", {}).get("saved_model"),
     )
 
 
@@ -618,7 +642,12 @@ def blank_outputs(status: str) -> tuple:
     waiting = empty_figure("waiting for the run…")
     return (status, "<p class='gen-empty'>Generations appear here once the generate stage has run.</p>",
             "Perplexity appears here once the first corpus is done.", None, waiting, waiting, waiting, waiting,
-            "Quick tasks run after the other stages when enabled.", None, None, None)
+            "Quick tasks run after the other stages when enabled.", None, None, None, None)
+
+
+def failed_outputs(message: str) -> tuple:
+    """The status panel says the run ended on an error; everything else stays as it was."""
+    return (f"**Run stopped:** {message}", *(gr.skip() for _ in OUTPUT_NAMES[1:]))
 
 
 def write_results(report: dict, folder: str) -> str:
@@ -649,32 +678,36 @@ def page_message(err: GhostedError) -> str:
 
 def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str], calibration: str,
            samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
-           new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float,
+           new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
     """Run button: stream the run's stages into the page; any failure becomes a gr.Error."""
     start = time.perf_counter()
     try:
         options = build_options(model, criterion, depth, manual_blocks, operators, calibration, samples, seqlen, seed,
                                 eval_corpora, eval_tokens, prompt, new_tokens)
-        quick = QuickTasks(bool(tasks_on), tuple(task_names or ()), int(task_examples), int(seed))
+        quick = QuickTasks(bool(tasks_on), tuple(task_names or ()), int(task_examples))
         if quick.enabled and not quick.tasks:
             raise GhostedError("quick tasks are on but none is selected; pick at least one task or switch them off")
-        stages = planned_stages(options, quick)
+        check_options(options)
+        saving = check_save(options, save_variant)
+        stages = planned_stages(options, quick, saving)
         progress(0.0, desc=f"{stages[0]}…")
         yield blank_outputs(f"**Running:** {stages[0]}…")
         with tempfile.TemporaryDirectory(prefix="ghosted-run-") as folder:  # removed when the run ends or is stopped
-            for done, (stage, report) in enumerate(run_job(options, quick), start=1):
+            for done, (stage, report) in enumerate(run_job(options, quick, saving, folder), start=1):
                 elapsed = time.perf_counter() - start
                 following = stages[done] if done < len(stages) else None
                 progress(min(done / len(stages), 1.0), desc=f"{following}…" if following else "done")
                 status = status_markdown(stage, done, len(stages), elapsed, report, finished=following is None)
                 yield render(report, status, write_results(report, folder))
     except GhostedError as err:
+        yield failed_outputs(page_message(err))
         raise gr.Error(page_message(err), duration=None) from err
     except Exception as err:  # a bug: keep serving, say so, keep the traceback in the log
         log.exception("run failed")
-        raise gr.Error(f"internal error ({type(err).__name__}: {err}); the server log has the traceback",
-                       duration=None) from err
+        message = f"internal error ({type(err).__name__}: {err}); the server log has the traceback"
+        yield failed_outputs(message)
+        raise gr.Error(message, duration=None) from err
 
 
 def model_note(name: str) -> str:
@@ -702,6 +735,11 @@ def on_model_change(name: str, depth: float) -> tuple:
 def depth_info(layers: int) -> str:
     """The depth slider's help text for a model with `layers` blocks."""
     return f"of {layers} blocks (removing all {layers} is refused)"
+
+
+def show_if_rows(table: pd.DataFrame | None) -> dict:
+    """Show a table only once it has rows (an empty one shows placeholder headers)."""
+    return gr.update(visible=table is not None and len(table) > 0)
 
 
 def on_criterion_change(criterion: str) -> tuple:
@@ -744,13 +782,14 @@ def build_demo() -> gr.Blocks:
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-button")
                 with gr.Accordion("Model and pruning", open=True):
                     model = gr.Dropdown(list(EMBEDDED), value=DEFAULTS.model, allow_custom_value=True, label="Model",
+                                        elem_id="model",
                                         info="an embedded model, a local folder or a Hub id")
                     model_info = gr.Markdown(model_note(DEFAULTS.model), elem_classes="caption")
                     criterion = gr.Dropdown([(f"{name} — {CRITERION_HELP.get(name, spec.paper)}", name)
                                              for name, spec in CRITERIA.items()],
                                             value=DEFAULTS.criterion, label="Which blocks to remove")
                     depth = gr.Slider(1, default_layers, value=DEFAULTS.depth, step=1, label="Blocks to remove",
-                                      info=depth_info(default_layers))
+                                      info=depth_info(default_layers), elem_id="depth")
                     manual_blocks = gr.Textbox(label="Blocks to remove (manual)", value="19-25", visible=False,
                                                info=f"block indices 0–{default_layers - 1}, e.g. 19-25 or 3,7,12")
                 with gr.Accordion("Recovery operators", open=True):
@@ -779,6 +818,11 @@ def build_demo() -> gr.Blocks:
                     task_names = gr.CheckboxGroup(list(TASKS), value=list(DEFAULTS.tasks), label="Tasks")
                     task_examples = gr.Slider(5, 200, value=DEFAULTS.task_examples, step=5,
                                               label="Examples per task (seeded subset)")
+                with gr.Accordion("Save a recovered model", open=False):
+                    save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES, value=DEFAULTS.save_variant,
+                                               label="Variant to download",
+                                               info="surviving blocks + operators as safetensors in a zip "
+                                                    "(SmolLM2: about 0.4 GB); must be one of the operators above")
             with gr.Column(scale=2):
                 status = gr.Markdown("Press **Run** to start.", elem_id="status")
                 gr.Markdown("### Generations", elem_classes="section-title")
@@ -787,7 +831,7 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("### Perplexity", elem_classes="section-title")
                 ppl_caption = gr.Markdown("", elem_classes="caption")
                 ppl_table = gr.Dataframe(label="Perplexity by corpus and variant", interactive=False, elem_id="ppl-table",
-                                         show_label=False, wrap=True)
+                                         show_label=False, wrap=True, visible=False)
                 gr.Markdown("### Charts", elem_classes="section-title")
                 scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
                 errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
@@ -797,20 +841,25 @@ def build_demo() -> gr.Blocks:
                     gr.Markdown("### Quick tasks", elem_classes="section-title")
                     tasks_caption_md = gr.Markdown("Quick tasks run after the other stages when enabled.",
                                                    elem_classes="caption")
-                    tasks_table_df = gr.Dataframe(interactive=False, show_label=False, elem_id="tasks-table")
+                    tasks_table_df = gr.Dataframe(interactive=False, show_label=False, elem_id="tasks-table",
+                                                  visible=False)
                     tasks_plot = gr.Plot(show_label=False, elem_id="plot-tasks")
                 results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
+                model_file = gr.File(label="Recovered model (zip: load it with ghosted_core.export.load_recovered)",
+                                     elem_id="model-file", interactive=False)
 
         inputs = [model, criterion, depth, manual_blocks, operators, calibration, samples, seqlen, seed, eval_corpora,
-                  eval_tokens, prompt, new_tokens, tasks_on, task_names, task_examples]
+                  eval_tokens, prompt, new_tokens, tasks_on, task_names, task_examples, save_variant]
         outputs = [status, generations, ppl_caption, ppl_table, scores_plot, errors_plot, drift_plot, structure_plot,
-                   tasks_caption_md, tasks_table_df, tasks_plot, results_file]
+                   tasks_caption_md, tasks_table_df, tasks_plot, results_file, model_file]
         run_event = run_btn.click(on_run, inputs, outputs, api_name="run", concurrency_limit=RUN_CONCURRENCY,
                                   concurrency_id="run", show_progress_on=[status])
         stop_btn.click(None, None, None, cancels=[run_event], api_name="stop")
         model.change(on_model_change, [model, depth], [model_info, depth, manual_blocks], api_name="model_info")
         criterion.change(on_criterion_change, criterion, [depth, manual_blocks], api_visibility="private")
         tasks_on.change(lambda on: gr.update(visible=on), tasks_on, tasks_box, api_visibility="private")
+        for table in (ppl_table, tasks_table_df):
+            table.change(show_if_rows, table, table, queue=False, api_visibility="private")
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=RUN_CONCURRENCY)
     return demo
 

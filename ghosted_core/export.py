@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -71,6 +72,18 @@ def save_recovered(model: PreTrainedModel, tokenizer, folder: str | Path) -> Pat
     log.info("saved %s (%d blocks, %d operator modules) to %s", record.get("operator", "variant"),
              len(model.model.layers), len(record["layout"]), folder)
     return folder
+
+
+def archive_recovered(model: PreTrainedModel, tokenizer, path: str | Path) -> Path:
+    """`save_recovered` into one uncompressed zip at `path` (fp32 weights barely compress), for downloads."""
+    path = Path(path)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}-") as tmp:
+        folder = save_recovered(model, tokenizer, Path(tmp) / path.stem)
+        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+            for file in sorted(folder.rglob("*")):
+                if file.is_file():
+                    archive.write(file, Path(path.stem) / file.relative_to(folder))
+    return path
 
 
 def _apply_layout(model: PreTrainedModel, layout: list[dict]) -> None:

@@ -104,6 +104,18 @@ def test_build_options_refuses_what_no_run_could_use():
             app.build_options(**values | bad)
 
 
+def test_saving_needs_a_variant_the_run_builds():
+    options = app.build_options(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="",
+                                operators=["none", "ghost"], calibration="mix", samples=8, seqlen=128, seed=0,
+                                eval_corpora=["ptb"], eval_tokens=256, prompt="", new_tokens=8)
+    assert app.check_save(options, app.NO_SAVE) is None
+    assert app.check_save(options, "ghost") == "ghost"
+    assert app.planned_stages(options, app.QuickTasks(), "ghost")[-1] == "save model"
+    with pytest.raises(GhostedError, match="not among this run's variants"):
+        app.check_save(options, "diag")
+    assert app.safe_name("org/Model v2") == "org-Model-v2"
+
+
 def test_messages_name_the_widgets_not_the_cli_flags():
     message = app.page_message(GhostedError("removing 30 of 30 blocks leaves none; use --total_num_prune at most 29"))
     assert "--" not in message and "'Blocks to remove'" in message
@@ -235,9 +247,46 @@ def test_a_cancelled_run_and_errors_leave_the_app_serving(client, all_threads):
     assert job.done()
 
     outputs = dict(zip(app.OUTPUT_NAMES, client.predict(
-        api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt=""))))
+        api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt="",
+                                      save_variant="ghost_capped"))))
     assert [row[0] for row in outputs["ppl_table"]["data"]] == ["dense", "none", "ghost_capped"]
     assert "generation skipped" in outputs["generations"]
+    assert_saved_model_loads(Path(outputs["model_file"]), removed=app.DEFAULTS.depth, operator="ghost_capped")
+
+
+def assert_saved_model_loads(archive: Path, removed: int, operator: str) -> None:
+    """The downloaded zip unpacks to a model that `load_recovered` reads and that predicts text."""
+    import tempfile
+    import zipfile
+
+    import torch
+
+    from ghosted_core.export import load_recovered
+
+    assert archive.name == f"smollm2-135m-{operator}.zip"
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(tmp)
+        model, tokenizer = load_recovered(Path(tmp) / archive.stem)
+        assert model.config.num_hidden_layers == 30 - removed
+        assert model.config.ghosted["operator"] == operator
+        ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+        with torch.no_grad():
+            assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.slow
+def test_quick_tasks_fill_the_table_and_chart(client, all_threads):
+    outputs = dict(zip(app.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(operators=["none", "ghost"], eval_corpora=["ptb"], prompt="", tasks_on=True,
+                                      task_names=["copa", "arc_easy"], task_examples=5))))
+    table = outputs["tasks_table"]
+    assert [row[0] for row in table["data"]] == ["dense", "none", "ghost"]
+    assert any("copa" in h for h in table["headers"]) and any("mean" in h for h in table["headers"])
+    bars = {t["name"]: t["y"] for t in plot_traces(outputs["tasks_plot"]) if t["type"] == "bar"}
+    assert set(bars) == {"dense", "none", "ghost"} and all(0 <= y <= 1 for ys in bars.values() for y in ys)
+    report = json.loads(Path(outputs["results_file"]).read_text())
+    assert report["variants"]["ghost"]["tasks"]["scores"][0]["n"] == 5
+    assert "5 examples per task" in outputs["tasks_caption"]
 
 
 @pytest.mark.slow

@@ -108,3 +108,40 @@ def test_default_run_renders_generations_table_and_plots(server_url, page):
     plotted = page.evaluate(PLOTS_WITH_DATA)
     assert len(plotted) >= 3, plotted
     assert page.locator("#results-file").get_by_text("results.json").count() >= 1
+
+
+def set_depth(page, value: int) -> None:
+    box = page.locator("#depth input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def test_bad_input_shows_a_message_in_the_page(server_url, page):
+    page.goto(server_url, wait_until="networkidle")
+    set_depth(page, 30)
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("leaves none").first.wait_for(timeout=60_000)
+
+    model = page.locator("#model input")
+    model.fill("no-such-model")
+    model.press("Enter")
+    page.get_by_text("Cannot use this model").first.wait_for(timeout=60_000)  # the note under the model box
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.locator(".toast-body").get_by_text("unknown model").first.wait_for(timeout=60_000)
+    page.screenshot(path=str(ARTIFACTS / "app-error.png"))
+
+
+def test_stop_cancels_a_run_and_the_app_keeps_serving(server_url, page):
+    page.goto(server_url, wait_until="networkidle")
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.wait_for_function("() => document.querySelector('#status')?.innerText.includes('score blocks done')",
+                           timeout=RUN_SECONDS * 1000, polling=500)
+    page.get_by_role("button", name="Stop", exact=True).click()
+    # Gradio stops the run once the stage computing at the time returns; then the progress overlay goes
+    page.wait_for_function("() => !document.querySelector('#status .pending')", timeout=RUN_SECONDS * 1000,
+                           polling=500)
+    assert "Run complete" not in page.locator("#status").inner_text()
+
+    set_depth(page, 30)
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_text("leaves none").first.wait_for(timeout=60_000)

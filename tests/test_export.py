@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import zipfile
 
 import pytest
 import torch
 
 from conftest import random_tokens
 from ghosted_core.errors import GhostedError
-from ghosted_core.export import load_recovered, save_recovered
+from ghosted_core.export import archive_recovered, load_recovered, save_recovered
 from ghosted_core.plan import PruningPlan
 from test_surgery import recovered_variants
 
@@ -46,3 +47,16 @@ def test_dense_model_cannot_be_saved_as_a_variant(tiny_llama, tmp_path):
 def test_loading_a_plain_folder_is_refused(tmp_path):
     with pytest.raises(GhostedError, match="not a saved recovered model"):
         load_recovered(tmp_path)
+
+
+def test_zip_archive_unpacks_to_a_loadable_model(tiny_llama, tmp_path):
+    _plan, variants = recovered_variants(tiny_llama, (2, 3))
+    path = archive_recovered(variants["ghost"], None, tmp_path / "ghost.zip")
+    with zipfile.ZipFile(path) as archive:
+        assert sorted(archive.namelist()) == ["ghost/config.json", "ghost/model.safetensors"]
+        archive.extractall(tmp_path / "unpacked")
+    loaded, _ = load_recovered(tmp_path / "unpacked" / "ghost")
+    ids = random_tokens(1, 10, seed=3)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, variants["ghost"](ids).logits)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # staging folder removed
