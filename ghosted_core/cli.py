@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout_size", type=int, default=None, help="held-out calibration sequences (default train_size/8)")
     p.add_argument("--eval_ppl", default="ptb,wiki", help="comma list of perplexity corpora ('none' to skip)")
     p.add_argument("--eval_seqlen", type=int, default=None, help="perplexity window length (default: --seqlen)")
-    p.add_argument("--eval_max_tokens", type=int, default=16384,
+    p.add_argument("--eval_max_tokens", type=int, default=8192,
                    help="perplexity token cap per corpus for quick runs; 0 = the whole split")
     p.add_argument("--eval_tasks", default="", help="zero-shot tasks through lm-eval: comma list, 'paper' or 'all'")
     p.add_argument("--task_limit", type=int, default=None, help="examples per task (seeded, same for every variant)")

@@ -72,7 +72,7 @@ class RunOptions:
     seed: int = 0
     eval_corpora: tuple[str, ...] = ("ptb", "wiki")
     eval_seqlen: int | None = None  # perplexity window length (None: seqlen)
-    eval_max_tokens: int | None = 16384  # perplexity token cap per corpus (None: the whole split)
+    eval_max_tokens: int | None = 8192  # perplexity token cap per corpus (None: the whole split)
     eval_batch_size: int = 4
     drift_windows: int = 2  # windows of the first evaluation corpus used for per-block drift
     tasks: tuple[str, ...] = ()  # zero-shot tasks through lm-eval (see tasks.parse_tasks); empty: none
