@@ -73,6 +73,7 @@ def _baseline(model, windows, boundary, batch_size):
 
 def worker(method: str, tokens: int, start: int, end: int, batch_size: int, out: str) -> None:
     """One measurement in a fresh process."""
+    import ghosted_core  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads
     import torch
 
     from ghosted_core import data
