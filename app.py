@@ -737,11 +737,6 @@ def depth_info(layers: int) -> str:
     return f"of {layers} blocks (removing all {layers} is refused)"
 
 
-def show_if_rows(table: pd.DataFrame | None) -> dict:
-    """Show a table only once it has rows (an empty one shows placeholder headers)."""
-    return gr.update(visible=table is not None and len(table) > 0)
-
-
 def on_criterion_change(criterion: str) -> tuple:
     """Depth for similarity criteria, the block picker for manual, neither for none."""
     return gr.update(visible=criterion not in ("manual", "none")), gr.update(visible=criterion == "manual")
@@ -823,6 +818,8 @@ def build_demo() -> gr.Blocks:
                                                label="Variant to download",
                                                info="surviving blocks + operators as safetensors in a zip "
                                                     "(SmolLM2: about 0.4 GB); must be one of the operators above")
+                    model_file = gr.File(label="Recovered model (zip; load with ghosted_core.export.load_recovered)",
+                                         elem_id="model-file", interactive=False)
             with gr.Column(scale=2):
                 status = gr.Markdown("Press **Run** to start.", elem_id="status")
                 gr.Markdown("### Generations", elem_classes="section-title")
@@ -831,7 +828,7 @@ def build_demo() -> gr.Blocks:
                 gr.Markdown("### Perplexity", elem_classes="section-title")
                 ppl_caption = gr.Markdown("", elem_classes="caption")
                 ppl_table = gr.Dataframe(label="Perplexity by corpus and variant", interactive=False, elem_id="ppl-table",
-                                         show_label=False, wrap=True, visible=False)
+                                         show_label=False, wrap=True)
                 gr.Markdown("### Charts", elem_classes="section-title")
                 scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
                 errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
@@ -841,12 +838,9 @@ def build_demo() -> gr.Blocks:
                     gr.Markdown("### Quick tasks", elem_classes="section-title")
                     tasks_caption_md = gr.Markdown("Quick tasks run after the other stages when enabled.",
                                                    elem_classes="caption")
-                    tasks_table_df = gr.Dataframe(interactive=False, show_label=False, elem_id="tasks-table",
-                                                  visible=False)
+                    tasks_table_df = gr.Dataframe(interactive=False, show_label=False, elem_id="tasks-table")
                     tasks_plot = gr.Plot(show_label=False, elem_id="plot-tasks")
                 results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
-                model_file = gr.File(label="Recovered model (zip: load it with ghosted_core.export.load_recovered)",
-                                     elem_id="model-file", interactive=False)
 
         inputs = [model, criterion, depth, manual_blocks, operators, calibration, samples, seqlen, seed, eval_corpora,
                   eval_tokens, prompt, new_tokens, tasks_on, task_names, task_examples, save_variant]
@@ -858,8 +852,6 @@ def build_demo() -> gr.Blocks:
         model.change(on_model_change, [model, depth], [model_info, depth, manual_blocks], api_name="model_info")
         criterion.change(on_criterion_change, criterion, [depth, manual_blocks], api_visibility="private")
         tasks_on.change(lambda on: gr.update(visible=on), tasks_on, tasks_box, api_visibility="private")
-        for table in (ppl_table, tasks_table_df):
-            table.change(show_if_rows, table, table, queue=False, api_visibility="private")
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=RUN_CONCURRENCY)
     return demo
 
