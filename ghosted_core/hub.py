@@ -31,7 +31,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
             with socket.create_connection((host, 443), timeout=timeout):
                 answered.append(True)
         except OSError as err:
-            log.info("the Hugging Face Hub (%s) is not reachable: %s", host, err)
+            log.debug("the Hugging Face Hub (%s) is not reachable: %s", host, err)
 
     worker = threading.Thread(target=connect, daemon=True)
     worker.start()

@@ -55,7 +55,7 @@ def test_whole_run_writes_results(tiny_model_folder, tmp_path, capsys):
 ])
 def test_bad_input_gives_one_line_and_exit_code_2(args, message):
     hub_reachable.cache_clear()
-    done = run_cli(*args, "--quiet", "--eval_ppl", "none")
+    done = run_cli(*args, "--eval_ppl", "none")  # not --quiet: the default log level must not add lines
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], done.stderr
