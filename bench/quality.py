@@ -101,7 +101,7 @@ def run_setting(loaded, criterion: str, n: int, args) -> dict:
               "seconds": time.perf_counter() - clock}
     result["best_ghost"] = best_ghost(result)
     if args.tasks and (loaded.name, criterion, n) == ("smollm2-135m", "streamline", 7):
-        chosen = ["dense", "none", *(f"{op}@mix" for op in ("diag", "replaceme", "ghost", "ghost_capped"))]
+        chosen = ["dense", "none", *(f"{op}@mix" for op in ("replaceme", "ghost", "ghost_capped"))]
         result["tasks"] = {name: evaluate_tasks(models[name], tokenizer, QUICK_TASKS, args.task_limit, args.seed,
                                                 progress=False).to_json() for name in chosen}
     print(f"  {loaded.name} {criterion} n={n}: removed {list(plan.removed)} ({result['seconds']:.0f} s)", flush=True)
