@@ -158,7 +158,9 @@ def client(smollm2):
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
                     **app.launch_options())
     try:
-        yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+        # Stop returns once the stage computing at the time has finished (tens of seconds on a
+        # busy 2-core machine): wait for it rather than time out at httpx's default 5 s.
+        yield Client(f"http://127.0.0.1:{port}/", verbose=False, httpx_kwargs={"timeout": 300})
     finally:
         app.demo.close()
 
