@@ -60,3 +60,11 @@ def test_zip_archive_unpacks_to_a_loadable_model(tiny_llama, tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, variants["ghost"](ids).logits)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # staging folder removed
+
+
+def test_reloaded_variant_generates_like_the_in_memory_one(tiny_gemma, tmp_path):
+    _plan, variants = recovered_variants(tiny_gemma, (2, 3))
+    loaded, _ = load_recovered(save_recovered(variants["ghost"], None, tmp_path / "ghost"))
+    ids = random_tokens(1, 6)
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    assert torch.equal(loaded.generate(ids, **greedy), variants["ghost"].generate(ids, **greedy))  # KV cache, layer_types
