@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads: idle OpenMP threads sleep instead of spinning. On a machine whose cores are
-# shared (a Space, a busy server) spinning threads fight for them; measured on 2 shared cores
-# (load average ~4), a default run took 70-87 s with this and 302 s without it.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# First, before anything loads torch: the package sets OMP_WAIT_POLICY=PASSIVE. On 2 shared cores
+# (load average ~4) a default run took 70-87 s with it and 302 s without it.
+import ghosted_core  # noqa: F401, I001
 
 import html
 import json

@@ -38,7 +38,7 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the measurements to this file")
     args = parser.parse_args()
 
-    import app  # first: it sets OMP_WAIT_POLICY before torch loads, as `python app.py` does
+    import app  # first: it imports ghosted_core, which sets OMP_WAIT_POLICY before torch loads
 
     import torch
     from gradio_client import Client

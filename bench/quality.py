@@ -47,7 +47,7 @@ EVAL_CORPORA = ("ptb", "wiki", "books", "brown")
 MODEL_CORPORA = {"gemma3-270m": ("ptb", "wiki")}
 CALIBRATIONS = ("mix", "ptb")
 OPERATORS = ("diag", "rotate", "replaceme", "ghost", "ghost_capped")  # ghost_nosink: see the README's sink runs
-GHOSTS = ("ghost", "ghost_capped", "ghost+seq", "ghost_capped+seq")
+GHOSTS = ("ghost", "ghost_capped", "ghost_capped+seq")
 QUICK_TASKS = ("arc_easy", "copa", "piqa")
 SWEEP = (8, 16, 32, 64, 128)
 
