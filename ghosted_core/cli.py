@@ -14,11 +14,12 @@ from pathlib import Path
 
 from ghosted_core import data
 from ghosted_core.calibration import CalibrationOptions
+from ghosted_core.calibration_pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
 from ghosted_core.export import save_recovered
 from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names, parse_max_memory
-from ghosted_core.operators import OPERATORS, FitOptions
+from ghosted_core.operators import HELDOUT_FLAG, OPERATORS, FitOptions
 from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
 from ghosted_core.selection import COSINE_AXES, CRITERIA, parse_layers
 from ghosted_core.tasks import parse_tasks
@@ -51,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"recovery operator(s), comma list of {', '.join(OPERATORS)}; "
                         f"append {SEQUENTIAL_SUFFIX} for the sequential fit (e.g. ghost{SEQUENTIAL_SUFFIX})")
     p.add_argument("--calibration_data", default="mix", help="calibration corpus: " + ", ".join(data.corpus_names()))
-    p.add_argument("--train_size", type=int, default=64, help="calibration sequences (paper: 128)")
+    p.add_argument("--train_size", type=int, default=None,
+                   help="calibration sequences (paper: 128); default: enough for at least 4·C fit tokens, at least 64 "
+                        "(C = hidden size; e.g. 32 at --seqlen 512 for C = 4096); fewer than C tokens make the "
+                        "least-squares fits rank-deficient (a relative ridge then decides them, with a warning)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (paper: 2048)")
     p.add_argument("--heldout_size", type=int, default=None, help="held-out calibration sequences (default train_size/8)")
     p.add_argument("--eval_ppl", default="ptb,wiki", help="comma list of perplexity corpora ('none' to skip)")
@@ -72,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epsilon", type=float, default=FitOptions.epsilon, help="absolute ridge ε")
     p.add_argument("--ridge_lambda", type=float, default=FitOptions.ridge_lambda, help="relative ridge λ")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per calibration forward pass")
+    p.add_argument("--calibration_pipeline", default="auto", choices=["auto", *CALIBRATION_PIPELINES],
+                   help="full: one forward per batch; blocks: hidden states on the CPU, one block at a time on the "
+                        "compute device (models larger than the GPU); auto: the memory plan chooses")
+    p.add_argument("--stats_device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where calibration statistics are summed (float64): auto = on the GPU when the memory plan "
+                        "has room, else on the CPU")
+    p.add_argument("--fp32_products", action="store_true",
+                   help="per-batch statistics products in fp32, summed in float64 (GPUs with slow FP64)")
+    p.add_argument("--sink_capacity", type=int, default=None,
+                   help="attention-sink token rows kept per boundary (default 4 per calibration sequence, at least 64); "
+                        "more spill into C×C moments with a warning")
     p.add_argument("--outdir", default="out", help="folder for results.json")
     p.add_argument("--save_model", default=None, metavar="DIR",
                    help="save each recovered variant to DIR/<variant> (load with ghosted_core.export.load_recovered)")
@@ -115,7 +130,9 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
         fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda),
         calibrate=CalibrationOptions(sink_rule=args.sink_rule, sink_ratio=args.sink_ratio, batch_size=args.batch_size,
-                                     quiet=args.quiet),
+                                     quiet=args.quiet, pipeline=args.calibration_pipeline,
+                                     stats_device=args.stats_device, sink_capacity=args.sink_capacity,
+                                     products="float32" if args.fp32_products else "float64"),
         quiet=args.quiet,
     )
 
@@ -138,12 +155,17 @@ def summary(result: RunResult) -> str:
         lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens")
     header = ["variant", *(f"ppl {c}" for c in corpora), "boundary err (held-out, all / ordinary)", "antisym"]
     rows = []
+    flagged = False
     for name, entry in report["variants"].items():
         errors = entry.get("boundary_error", [])
-        err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])} / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
+        flagged = flagged or any(e.get("heldout_worse_than_pruning") for e in errors)
+        err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])}{' !' if e.get('heldout_worse_than_pruning') else ''}"
+                        f" / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
         anti = ", ".join(_fmt(a, 2) for a in entry.get("antisym_fraction", [])) or "-"
         rows.append([name, *(_fmt(entry["ppl"].get(c), 2) for c in corpora), err, anti])
     lines += _table(header, rows)
+    if flagged:
+        lines.append(f"  ! = {HELDOUT_FLAG} (held-out boundary error above 1)")
     if result.tasks:
         lines += _task_table(result)
     lines += [f"note: {note}" for note in report["notes"]]

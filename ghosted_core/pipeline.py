@@ -20,8 +20,9 @@ from ghosted_core.calibration import BoundaryStats, CalibrationOptions, collect_
 from ghosted_core.heldout import measure_errors
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
+from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
 from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
-    peek_config
+    peek_config, resolve_device, resolve_dtype
 from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, \
     module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
@@ -69,7 +70,7 @@ class RunOptions:
     cosine: str = "hidden"  # "hidden" (papers) or "token-axis" (reference repos)
     variants: tuple[VariantSpec, ...] = parse_variants(DEFAULT_VARIANTS)
     calibration: str = "mix"  # calibration corpus
-    train_size: int = 64  # calibration sequences (the paper: 128)
+    train_size: int | None = None  # calibration sequences (None: enough for 4·C fit tokens, at least 64; the paper: 128)
     seqlen: int = 512  # calibration sequence length (the paper: 2048)
     heldout_size: int | None = None  # held-out calibration sequences for boundary errors (None: train_size // 8, at least 1)
     seed: int = 0
@@ -89,7 +90,7 @@ class RunOptions:
 
     @property
     def heldout(self) -> int:
-        return self.heldout_size if self.heldout_size is not None else max(1, self.train_size // 8)
+        return self.heldout_size if self.heldout_size is not None else max(1, (self.train_size or 64) // 8)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class RunResult:
     tasks: dict[str, TaskResults] = field(default_factory=dict)  # variant → zero-shot task scores
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    memory_plan: MemoryPlan | None = None
     models: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)  # dense + variants (not serialized)
     tokenizer: object = field(default=None, repr=False)
 
@@ -128,7 +130,9 @@ class RunResult:
                 reports = self.fits[name]
                 entry["boundary_error"] = [
                     {"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
-                     "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary} for r in reports]
+                     "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
+                     "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
+                    for r in reports]
                 entry["antisym_fraction"] = [r.antisym_fraction for r in reports]
                 entry["fits"] = [r.to_json() for r in reports]
             if name in self.drift:
@@ -153,7 +157,10 @@ class RunResult:
                 "corpus": opts.calibration, "label": self.calibration_label, "sequences": opts.train_size,
                 "heldout_sequences": opts.heldout, "seqlen": opts.seqlen, "tokens": self.calibration_tokens,
                 "seed": opts.seed, "sink_rule": opts.calibrate.sink_rule, "sink_ratio": opts.calibrate.sink_ratio,
+                "pipeline": opts.calibrate.pipeline, "stats_device": opts.calibrate.stats_device,
+                "products": opts.calibrate.products,
             },
+            "memory_plan": self.memory_plan.to_json() if self.memory_plan else None,
             "evaluation": {"seqlen": opts.eval_seqlen or opts.seqlen, "max_tokens": opts.eval_max_tokens},
             "corpora": self.corpora,
             "prompt": opts.prompt,
@@ -173,7 +180,7 @@ def validate(options: RunOptions, num_layers: int | None = None, max_positions: 
         parse_tasks(",".join(options.tasks))  # unknown task names fail before any work
         if options.task_limit is not None and options.task_limit < 1:
             raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
-    if options.train_size < 1 or options.seqlen < 2:
+    if options.train_size is not None and options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
     sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
              "--task_batch_size": options.task_batch_size}
@@ -270,7 +277,7 @@ def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec,
 
 
 @dataclass
-class _VariantBuild:
+class VariantBuild:
     """A variant being fitted: its boundary modules so far, what applies each fit, its reports."""
 
     spec: VariantSpec
@@ -299,7 +306,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     for the sequential variants. Time: one C×C solve per least-squares fit and one held-out pass
     for all independent fits, plus two forwards per batch per later boundary of a sequential variant.
     """
-    builds = {v.name: _VariantBuild(v) for v in variants}
+    builds = {v.name: VariantBuild(v) for v in variants}
     sequential = [v for v in variants if v.sequential]
     for k in range(len(stats)):
         for variant in variants:
@@ -332,6 +339,45 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     return reports, models
 
 
+def sized(options: RunOptions, width: int) -> RunOptions:
+    """Options with the calibration size resolved: enough sequences for 4·C fit tokens, at least 64."""
+    if options.train_size is not None:
+        return options
+    return dataclasses.replace(options, train_size=min_calibration_sequences(width, options.seqlen))
+
+
+def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None,
+                boundaries: int | None = None) -> MemoryPlan:
+    """The run's memory plan from the config (before loading: device and dtype as the load options say)."""
+    device = device or resolve_device(options.load.device)
+    dtype = dtype or resolve_dtype(options.load.dtype, device)
+    if boundaries is None:
+        boundaries = max_boundaries(options.criterion, config.num_hidden_layers, options.num_prune, options.layers)
+    sequences = options.train_size or min_calibration_sequences(config.hidden_size, options.seqlen)
+    cal = options.calibrate
+    return plan_memory(config, options.model, device, dtype, needs_of(v.operator for v in options.variants),
+                       boundaries, sequences, options.seqlen, cal.batch_size, cal.capacity(sequences),
+                       options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
+
+
+def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
+    """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
+    cal = options.calibrate
+    stats_device = plan.stats_device if cal.stats_device == "auto" and plan.device != "cpu" else cal.stats_device
+    compute = cal.compute_device
+    if plan.pipeline == "blocks" and compute is None and plan.device.startswith("cuda"):
+        compute = plan.device
+    return dataclasses.replace(options, calibrate=dataclasses.replace(cal, pipeline=plan.pipeline,
+                                                                      stats_device=stats_device, compute_device=compute))
+
+
+def _loaded_placement(model: PreTrainedModel) -> tuple[str, object]:
+    """(device, dtype) of an already loaded model, as the memory plan names them."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "map", model.dtype
+    return str(module_device(model.model.embed_tokens)), model.dtype
+
+
 def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterator[tuple[str, RunResult]]:
     """Run everything `options` asks for, yielding (stage, result so far) after each stage."""
     validate(options)
@@ -345,9 +391,19 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         clock = now
         return stage, result
 
-    if loaded is None:
-        config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
+    if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
+        config = peek_config(options.model)
         validate(options, config.num_hidden_layers, max_positions(config))
+        options = sized(options, config.hidden_size)
+        plan = memory_plan(options, config)
+    else:
+        options = sized(options, loaded.hidden_size)
+        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model))
+    plan.check()
+    log.info(plan.summary())
+    options = _placed(plan, options)
+    result.options, result.memory_plan = options, plan
+    if loaded is None:
         loaded = load_model(options.model, options.load)
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description
@@ -367,11 +423,13 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.calibration_label = data.load_corpus(options.calibration, "calibration").label
         result.calibration_tokens = int(fit_ids.numel())
         result.corpora[options.calibration] = _corpus_entry(options.calibration, "calibration")
+        result.notes += calibration_size_notes(result.calibration_tokens, loaded.hidden_size, options)
     plan, sim = select_blocks(dense, options.criterion, _request(options, loaded.num_layers), batches, options.quiet)
     result.plan, result.similarity = plan, sim
     yield done("score blocks")
 
     if plan.removed:
+        result.memory_plan = memory_plan(options, dense.config, *_loaded_placement(dense), len(plan.boundaries))
         needs = needs_of(v.operator for v in options.variants)
         stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
         yield done("calibrate")
@@ -407,6 +465,19 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.tasks[name] = evaluate_tasks(model, tokenizer, options.tasks, options.task_limit, options.seed,
                                             options.task_batch_size, progress=not options.quiet)
         yield done("tasks")
+
+
+def calibration_size_notes(tokens: int, width: int, options: RunOptions) -> list[str]:
+    """A warning (logged and returned for the result) when a least-squares fit gets fewer than 4·C tokens."""
+    needs = needs_of(v.operator for v in options.variants)
+    if not (needs.residual or needs.branch) or tokens >= 4 * width:
+        return []
+    wanted = min_calibration_sequences(width, options.seqlen, floor=1)
+    note = (f"calibration has {tokens} tokens, fewer than 4·C = {4 * width} for a {width}-wide model: the least-squares "
+            f"fits are poorly determined{' (rank-deficient: a relative ridge decides them)' if tokens < width else ''}; "
+            f"use --train_size {wanted} or more at --seqlen {options.seqlen}")
+    log.warning(note)
+    return [note]
 
 
 def _corpus_entry(name: str, split: str) -> dict:
