@@ -84,6 +84,12 @@ def build(folder: Path, args) -> int:
     with torch.device("cuda"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))  # load_model reads a tokenizer too
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(folder)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
     torch.cuda.empty_cache()
@@ -119,8 +125,13 @@ def pipeline_on(model, removed: tuple[int, ...], seed: int = 0) -> dict:
             "perplexity_s": time.perf_counter() - clock, "perplexity": ppl,
             "updates": {name: [None if f.update is None else f.update.cpu() for f in fits[name]] for name in VARIANTS},
             "operator_weight_dtype": str(next(m for n, m in models["ghost"].named_parameters() if ".patch." in n).dtype),
-            "variant_logits_dtype": str(models["ghost"](windows[:1, :8].to(model.model.embed_tokens.weight.device))
-                                        .logits.dtype)}
+            "variant_logits_dtype": str(models["ghost"](windows[:1, :8].to(input_device(model))).logits.dtype)}
+
+
+def input_device(model) -> torch.device:
+    """Where input ids go: the embeddings' device, or the CPU when accelerate offloaded them (it moves them)."""
+    device = model.model.embed_tokens.weight.device
+    return device if device.type != "meta" else torch.device("cpu")
 
 
 def worker(method: str, folder: str, out: str, removed: tuple[int, ...], gpu_cap: str) -> None:
