@@ -22,6 +22,7 @@ from torch import nn
 from ghosted_core.calibration import BoundaryStats, Moments, branch_module
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard
+from ghosted_core.modeling_ghosted import ResidualLinear, ResidualScale  # shared with remote-code exports
 from ghosted_core.plan import Boundary
 from ghosted_core.registry import add, check_signature, lookup
 
@@ -65,17 +66,20 @@ class OperatorSpec:
     fit: Callable[[BoundaryStats, FitOptions], Fit]
     paper: str
     description: str
+    stock: bool = False  # its variants fold into a stock checkpoint (plain pruning, maps on the MLP branch)
 
 
 OPERATORS: dict[str, OperatorSpec] = {}
 
 
-def register_operator(name: str, *, paper: str, description: str):
-    """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import."""
+def register_operator(name: str, *, paper: str, description: str, stock: bool = False):
+    """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import.
+
+    `stock`: the operator's variants fold into a stock checkpoint (see `fold`)."""
 
     def decorator(fn):
         check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
-        add(OPERATORS, name, OperatorSpec(name, fn, paper, description), "operator")
+        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, stock), "operator")
         return fn
 
     return decorator
@@ -139,7 +143,7 @@ def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the operators
 
 
-@register_operator("none", paper="plain pruning", description="no recovery: W = I")
+@register_operator("none", paper="plain pruning", description="no recovery: W = I", stock=True)
 def fit_none(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return Fit("none", stats.boundary, "residual", None, tokens_used=stats.fit.tokens)
 
@@ -184,7 +188,8 @@ def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 
 @register_operator("replaceme", paper="ReplaceMe-LS",
-                   description="least-squares map on block s−1's MLP output, folded into its down projection")
+                   description="least-squares map on block s−1's MLP output, folded into its down projection",
+                   stock=True)
 def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
     moments = stats.fit
     if not stats.has_branch:
@@ -290,37 +295,6 @@ def module_device(module: nn.Module) -> torch.device:
         if tensor.device.type != "meta":
             return tensor.device
     return torch.device("cpu")
-
-
-class ResidualLinear(nn.Module):
-    """x ↦ x W on the residual stream at a boundary (W = I + M), computed in float32.
-
-    The input is moved to the operator's device, which is that of the block it feeds.
-    """
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight.to(torch.float32), requires_grad=False)  # (C, C)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(self.weight.device, self.weight.dtype) @ self.weight).to(x.dtype)
-
-    def matrix(self) -> torch.Tensor:
-        return self.weight.detach()
-
-
-class ResidualScale(nn.Module):
-    """x ↦ x diag(s): a per-channel scale (LinearPatch-D), computed in float32."""
-
-    def __init__(self, scale: torch.Tensor):
-        super().__init__()
-        self.scale = nn.Parameter(scale.to(torch.float32), requires_grad=False)  # (C,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(self.scale.device, self.scale.dtype) * self.scale).to(x.dtype)
-
-    def matrix(self) -> torch.Tensor:
-        return torch.diag(self.scale.detach())
 
 
 def residual_module(fit: Fit, device: torch.device) -> nn.Module:

@@ -18,6 +18,7 @@ from ghosted_core import data
 from ghosted_core.calibration import BoundaryStats, CalibrationOptions, collect_boundary_stats, collect_stats, make_batches
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
+from ghosted_core.model_card import run_record
 from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, peek_config
 from ghosted_core.operators import Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, module_device, \
     residual_module
@@ -200,7 +201,8 @@ def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> tuple[dict[int, nn.
 def build_recovered(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, fits: Sequence[Fit]) -> PreTrainedModel:
     """The pruned model with a variant's fitted operators, sharing the dense weights."""
     patches, replacements = _realize(dense, fits)
-    record = {"removed_layers": list(plan.removed), "boundaries": [[b.start, b.end] for b in plan.boundaries],
+    record = {"dense_layers": plan.num_layers, "removed_layers": list(plan.removed),
+              "boundaries": [[b.start, b.end] for b in plan.boundaries],
               "operator": variant.operator, "sequential": variant.sequential}
     return build_variant(dense, plan.removed, patches, replacements, record)
 
@@ -283,6 +285,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
                                                desc=f"perplexity {corpus}")
         yield done("perplexity")
+    _record_run(result)
 
     if plan.removed and first_windows is not None and options.drift_windows > 0:
         pruned = {name: model for name, model in result.models.items() if name != "dense"}
@@ -297,6 +300,15 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.tasks[name] = evaluate_tasks(model, tokenizer, options.tasks, options.task_limit, options.seed,
                                             options.task_batch_size, progress=not options.quiet)
         yield done("tasks")
+
+
+def _record_run(result: RunResult) -> None:
+    """Add the run's facts (base model, calibration, perplexities) to each variant's `ghosted` record,
+    so that an export of the variant can state them in its model card."""
+    report = result.to_json()
+    for name, model in result.models.items():
+        if name != "dense" and getattr(model.config, "ghosted", None) is not None:
+            model.config.ghosted.update(run_record(report, name))
 
 
 def _corpus_entry(name: str, split: str) -> dict:
