@@ -13,18 +13,15 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, \
-    Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import FAMILIES, TINY_LAYERS, TINY_VOCAB, TINY_WIDTH, make_tiny_model, random_tokens
+from conftest import ALL_FAMILIES, FAMILIES, TINY_LAYERS, make_tiny_model, random_tokens
 from ghosted_core.assets import cache_dir
 from ghosted_core.errors import GhostedError
 from ghosted_core.model_card import fmt_ppl
 from ghosted_core.export import archive_export, check_export, export_mode, export_variant, load_recovered, \
     upload_export
 from test_surgery import recovered_variants
-
-ALL_FAMILIES = [*FAMILIES, "mistral", "qwen3"]  # every architecture the README claims
 
 # Runs in a fresh interpreter whose cwd is a temporary folder and whose PYTHONPATH is unset:
 # ghosted_core cannot be imported there, and the script checks that it never was.
@@ -74,20 +71,6 @@ def assert_same_model(loaded: dict, variant, ids: torch.Tensor, rtol: float = 1e
     assert torch.equal(loaded["tokens"], tokens)
 
 
-def family_model(family: str):
-    """The tiny random model of `family`: conftest's three, plus Mistral and Qwen3 built the same way."""
-    if family in FAMILIES:
-        return make_tiny_model(family)
-    torch.manual_seed(0)
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=TINY_WIDTH, intermediate_size=72, num_hidden_layers=TINY_LAYERS,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
-    model = MistralForCausalLM(MistralConfig(**common)) if family == "mistral" else \
-        Qwen3ForCausalLM(Qwen3Config(**common, head_dim=6))
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(20)
-    return model.eval().requires_grad_(False)
-
-
 def weight_keys(folder: Path) -> set[str]:
     keys = set()
     for file in folder.glob("*.safetensors"):
@@ -101,7 +84,7 @@ def weight_keys(folder: Path) -> set[str]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_stock_export_loads_without_ghosted_core_and_matches_the_variant(family, tmp_path):
-    model = family_model(family)
+    model = make_tiny_model(family)
     removed = (1, 2, 5)  # a run inside the model and one reaching its end
     _plan, variants = recovered_variants(model, removed)
     names = ["none", "replaceme"] if family != "gemma3" else ["none"]
@@ -162,7 +145,7 @@ def test_sharded_export_writes_an_index_that_transformers_reads(tiny_llama, tmp_
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_remote_code_export_loads_with_trust_remote_code_without_ghosted_core(family, tmp_path):
-    model = family_model(family)
+    model = make_tiny_model(family)
     removed = (0, 3, 5)  # runs at the embeddings, inside, and at the final norm: every patch site
     _plan, variants = recovered_variants(model, removed)
     names = ["ghost_capped", "diag"] + (["replaceme"] if family == "gemma3" else [])
@@ -352,6 +335,7 @@ class _RecordingApi:
 
 
 def test_upload_sends_the_folder_and_never_reveals_the_token(tiny_llama, tmp_path, monkeypatch, caplog):
+    import httpx
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -371,7 +355,8 @@ def test_upload_sends_the_folder_and_never_reveals_the_token(tiny_llama, tmp_pat
     (create, repo, kwargs, used), (upload, upload_kwargs) = _RecordingApi.calls
     assert (create, repo, used, kwargs["exist_ok"]) == ("create_repo", "me/pruned", token, False)
     assert upload == "upload_folder" and upload_kwargs["folder_path"] == str(folder)
-    _RecordingApi.fail_with = HfHubHTTPError(f"409 Conflict: repo exists (token {token})")
+    reply = httpx.Response(409, request=httpx.Request("POST", "https://huggingface.co/api/repos/create"))
+    _RecordingApi.fail_with = HfHubHTTPError(f"409 Conflict: repo exists (token {token})", response=reply)
     try:
         with pytest.raises(GhostedError) as err:
             upload_export(folder, "me/pruned", token)
