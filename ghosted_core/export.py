@@ -203,8 +203,19 @@ def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: 
     return ExportResult(folder, chosen, name, reason, files, weight_bytes)
 
 
+def zip_export(folder: str | Path, path: str | Path) -> Path:
+    """One uncompressed zip of an exported folder (fp32 weights barely compress), its files under `path`'s stem."""
+    folder, path = Path(folder), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for file in sorted(folder.rglob("*")):
+            if file.is_file():
+                archive.write(file, Path(path.stem) / file.relative_to(folder))
+    return path
+
+
 def archive_export(model: PreTrainedModel, tokenizer, path: str | Path, mode: str = "auto") -> ExportResult:
-    """`export_variant` into one uncompressed zip at `path` (fp32 weights barely compress), for downloads.
+    """`export_variant` straight into a zip at `path` (for downloads); the folder is not kept.
 
     The zip holds one folder named after the zip's stem; the result's `folder` is that name.
     """
@@ -212,10 +223,7 @@ def archive_export(model: PreTrainedModel, tokenizer, path: str | Path, mode: st
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}-") as tmp:
         result = export_variant(model, tokenizer, Path(tmp) / path.stem, mode)
-        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
-            for file in sorted(result.folder.rglob("*")):
-                if file.is_file():
-                    archive.write(file, Path(path.stem) / file.relative_to(result.folder))
+        zip_export(result.folder, path)
     return replace(result, folder=Path(path.stem), archive=path)
 
 
