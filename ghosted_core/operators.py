@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -37,10 +37,13 @@ class FitOptions:
     ridge: str = "absolute"  # "absolute" (paper) or "relative": ε = ridge_lambda · tr(XᵀX) / C
     ridge_lambda: float = 1e-4  # relative ridge, also the fallback for rank-deficient fits
     max_condition: float = 1e12  # cond(XᵀX) above which an absolute-ridge fit falls back to the relative ridge
+    sink_directions: tuple[int, ...] = (0, 1, 2, 3, 4)  # replaceme_keepsink: candidate counts k, chosen by held-out error
 
     def __post_init__(self) -> None:
         if self.ridge not in {"absolute", "relative"}:
             raise GhostedError(f"unknown ridge {self.ridge!r}; use absolute or relative")
+        if not self.sink_directions or min(self.sink_directions) < 0:
+            raise GhostedError(f"sink direction counts must be ≥ 0 (got {self.sink_directions})")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Fit:
     ridge: float = 0.0  # ε actually added to the Gram matrix
     condition_number: float = float("nan")  # of the Gram matrix the fit solved with
     notes: tuple[str, ...] = ()  # warnings and fallbacks, shown to the user
+    sink_directions: int | None = None  # replaceme_keepsink: sink MLP-output directions on which T = I
 
 
 @dataclass(frozen=True)
@@ -187,19 +191,115 @@ def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost_nosink", stats, stats.fit_ordinary, opts, "excluded")
 
 
+def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit:
+    note = f"ReplaceMe needs the block before the boundary; boundary {stats.boundary} starts at block 0 and is left unrecovered"
+    log.warning(note)
+    return Fit(name, stats.boundary, "branch", None, tokens_used=stats.fit.tokens, notes=(note,))
+
+
+def _branch_fit(name: str, stats: BoundaryStats, moments: Moments, opts: FitOptions, sink_handling: str = "included") -> Fit:
+    """ReplaceMe's least squares on the given tokens: m T ≈ Δ + m ⇔ T = I + A, (mᵀm + εI) A = mᵀΔ."""
+    if not stats.has_branch:
+        return _unrecovered_branch(name, stats)
+    update, eps, cond, notes = solve_ridge(moments.mtm, moments.mtd, moments.tokens, opts)
+    sinks = stats.fit_sink.tokens if sink_handling != "included" else 0
+    return Fit(name, stats.boundary, "branch", update, tokens_used=moments.tokens, sink_tokens=sinks,
+               sink_handling=sink_handling, ridge=eps, condition_number=cond, notes=notes)
+
+
 @register_operator("replaceme", paper="ReplaceMe-LS",
                    description="least-squares map on block s−1's MLP output, folded into its down projection",
                    stock=True)
 def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
-    moments = stats.fit
+    return _branch_fit("replaceme", stats, stats.fit, opts)
+
+
+@register_operator("replaceme_capped", paper="ReplaceMe-LS, sink-capped (this project)",
+                   description="ReplaceMe with each attention-sink token scaled down to the sink threshold norm, "
+                               "folded into block s−1's down projection", stock=True)
+def fit_replaceme_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _branch_fit("replaceme_capped", stats, stats.fit_ordinary + stats.fit_sink_capped, opts, "capped")
+
+
+def sink_branch_gram(stats: BoundaryStats) -> torch.Tensor:
+    """(C, C) Σ mᵀm over the sink tokens' MLP outputs: the only place the sink-preserving fit reads
+    the sink group. With sink tokens kept as rows (the statistics restructure of issue 9) this
+    line becomes `rows.T @ rows` of those rows (or an SVD of the (k, C) rows, O(k²·C))."""
+    return stats.fit_sink.mtm
+
+
+def heldout_branch(stats: BoundaryStats) -> Moments | None:
+    """Moments of the held-out sequences (all tokens) that choose the number of sink directions."""
+    return stats.heldout
+
+
+def sink_directions(gram: torch.Tensor, count: int) -> torch.Tensor:
+    """(C, k) orthonormal top eigenvectors of a sink group's mᵀm, k ≤ count, only those with weight.
+
+    Time O(C³) (one symmetric eigendecomposition), memory 2·C²·8 B.
+    """
+    values, vectors = torch.linalg.eigh(gram)  # ascending
+    order = values.flip(0)
+    useful = int((order > order[0].clamp_min(0) * 1e-9).sum()) if float(order[0]) > 0 else 0
+    return vectors.flip(1)[:, : min(count, useful)]
+
+
+def solve_keeping(gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, tokens: int,
+                  opts: FitOptions) -> tuple[torch.Tensor, float, float, tuple[str, ...]]:
+    """A = P B minimizing ‖m P B − Δ‖² + ε‖B‖², P = I − UUᵀ, U = `keep` (C, k) orthonormal.
+
+    Then T = I + A is the identity on the directions U (u T = u) and the least-squares optimum
+    on the rest. In the basis [Q U] with Q spanning range(P), the normal equations are
+    (QᵀGQ + εI) B̃ = QᵀR, A = Q B̃: the same solution as (PGP + c·UUᵀ + εI) A = P R (any c > 0
+    makes the U block invertible and its right-hand side is 0, so UᵀA = 0), which needs no Q.
+    Memory: three C×C float64 matrices beyond the statistics; time O(C²·k) plus one solve, O(C³).
+    """
+    if keep.shape[1] == 0:
+        return solve_ridge(gram, cross, tokens, opts)
+    gu = gram @ keep  # (C, k) G U
+    pgp = gram - keep @ gu.T - gu @ keep.T + keep @ (keep.T @ gu) @ keep.T  # (C, C) P G P
+    pgp += (float(torch.trace(gram)) / gram.shape[0]) * (keep @ keep.T)  # c·UUᵀ: U block invertible
+    rhs = cross - keep @ (keep.T @ cross)  # (C, C) P R
+    update, eps, cond, notes = solve_ridge(pgp, rhs, tokens, opts)
+    update -= keep @ (keep.T @ update)  # exactly 0 on U (it already is up to rounding)
+    return update, eps, cond, notes
+
+
+@register_operator("replaceme_keepsink", paper="ReplaceMe-LS, sink-preserving (this project)",
+                   description="ReplaceMe fitted on ordinary tokens with T = I on the sink tokens' top MLP-output "
+                               "directions (their number chosen by held-out error); folded into block s−1's down "
+                               "projection", stock=True)
+def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    """The sink token's MLP output is massive; any T ≠ I on it breaks the sink for every block after.
+
+    Fit on ordinary tokens only, T = I + P·B with P = I − UUᵀ, U the top-k eigenvectors of the
+    sink group's mᵀm; k from `opts.sink_directions` with the lowest held-out boundary error
+    (all tokens; calibration tokens when nothing is held out). Memory O(C²); time one
+    eigendecomposition plus one solve per candidate k, O((K+1)·C³).
+    """
+    name = "replaceme_keepsink"
     if not stats.has_branch:
-        note = f"ReplaceMe needs the block before the boundary; boundary {stats.boundary} starts at block 0 and is left unrecovered"
-        log.warning(note)
-        return Fit("replaceme", stats.boundary, "branch", None, tokens_used=moments.tokens, notes=(note,))
-    # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
-    update, eps, cond, notes = solve_ridge(moments.mtm, moments.mtd, moments.tokens, opts)
-    return Fit("replaceme", stats.boundary, "branch", update, tokens_used=moments.tokens, ridge=eps,
-               condition_number=cond, notes=notes)
+        return _unrecovered_branch(name, stats)
+    ordinary = stats.fit_ordinary
+    directions = sink_directions(sink_branch_gram(stats), max(opts.sink_directions))
+    judge = heldout_branch(stats)
+    where = "held-out" if judge is not None and judge.tokens else "calibration"
+    judge = judge if where == "held-out" else stats.fit
+    candidates = sorted({min(k, directions.shape[1]) for k in opts.sink_directions})
+    best = None
+    errors = {}
+    for k in candidates:
+        update, eps, cond, notes = solve_keeping(ordinary.mtm, ordinary.mtd, directions[:, :k], ordinary.tokens, opts)
+        fit = Fit(name, stats.boundary, "branch", update, tokens_used=ordinary.tokens, sink_tokens=stats.fit_sink.tokens,
+                  sink_handling="identity", ridge=eps, condition_number=cond, notes=notes)
+        errors[k] = relative_error(fit, judge)
+        if best is None or (errors[k] or 0.0) < (errors[best[0]] or 0.0):
+            best = (k, fit)
+    k, fit = best
+    table = ", ".join(f"{j}: {e:.3f}" if e is not None else f"{j}: -" for j, e in errors.items())
+    note = f"kept {k} sink direction(s) as identity (boundary error on {where} tokens by count: {table})"
+    log.info("%s at %s: %s", name, stats.boundary, note)
+    return replace(fit, notes=(*fit.notes, note), sink_directions=k)
 
 
 # ---------------------------------------------------------------- assessment
@@ -255,6 +355,7 @@ class FitReport:
     sink_handling: str
     ridge: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    sink_directions: int | None = None  # replaceme_keepsink: sink directions kept as identity (chosen by held-out error)
 
     def to_json(self) -> dict:
         def clean(value):
@@ -280,6 +381,7 @@ def assess(fit: Fit, stats: BoundaryStats) -> FitReport:
         sink_handling=fit.sink_handling,
         ridge=fit.ridge,
         notes=fit.notes,
+        sink_directions=fit.sink_directions,
     )
 
 
