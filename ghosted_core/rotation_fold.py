@@ -107,3 +107,39 @@ def _rotate(weight: torch.Tensor, left: torch.Tensor | None = None, right: torch
     if right is not None:
         w = w @ right
     return w.to(weight.dtype).contiguous()
+
+
+def orthogonal_fold_variants(dense: PreTrainedModel, plan, stats: BoundaryStats, batches, options,
+                             refit: str | None = "replaceme_keepsink") -> dict[str, PreTrainedModel]:
+    """Stock-foldable approximations of ghost at a plan's single boundary (the fold-gap experiment).
+
+    - "ghost_orth": the Procrustes rotation of the boundary (capped tokens), folded upstream;
+    - "ghost_orth+<refit>": that model plus the `refit` operator (a ReplaceMe-family fit) on block
+      s−1's MLP branch, fitted on the rotated model's own activations against the dense target,
+      so that it fits what the rotation left. Both are stock checkpoints (untied embeddings).
+    Each returned model has its own (rotated) embeddings: evaluate them with themselves as the
+    base, not with the dense model's prefix.
+    """
+    from ghosted_core.calibration import collect_boundary_stats
+    from ghosted_core.operators import branch_replacement, get_operator, needs_of
+    from ghosted_core.pipeline import VariantSpec, build_recovered, choose_fit
+    from ghosted_core.surgery import build_variant
+
+    if len(plan.boundaries) != 1:
+        raise GhostedError("the orthogonal fold is built for one boundary (a contiguous run of removed blocks)")
+    (boundary,) = plan.boundaries
+    record = {"dense_layers": plan.num_layers, "removed_layers": list(plan.removed),
+              "boundaries": [[boundary.start, boundary.end]], "operator": "ghost_orth", "sequential": False}
+    pruned = build_recovered(dense, plan, VariantSpec("none", "none"), [])
+    rotated = fold_upstream_rotation(pruned, boundary.start, procrustes_map(stats), record)
+    variants = {"ghost_orth": rotated}
+    if refit is not None and boundary.start > 0:
+        source_start = boundary.start  # the first block after the cut, in the pruned layer list
+        branch_stats = collect_boundary_stats(rotated, source_start, dense, boundary, batches, options.calibrate,
+                                              needs_of([refit]))
+        fit = choose_fit(dense, get_operator(refit).fit(branch_stats, options.fit), batches, options, rotated,
+                         source_start)
+        replacement = branch_replacement(fit, rotated.model.layers[source_start - 1])
+        variants[f"ghost_orth+{refit}"] = build_variant(rotated, (), replacements={source_start - 1: replacement},
+                                                        record=record | {"operator": f"ghost_orth+{refit}"})
+    return variants

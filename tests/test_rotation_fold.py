@@ -8,12 +8,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_model, random_tokens
-from ghosted_core.calibration import BoundaryAccumulator, CalibrationOptions
+from ghosted_core.calibration import BoundaryAccumulator, CalibrationOptions, capture, collect_stats, make_batches, \
+    run_forward
 from ghosted_core.errors import GhostedError
 from ghosted_core.export import export_variant
+from ghosted_core.fold import stock_blockers
 from ghosted_core.modeling_ghosted import ResidualLinear
-from ghosted_core.plan import Boundary
-from ghosted_core.rotation_fold import fold_upstream_rotation, procrustes_map
+from ghosted_core.pipeline import RunOptions
+from ghosted_core.plan import Boundary, PruningPlan
+from ghosted_core.rotation_fold import fold_upstream_rotation, orthogonal_fold_variants, procrustes_map
 from ghosted_core.statistics import StatNeeds
 from ghosted_core.modeling_ghosted import PatchedBlock
 from ghosted_core.surgery import assemble
@@ -72,3 +75,23 @@ def test_procrustes_equals_numpy():
     u, _, vt = np.linalg.svd(x_pre.T @ x_post)
     np.testing.assert_allclose(q, u @ vt, atol=1e-10)
     np.testing.assert_allclose(q @ q.T, np.eye(12), atol=1e-12)
+
+
+def test_orthogonal_fold_variants_recover_on_a_tiny_model(tiny_llama):
+    """Both fold-gap variants are stock (nothing blocks the fold) and the branch refit lowers the boundary error."""
+    plan = PruningPlan(6, (2, 3), "manual")
+    ids = random_tokens(8, 16, seed=4)
+    batches = make_batches(ids[:6], ids[6:], 3)
+    options = RunOptions(calibrate=CalibrationOptions(quiet=True))
+    (stats,) = collect_stats(tiny_llama, plan.boundaries, batches, options.calibrate)
+    variants = orthogonal_fold_variants(tiny_llama, plan, stats, batches, options)
+    assert set(variants) == {"ghost_orth", "ghost_orth+replaceme_keepsink"}
+    assert all(not stock_blockers(v) for v in variants.values())
+    errors = {}
+    for name, model in variants.items():  # ‖h_4^dense − (stream entering pruned block 2)‖ on all windows
+        with capture(tiny_llama, {4}) as target, torch.no_grad():
+            run_forward(tiny_llama, ids)
+        with capture(model, {2}) as seen, torch.no_grad():
+            run_forward(model, ids)
+        errors[name] = float((seen[("residual", 2)] - target[("residual", 4)]).norm())
+    assert errors["ghost_orth+replaceme_keepsink"] < errors["ghost_orth"]
