@@ -99,7 +99,8 @@ def main() -> None:
     plan = PruningPlan(blocks, (1,), "manual")
     ids = torch.randint(0, config.vocab_size, (sequences + 2, seqlen), generator=torch.Generator().manual_seed(1))
     batches = make_batches(ids[:sequences], ids[sequences:], 2)
-    options = RunOptions(calibrate=CalibrationOptions(quiet=True), quiet=True)
+    # position rule: the first token of every sequence counts as a sink, so keepsink has sink rows to keep
+    options = RunOptions(calibrate=CalibrationOptions(sink_rule="position", sink_positions=1, quiet=True), quiet=True)
     operators = ("replaceme_keepsink", "ghost_capped")
     with measured(steps, "calibrate (branch + residual statistics)"):
         stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs_of(operators))
