@@ -105,56 +105,28 @@ class _GhostedMixin:
         self._keep_in_fp32_modules_strict = set(self._keep_in_fp32_modules_strict or ()) | operator_paths(layout)
 
 
-class GhostedLlamaConfig(LlamaConfig):
-    model_type = "ghosted_llama"
-
-
-class GhostedLlamaForCausalLM(_GhostedMixin, LlamaForCausalLM):
-    config_class = GhostedLlamaConfig
-    _no_split_modules = [*LlamaForCausalLM._no_split_modules, "PatchedBlock"]
-
-
-class GhostedMistralConfig(MistralConfig):
-    model_type = "ghosted_mistral"
-
-
-class GhostedMistralForCausalLM(_GhostedMixin, MistralForCausalLM):
-    config_class = GhostedMistralConfig
-    _no_split_modules = [*MistralForCausalLM._no_split_modules, "PatchedBlock"]
-
-
-class GhostedQwen2Config(Qwen2Config):
-    model_type = "ghosted_qwen2"
-
-
-class GhostedQwen2ForCausalLM(_GhostedMixin, Qwen2ForCausalLM):
-    config_class = GhostedQwen2Config
-    _no_split_modules = [*Qwen2ForCausalLM._no_split_modules, "PatchedBlock"]
-
-
-class GhostedQwen3Config(Qwen3Config):
-    model_type = "ghosted_qwen3"
-
-
-class GhostedQwen3ForCausalLM(_GhostedMixin, Qwen3ForCausalLM):
-    config_class = GhostedQwen3Config
-    _no_split_modules = [*Qwen3ForCausalLM._no_split_modules, "PatchedBlock"]
-
-
-class GhostedGemma3TextConfig(Gemma3TextConfig):
-    model_type = "ghosted_gemma3_text"
-
-
-class GhostedGemma3ForCausalLM(_GhostedMixin, Gemma3ForCausalLM):
-    config_class = GhostedGemma3TextConfig
-    _no_split_modules = [*Gemma3ForCausalLM._no_split_modules, "PatchedBlock"]
+def _family(base_config: type, base_model: type, model_type: str) -> tuple[type, type]:
+    """The config and model classes of one architecture's Ghosted variant (stock classes, subclassed)."""
+    prefix = "Ghosted"
+    config_cls = type(prefix + base_config.__name__, (base_config,),
+                      {"model_type": model_type, "__module__": __name__, "__qualname__": prefix + base_config.__name__})
+    model_cls = type(prefix + base_model.__name__, (_GhostedMixin, base_model),
+                     {"config_class": config_cls, "_no_split_modules": [*base_model._no_split_modules, "PatchedBlock"],
+                      "__module__": __name__, "__qualname__": prefix + base_model.__name__})
+    return config_cls, model_cls
 
 
 # stock model_type -> (config class, model class) of its Ghosted variant
 FAMILIES = {
-    "llama": (GhostedLlamaConfig, GhostedLlamaForCausalLM),
-    "mistral": (GhostedMistralConfig, GhostedMistralForCausalLM),
-    "qwen2": (GhostedQwen2Config, GhostedQwen2ForCausalLM),
-    "qwen3": (GhostedQwen3Config, GhostedQwen3ForCausalLM),
-    "gemma3_text": (GhostedGemma3TextConfig, GhostedGemma3ForCausalLM),
+    "llama": _family(LlamaConfig, LlamaForCausalLM, "ghosted_llama"),
+    "mistral": _family(MistralConfig, MistralForCausalLM, "ghosted_mistral"),
+    "qwen2": _family(Qwen2Config, Qwen2ForCausalLM, "ghosted_qwen2"),
+    "qwen3": _family(Qwen3Config, Qwen3ForCausalLM, "ghosted_qwen3"),
+    "gemma3_text": _family(Gemma3TextConfig, Gemma3ForCausalLM, "ghosted_gemma3_text"),
 }
+# the names config.json's auto_map points at
+GhostedLlamaConfig, GhostedLlamaForCausalLM = FAMILIES["llama"]
+GhostedMistralConfig, GhostedMistralForCausalLM = FAMILIES["mistral"]
+GhostedQwen2Config, GhostedQwen2ForCausalLM = FAMILIES["qwen2"]
+GhostedQwen3Config, GhostedQwen3ForCausalLM = FAMILIES["qwen3"]
+GhostedGemma3TextConfig, GhostedGemma3ForCausalLM = FAMILIES["gemma3_text"]
