@@ -17,7 +17,7 @@ from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.calibration_pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
-from ghosted_core.export import save_recovered
+from ghosted_core.export import EXPORT_MODES, check_export, export_variant
 from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names, parse_max_memory
 from ghosted_core.operators import HELDOUT_FLAG, OPERATORS, FitOptions
 from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
@@ -89,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "more spill into C×C moments with a warning")
     p.add_argument("--outdir", default="out", help="folder for results.json")
     p.add_argument("--save_model", default=None, metavar="DIR",
-                   help="save each recovered variant to DIR/<variant> (load with ghosted_core.export.load_recovered)")
+                   help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
+    p.add_argument("--export", default="auto", choices=EXPORT_MODES,
+                   help="format of --save_model: stock (plain transformers and serving engines; none and the "
+                        "replaceme family), remote_code (needs trust_remote_code=True; every operator), auto (stock "
+                        "where the variant folds, remote_code otherwise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
                    help="auto (cuda if present, else cpu), cpu, cuda, cuda:N, or map (accelerate: GPUs, then CPU, "
@@ -201,17 +205,34 @@ def main(argv: list[str] | None = None) -> int:
         transformers.utils.logging.disable_progress_bar()
     try:
         options = options_from_args(args)
+        if args.save_model:
+            check_export([v.operator for v in options.variants], args.export)
         result = run(options)
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "results.json").write_text(json.dumps(result.to_json(), indent=2))
+    report = result.to_json()
+    (outdir / "results.json").write_text(json.dumps(report, indent=2))
     print(summary(result))
     if args.save_model:
-        for name, model in result.models.items():
-            if name != "dense":
-                print(f"saved {name}: {save_recovered(model, result.tokenizer, Path(args.save_model) / name)}")
+        try:
+            report["exports"] = save_variants(result, Path(args.save_model), args.export)
+        except GhostedError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        (outdir / "results.json").write_text(json.dumps(report, indent=2))
     print(f"results: {outdir / 'results.json'}")
     return 0
+
+
+def save_variants(result: RunResult, folder: Path, mode: str) -> dict[str, dict]:
+    """Export every pruned variant to folder/<variant>, saying in which format and why."""
+    exports = {}
+    for name, model in result.models.items():
+        if name != "dense":
+            done = export_variant(model, result.tokenizer, folder / name, mode)
+            exports[name] = done.to_json()
+            print(f"saved {name} as {done.mode} ({done.reason}): {done.folder}")
+    return exports

@@ -21,10 +21,11 @@ from ghosted_core.heldout import measure_errors
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
 from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
+from ghosted_core.model_card import run_record
 from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
     peek_config, resolve_device, resolve_dtype
-from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, \
-    module_device, needs_of, residual_module
+from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, \
+    choose_by_heldout, get_operator, module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
 from ghosted_core.surgery import build_variant, patch_site
@@ -217,8 +218,9 @@ def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> tuple[dict[int, nn.
 
 
 def _record(plan: PruningPlan, variant: VariantSpec) -> dict:
-    return {"removed_layers": list(plan.removed), "boundaries": [[b.start, b.end] for b in plan.boundaries],
-            "operator": variant.operator, "sequential": variant.sequential}
+    return {"dense_layers": plan.num_layers, "removed_layers": list(plan.removed),
+            "boundaries": [[b.start, b.end] for b in plan.boundaries], "operator": variant.operator,
+            "sequential": variant.sequential}
 
 
 def build_recovered(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, fits: Sequence[Fit]) -> PreTrainedModel:
@@ -248,6 +250,20 @@ def _with_heldout(report: FitReport, errors) -> FitReport:
         heldout_worse_than_pruning=errors.relative is not None and errors.relative > 1.0)
 
 
+def choose_fit(dense: PreTrainedModel, fit: Fit, batches, options: RunOptions, source: PreTrainedModel | None = None,
+               source_start: int | None = None) -> Fit:
+    """A fit that carries candidates (replaceme_keepsink: one per number of sink directions) becomes the
+    candidate with the lowest held-out boundary error. Time: one held-out pass up to the boundary for
+    all candidates (one per candidate for a sequential fit); memory: the candidates' C×C updates."""
+    if not fit.candidates:
+        return fit
+    if source is None:
+        errors = measure_errors(dense, list(fit.candidates), batches, options.calibrate)
+    else:
+        errors = [measure_errors(dense, [c], batches, options.calibrate, source, source_start)[0] for c in fit.candidates]
+    return choose_by_heldout(fit, errors)
+
+
 def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, stats: Sequence[BoundaryStats],
                 batches, options: RunOptions) -> tuple[list[Fit], list[FitReport]]:
     """Fit a variant's operator at every boundary, independently or sequentially, with held-out errors.
@@ -259,11 +275,11 @@ def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec,
     reports: list[FitReport] = []
     held: list = []
     for k, boundary_stats in enumerate(stats):
-        source = None
+        source, source_start = None, None
         if variant.sequential and k > 0:
             source = build_recovered(dense, _upstream(plan, k), variant, fits)
             boundary_stats, source_start = _sequential_stats(dense, plan, k, source, batches, options, variant.operator)
-        fit = spec.fit(boundary_stats, options.fit)
+        fit = choose_fit(dense, spec.fit(boundary_stats, options.fit), batches, options, source, source_start)
         fits.append(fit)
         reports.append(assess(fit, boundary_stats))
         if source is not None:
@@ -311,7 +327,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     for k in range(len(stats)):
         for variant in variants:
             if not variant.sequential or k == 0:
-                fit = get_operator(variant.operator).fit(stats[k], options.fit)
+                fit = choose_fit(dense, get_operator(variant.operator).fit(stats[k], options.fit), batches, options)
                 builds[variant.name].add(dense, fit, stats[k])
                 del fit
         if k > 0 or not sequential:
@@ -326,6 +342,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
             view = build_variant(dense, upstream.removed, build.patches, build.replacements, _record(upstream, variant))
             boundary_stats, source_start = _sequential_stats(dense, plan, k, view, batches, options, variant.operator)
             fit = get_operator(variant.operator).fit(boundary_stats, options.fit)
+            fit = choose_fit(dense, fit, batches, options, view, source_start)
             build.add(dense, fit, boundary_stats)
             del boundary_stats
             errors = measure_errors(dense, [build.maps[k]], batches, options.calibrate, view, source_start)[0]
@@ -451,6 +468,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
                                                desc=f"perplexity {corpus}")
         yield done("perplexity")
+    _record_run(result)
 
     if plan.removed and first_windows is not None and options.drift_windows > 0:
         pruned = {name: model for name, model in result.models.items() if name != "dense"}
@@ -478,6 +496,15 @@ def calibration_size_notes(tokens: int, width: int, options: RunOptions) -> list
             f"use --train_size {wanted} or more at --seqlen {options.seqlen}")
     log.warning(note)
     return [note]
+
+
+def _record_run(result: RunResult) -> None:
+    """Add the run's facts (base model, calibration, perplexities) to each variant's `ghosted` record,
+    so that an export of the variant can state them in its model card."""
+    report = result.to_json()
+    for name, model in result.models.items():
+        if name != "dense" and getattr(model.config, "ghosted", None) is not None:
+            model.config.ghosted.update(run_record(report, name))
 
 
 def _corpus_entry(name: str, split: str) -> dict:
