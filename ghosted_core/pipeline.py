@@ -18,7 +18,8 @@ from ghosted_core import data
 from ghosted_core.calibration import BoundaryStats, CalibrationOptions, collect_boundary_stats, collect_stats, make_batches
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
-from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, peek_config
+from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
+    peek_config
 from ghosted_core.operators import Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, module_device, \
     residual_module
 from ghosted_core.plan import PruningPlan
@@ -178,8 +179,8 @@ def fit_json(reports: Sequence[FitReport]) -> dict:
     }
 
 
-def validate(options: RunOptions, num_layers: int | None = None) -> None:
-    """Refuse bad input before any expensive step."""
+def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
+    """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
     for name in (options.calibration, *options.eval_corpora):
         if name == USER_CORPUS:
@@ -193,6 +194,15 @@ def validate(options: RunOptions, num_layers: int | None = None) -> None:
             raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
     if options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
+    sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
+             "--task_batch_size": options.task_batch_size}
+    for flag, size in sizes.items():
+        if size < 1:
+            raise GhostedError(f"{flag} must be at least 1 (got {size})")
+    longest = max(options.seqlen, options.eval_seqlen or 0)
+    if max_positions is not None and longest > max_positions:
+        raise GhostedError(f"sequences of {longest} tokens exceed the model's {max_positions} positions "
+                           f"(max_position_embeddings); use --seqlen/--eval_seqlen of at most {max_positions}")
     if num_layers is not None:
         check_request(options.criterion, _request(options, num_layers))
 
@@ -261,14 +271,15 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         return stage, result
 
     if loaded is None:
-        validate(options, peek_config(options.model).num_hidden_layers)  # refuse bad depths before loading weights
+        config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
+        validate(options, config.num_hidden_layers, max_positions(config))
         loaded = load_model(options.model, options.load)
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     result.tokenizer = tokenizer
     result.models["dense"] = dense
-    validate(options, loaded.num_layers)
+    validate(options, loaded.num_layers, max_positions(dense.config))
     yield done("load model")
 
     spec = get_criterion(options.criterion)

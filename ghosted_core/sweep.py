@@ -39,7 +39,7 @@ from ghosted_core import data
 from ghosted_core.calibration import BoundaryStats, collect_stats
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import PrefixStates, dense_prefix_states, perplexity, perplexity_from_states
-from ghosted_core.models import LoadedModel, load_model, peek_config
+from ghosted_core.models import LoadedModel, load_model, max_positions, peek_config
 from ghosted_core.operators import FitReport
 from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.pipeline import RunOptions, build_recovered, calibration_batches, corpus_entry, fit_json, \
@@ -209,7 +209,8 @@ class _Clock:
         return seconds
 
 
-def check_sweep(options: RunOptions, depths: Sequence[int], num_layers: int | None = None) -> tuple[int, ...]:
+def check_sweep(options: RunOptions, depths: Sequence[int], num_layers: int | None = None,
+                max_positions: int | None = None) -> tuple[int, ...]:
     """Refuse a sweep no run could do, before any expensive step; the depths, sorted."""
     chosen = check_depths(depths, num_layers)
     validate(options)
@@ -221,7 +222,7 @@ def check_sweep(options: RunOptions, depths: Sequence[int], num_layers: int | No
                            "generations run on a single depth")
     if num_layers is not None:
         for n in chosen:
-            validate(replace(options, num_prune=n), num_layers)
+            validate(replace(options, num_prune=n), num_layers, max_positions)
     return chosen
 
 
@@ -259,9 +260,10 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     clock = _Clock(result.timings)
 
     if loaded is None:
-        check_sweep(options, chosen, peek_config(options.model).num_hidden_layers)  # before loading weights
+        config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
+        check_sweep(options, chosen, config.num_hidden_layers, max_positions(config))
         loaded = load_model(options.model, options.load)
-    check_sweep(options, chosen, loaded.num_layers)
+    check_sweep(options, chosen, loaded.num_layers, max_positions(loaded.model.config))
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
