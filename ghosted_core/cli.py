@@ -245,8 +245,10 @@ def _task_table(result: RunResult) -> list[str]:
     """Zero-shot accuracy per variant and task, with where the data came from."""
     first = next(iter(result.tasks.values()))
     names = [s.task for s in first.scores]
-    lines = [f"zero-shot acc (lm-eval; {first.source} data, {first.limit or 'all'} examples per task, seed {first.seed}):"]
-    rows = [[variant, *(f"{r.score(t).acc:.3f}" for t in names), _fmt(r.mean_acc)] for variant, r in result.tasks.items()]
+    lines = [f"zero-shot acc ± standard error (lm-eval's acc and acc_stderr; {first.source} data, "
+             f"{first.limit or 'all'} examples per task, seed {first.seed}):"]
+    rows = [[variant, *(f"{r.score(t).acc:.3f} ± {r.score(t).acc_stderr:.3f}" for t in names),
+             f"{_fmt(r.mean_acc)} ± {_fmt(r.mean_acc_stderr)}"] for variant, r in result.tasks.items()]
     lines += _table(["variant", *names, "mean"], rows)
     lines.append(f"  chance level (mean over tasks): {_fmt(first.mean_chance)}")
     lines += [f"  {u.task}: unavailable ({u.reason})" for u in first.unavailable]
