@@ -38,6 +38,7 @@ from transformers import PreTrainedModel
 from ghosted_core import data
 from ghosted_core.calibration import BoundaryStats, collect_stats
 from ghosted_core.errors import GhostedError
+from ghosted_core.estimate import statistics_bytes_per_boundary
 from ghosted_core.evaluation import PrefixStates, dense_prefix_states, perplexity, perplexity_from_states
 from ghosted_core.models import LoadedModel, load_model, max_positions, peek_config
 from ghosted_core.operators import FitReport
@@ -226,7 +227,7 @@ def check_sweep(options: RunOptions, depths: Sequence[int], num_layers: int | No
     return chosen
 
 
-def _statistics_bytes(stats: Sequence[BoundaryStats]) -> int:
+def stats_nbytes(stats: Sequence[BoundaryStats]) -> int:
     """Bytes held by the tensors of some boundaries' statistics."""
     seen: set[int] = set()
     total = 0
@@ -282,11 +283,14 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     # One pass for every depth. Memory: distinct boundaries × one boundary's statistics (O(C²) float64).
     uses = Counter(b for plan in result.plans.values() for b in plan.boundaries)
     boundaries = sorted(uses, key=lambda b: (b.end, b.start))
-    log.info("calibrating %d distinct boundaries for depths %s in one pass", len(boundaries), list(chosen))
+    estimated = sum(statistics_bytes_per_boundary(result.hidden_size, b.start > 0) for b in boundaries)
+    log.info("calibrating %d distinct boundaries for depths %s in one pass: statistics of about %.0f MiB",
+             len(boundaries), list(chosen), estimated / 2**20)
     stats: dict[Boundary, BoundaryStats] = dict(zip(boundaries, collect_stats(dense, boundaries, batches,
                                                                                options.calibrate)))
     result.statistics = {"boundaries": [[b.start, b.end] for b in boundaries], "distinct_boundaries": len(boundaries),
-                         "bytes": _statistics_bytes(list(stats.values())), "calibration_passes": 1}
+                         "bytes": stats_nbytes(list(stats.values())), "estimated_bytes": estimated,
+                         "calibration_passes": 1}
     clock.tick("calibrate")
     yield "calibrate", result
 
