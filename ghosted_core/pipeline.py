@@ -6,6 +6,7 @@ so far, so the app can fill its page while later stages run; `run` just drains i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -16,12 +17,13 @@ from transformers import PreTrainedModel
 
 from ghosted_core import data
 from ghosted_core.calibration import BoundaryStats, CalibrationOptions, collect_boundary_stats, collect_stats, make_batches
+from ghosted_core.heldout import measure_errors
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
 from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
     peek_config
-from ghosted_core.operators import Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, module_device, \
-    residual_module
+from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, \
+    module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
 from ghosted_core.surgery import build_variant, patch_site
@@ -228,33 +230,127 @@ def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> tuple[dict[int, nn.
     return patches, replacements
 
 
+def _record(plan: PruningPlan, variant: VariantSpec) -> dict:
+    return {"removed_layers": list(plan.removed), "boundaries": [[b.start, b.end] for b in plan.boundaries],
+            "operator": variant.operator, "sequential": variant.sequential}
+
+
 def build_recovered(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, fits: Sequence[Fit]) -> PreTrainedModel:
     """The pruned model with a variant's fitted operators, sharing the dense weights."""
     patches, replacements = _realize(dense, fits)
-    record = {"removed_layers": list(plan.removed), "boundaries": [[b.start, b.end] for b in plan.boundaries],
-              "operator": variant.operator, "sequential": variant.sequential}
-    return build_variant(dense, plan.removed, patches, replacements, record)
+    return build_variant(dense, plan.removed, patches, replacements, _record(plan, variant))
+
+
+def _upstream(plan: PruningPlan, k: int) -> PruningPlan:
+    """The plan that removes only the runs before boundary k (the sequential fit's source model)."""
+    removed = tuple(i for b in plan.boundaries[:k] for i in b.blocks)
+    return PruningPlan(plan.num_layers, removed, plan.criterion)
+
+
+def _sequential_stats(dense: PreTrainedModel, plan: PruningPlan, k: int, view: PreTrainedModel, batches,
+                      options: RunOptions, operator: str) -> tuple[BoundaryStats, int]:
+    """Boundary k's statistics with x_pre from the upstream-recovered `view` (and where it reads them)."""
+    boundary = plan.boundaries[k]
+    source_start = boundary.start - len(_upstream(plan, k).removed)
+    stats = collect_boundary_stats(view, source_start, dense, boundary, batches, options.calibrate, needs_of([operator]))
+    return stats, source_start
+
+
+def _with_heldout(report: FitReport, errors) -> FitReport:
+    return report if errors is None else dataclasses.replace(
+        report, heldout_error=errors.relative, heldout_error_ordinary=errors.relative_ordinary,
+        heldout_worse_than_pruning=errors.relative is not None and errors.relative > 1.0)
 
 
 def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, stats: Sequence[BoundaryStats],
                 batches, options: RunOptions) -> tuple[list[Fit], list[FitReport]]:
-    """Fit a variant's operator at every boundary, independently or sequentially."""
+    """Fit a variant's operator at every boundary, independently or sequentially, with held-out errors.
+
+    Keeps every float64 fit (C×C per boundary); `fit_variants` is the memory-lean path for many variants.
+    """
     spec = get_operator(variant.operator)
     fits: list[Fit] = []
     reports: list[FitReport] = []
+    held: list = []
     for k, boundary_stats in enumerate(stats):
+        source = None
         if variant.sequential and k > 0:
-            upstream = [b for b in plan.boundaries[:k]]
-            removed = [i for b in upstream for i in b.blocks]
-            partial = PruningPlan(plan.num_layers, tuple(removed), plan.criterion)
-            view = build_recovered(dense, partial, variant, fits)
-            boundary = boundary_stats.boundary
-            source_start = boundary.start - len(removed)
-            boundary_stats = collect_boundary_stats(view, source_start, dense, boundary, batches, options.calibrate)
+            source = build_recovered(dense, _upstream(plan, k), variant, fits)
+            boundary_stats, source_start = _sequential_stats(dense, plan, k, source, batches, options, variant.operator)
         fit = spec.fit(boundary_stats, options.fit)
         fits.append(fit)
         reports.append(assess(fit, boundary_stats))
+        if source is not None:
+            held.append(measure_errors(dense, [fit], batches, options.calibrate, source, source_start)[0])
+    independent = [k for k in range(len(fits)) if not (variant.sequential and k > 0)]
+    for k, errors in zip(independent, measure_errors(dense, [fits[k] for k in independent], batches, options.calibrate)):
+        reports[k] = _with_heldout(reports[k], errors)
+    for k, errors in zip([k for k in range(len(fits)) if k not in independent], held):
+        reports[k] = _with_heldout(reports[k], errors)
     return fits, reports
+
+
+@dataclass
+class _VariantBuild:
+    """A variant being fitted: its boundary modules so far, what applies each fit, its reports."""
+
+    spec: VariantSpec
+    patches: dict[int, nn.Module] = field(default_factory=dict)
+    replacements: dict[int, dict[str, nn.Module]] = field(default_factory=dict)
+    maps: list[BoundaryMap] = field(default_factory=list)
+    reports: list[FitReport] = field(default_factory=list)
+
+    def add(self, dense: PreTrainedModel, fit: Fit, stats: BoundaryStats) -> None:
+        """Realize, assess and compact one fit; the float64 update is not kept."""
+        patches, replacements = _realize(dense, [fit])
+        self.patches.update(patches)
+        self.replacements.update(replacements)
+        self.reports.append(assess(fit, stats))
+        self.maps.append(BoundaryMap.of(fit))
+
+
+def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[VariantSpec],
+                 stats: list[BoundaryStats | None], batches,
+                 options: RunOptions) -> tuple[dict[str, list[FitReport]], dict[str, PreTrainedModel]]:
+    """Fit every variant at every boundary, build the variants, then measure held-out errors in one pass.
+
+    Memory: boundary by boundary, every fit that reads a boundary's statistics is made, realized
+    as its module and compacted (`BoundaryMap`), then that entry of `stats` is set to None (the
+    caller's list: statistics are freed as soon as the fits exist). Boundary 0's statistics wait
+    for the sequential variants. Time: one C×C solve per least-squares fit and one held-out pass
+    for all independent fits, plus two forwards per batch per later boundary of a sequential variant.
+    """
+    builds = {v.name: _VariantBuild(v) for v in variants}
+    sequential = [v for v in variants if v.sequential]
+    for k in range(len(stats)):
+        for variant in variants:
+            if not variant.sequential or k == 0:
+                fit = get_operator(variant.operator).fit(stats[k], options.fit)
+                builds[variant.name].add(dense, fit, stats[k])
+                del fit
+        if k > 0 or not sequential:
+            stats[k] = None
+    if stats:
+        stats[0] = None
+    independent = [(b, k) for b in builds.values() for k in range(len(b.maps))]
+    for variant in sequential:
+        build = builds[variant.name]
+        for k in range(1, len(plan.boundaries)):
+            upstream = _upstream(plan, k)
+            view = build_variant(dense, upstream.removed, build.patches, build.replacements, _record(upstream, variant))
+            boundary_stats, source_start = _sequential_stats(dense, plan, k, view, batches, options, variant.operator)
+            fit = get_operator(variant.operator).fit(boundary_stats, options.fit)
+            build.add(dense, fit, boundary_stats)
+            del boundary_stats
+            errors = measure_errors(dense, [build.maps[k]], batches, options.calibrate, view, source_start)[0]
+            build.reports[k] = _with_heldout(build.reports[k], errors)
+    measured = measure_errors(dense, [b.maps[k] for b, k in independent], batches, options.calibrate)
+    for (build, k), errors in zip(independent, measured):
+        build.reports[k] = _with_heldout(build.reports[k], errors)
+    reports = {name: b.reports for name, b in builds.items()}
+    models = {name: build_variant(dense, plan.removed, b.patches, b.replacements, _record(plan, b.spec))
+              for name, b in builds.items()}
+    return reports, models
 
 
 def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterator[tuple[str, RunResult]]:
@@ -294,13 +390,16 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     yield done("score blocks")
 
     if plan.removed:
-        stats = collect_stats(dense, plan.boundaries, batches, options.calibrate)
+        needs = needs_of(v.operator for v in options.variants)
+        stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
         yield done("calibrate")
+        reports, models = fit_variants(dense, plan, options.variants, stats, batches, options)
+        del stats  # every entry was released as soon as its fits existed
         for variant in options.variants:
-            fits, reports = fit_variant(dense, plan, variant, stats, batches, options)
-            result.fits[variant.name] = reports
-            result.notes += [f"{variant.name}, boundary {r.boundary}: {note}" for r in reports for note in r.notes]
-            result.models[variant.name] = build_recovered(dense, plan, variant, fits)
+            result.fits[variant.name] = reports[variant.name]
+            result.notes += [f"{variant.name}, boundary {r.boundary}: {note}"
+                             for r in reports[variant.name] for note in r.notes]
+            result.models[variant.name] = models[variant.name]
         yield done("fit operators")
 
     eval_seqlen = options.eval_seqlen or options.seqlen

@@ -130,3 +130,20 @@ def tiny_folder(tmp_path_factory, smollm2_tokenizer):
 def tiny_model_folder(tiny_folder):
     """A tiny random Llama with the real SmolLM2 tokenizer, saved as a local model folder."""
     return tiny_folder("llama")
+
+
+def run_blocks(model, hidden: torch.Tensor, blocks) -> torch.Tensor:
+    """The residual stream after calling `blocks` one by one on `hidden` (B, T, C), written out by hand.
+
+    An independent reference for hook-based captures: an explicit causal mask, positions 0…T-1,
+    no cache (Llama-style blocks with one rotary embedding).
+    """
+    batch, length, _ = hidden.shape
+    positions = torch.arange(length).expand(batch, -1)  # (B, T)
+    rotary = model.model.rotary_emb(hidden, positions)
+    mask = torch.full((length, length), float("-inf")).triu(1).expand(batch, 1, -1, -1)  # (B, 1, T, T) additive
+    with torch.no_grad():
+        for block in blocks:
+            out = block(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
