@@ -3,9 +3,9 @@
 Estimates, not measurements, and labelled so wherever they are shown:
 
 - Memory adds up the weights (parameters × dtype bytes), the calibration statistics of every
-  boundary alive at once, one batch's activations, the LM head's logits chunk and the kept
-  dense states of a sweep. The per-boundary statistics come from the calibration's own layout
-  (`statistics_bytes_per_boundary`; the memory plan of issue 9 replaces this once it lands).
+  boundary alive at once (`statistics.statistics_bytes`, the formula the accumulators allocate
+  by, for the requested operators), one batch's activations, the LM head's logits chunk and the
+  kept dense states of a sweep.
 - Time is a FLOP count divided by a rate: forward passes cost 2 × parameters per token through
   the blocks they run (plus attention, 4 × T × C per token and block, and the LM head, 2 × V × C,
   where perplexity needs it); the float64 statistics 8 × C² per token and boundary; each
@@ -30,16 +30,16 @@ from transformers import PretrainedConfig
 
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import LOGITS_BUDGET
-from ghosted_core.hadamard import hadamard_factors
 from ghosted_core.models import estimate_parameters
+from ghosted_core.operators import needs_of
 from ghosted_core.pipeline import RunOptions
 from ghosted_core.selection import get_criterion
+from ghosted_core.statistics import statistics_bytes
 
 # Share of the measured matmul rate a forward pass reaches. CPU: SmolLM2's forward (8 × 256 tokens) ran at
 # 0.65-0.85 of a 1024² float32 matmul on this project's 2-core machine.
 EFFICIENCY = {"cpu": 0.7, "cuda": 0.4}
 LOAD_BYTES_PER_SECOND = 1.0e9  # reading safetensors from a local disk or the Hub cache
-STATS_ITEM = 8  # float64 statistics
 FIT_FLOPS_PER_C3 = 20.0  # eigenvalues for the condition number (~9 C³), the solve (~2.7 C³), singular values (~8 C³)
 
 # ZeroGPU lends a slice of an NVIDIA H200 with 70 GB (huggingface.co/docs/hub/spaces-zerogpu). Outside the
@@ -153,13 +153,10 @@ def workload(config: PretrainedConfig, options: RunOptions, depths: Sequence[int
 # ---------------------------------------------------------------- memory
 
 
-def statistics_bytes_per_boundary(width: int, branch: bool = True) -> int:
-    """Bytes of one boundary's float64 statistics as calibration accumulates them today: five token groups
-    (fit ordinary / sink / capped sink, held-out ordinary / sink), each with XᵀX and XᵀΔ (and mᵀm, mᵀΔ with a
-    block before the boundary), four per-channel abs sums (two without a Hadamard matrix for C) and ‖Δ‖²."""
-    matrices = 4 if branch else 2
-    vectors = 4 if hadamard_factors(width) is not None else 2
-    return STATS_ITEM * 5 * (matrices * width * width + vectors * width + 1)
+def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool = True) -> int:
+    """Bytes one boundary's accumulator allocates for the operators `options` asks for."""
+    needs = needs_of(v.operator for v in options.variants)
+    return statistics_bytes(width, needs, options.calibrate.capacity(options.train_size), branch)
 
 
 @dataclass(frozen=True)
@@ -192,7 +189,7 @@ def estimate_memory(config: PretrainedConfig, options: RunOptions, depths: Seque
     per_depth_boundaries = max(1, math.ceil(work.boundaries / len(work.depths)))
     return MemoryEstimate(
         weights=estimate_parameters(config) * dtype_bytes,
-        statistics=work.boundaries * statistics_bytes_per_boundary(c),
+        statistics=work.boundaries * statistics_bytes_per_boundary(c, options),
         activations=activations,
         logits=LOGITS_BUDGET,
         kept_states=sweep_states,

@@ -6,22 +6,25 @@ papers draw it, and streams the curve as it grows:
 1. load the model (or take the loaded one);
 2. score the blocks ONCE: one similarity pass feeds an accumulator per depth, so every
    depth's plan equals that of a single-depth run (`selection.select_blocks_depths`);
-3. calibrate ONCE: `collect_stats` over the union of every depth's boundaries. The hooks
-   capture the residual at every index any depth needs; statistics are per boundary, so a
-   boundary two depths share (same start and end) is accumulated once;
+3. calibrate ONCE: `collect_stats` over the union of every depth's boundaries, with the
+   statistics every requested operator needs. The hooks capture the residual at every index
+   any depth needs; statistics are per boundary, so a boundary two depths share (same start
+   and end) is accumulated once;
 4. the dense perplexity once per corpus, keeping the dense residual entering each depth's
    first changed block (`evaluation.dense_prefix_states`);
-5. per depth, smallest first: fit every operator, build the variants, run only their
-   suffixes on the kept dense states, record boundary errors; then free that depth's
-   statistics (those no later depth shares), its kept states and its variants, and yield.
+5. per depth, smallest first: fit every operator (`pipeline.fit_variants`, which also measures
+   held-out boundary errors with one pass over the held-out sequences, as a single run does),
+   run only the variants' suffixes on the kept dense states; then free that depth's statistics
+   (those no later depth shares), its kept states and its variants, and yield.
 
 Memory grows with depths × boundaries × statistics. During the calibration pass every
 distinct boundary's statistics are alive at once: (distinct boundaries) × (statistics of one
-boundary, O(C²) float64, whatever the token count). From step 5 on they shrink depth by depth.
-The kept dense states cost evaluation tokens × C × dtype bytes per distinct first changed
-block; above `SweepOptions.prefix_cache_bytes` the sweep recomputes each depth's prefix instead.
-`+seq` variants are supported, honestly: each costs one extra calibration pass per boundary
-after the first (dense and recovered forward over the calibration batches), counted per depth.
+boundary, O(C²) float64 whatever the token count: `memory` / `statistics.statistics_bytes`).
+From step 5 on they shrink depth by depth. The kept dense states cost evaluation tokens × C ×
+dtype bytes per distinct first changed block; above `SweepOptions.prefix_cache_bytes` the
+sweep recomputes each depth's prefix instead. `+seq` variants are supported, honestly: each
+costs one extra calibration pass per boundary after the first (a dense and a recovered
+forward over the calibration batches, plus its own held-out pass), counted per depth.
 """
 
 from __future__ import annotations
@@ -41,10 +44,9 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.estimate import statistics_bytes_per_boundary
 from ghosted_core.evaluation import PrefixStates, dense_prefix_states, perplexity, perplexity_from_states
 from ghosted_core.models import LoadedModel, load_model, max_positions, peek_config
-from ghosted_core.operators import FitReport
+from ghosted_core.operators import FitReport, needs_of
 from ghosted_core.plan import Boundary, PruningPlan
-from ghosted_core.pipeline import RunOptions, build_recovered, calibration_batches, corpus_entry, fit_json, \
-    fit_variant, validate
+from ghosted_core.pipeline import RunOptions, calibration_batches, corpus_entry, fit_json, fit_variants, validate
 from ghosted_core.selection import SelectionRequest, get_criterion, select_blocks_depths
 
 log = logging.getLogger(__name__)
@@ -227,26 +229,6 @@ def check_sweep(options: RunOptions, depths: Sequence[int], num_layers: int | No
     return chosen
 
 
-def stats_nbytes(stats: Sequence[BoundaryStats]) -> int:
-    """Bytes held by the tensors of some boundaries' statistics."""
-    seen: set[int] = set()
-    total = 0
-
-    def walk(value) -> None:
-        nonlocal total
-        if isinstance(value, torch.Tensor):
-            if id(value) not in seen:
-                seen.add(id(value))
-                total += value.nbytes
-        elif hasattr(value, "__dataclass_fields__"):
-            for name in value.__dataclass_fields__:
-                walk(getattr(value, name))
-
-    for item in stats:
-        walk(item)
-    return total
-
-
 def _first_changed_block(plan: PruningPlan) -> int:
     """The earliest dense block a variant of this plan may change: the block before its first run
     (ReplaceMe rewrites it), or block 0."""
@@ -283,14 +265,17 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     # One pass for every depth. Memory: distinct boundaries × one boundary's statistics (O(C²) float64).
     uses = Counter(b for plan in result.plans.values() for b in plan.boundaries)
     boundaries = sorted(uses, key=lambda b: (b.end, b.start))
-    estimated = sum(statistics_bytes_per_boundary(result.hidden_size, b.start > 0) for b in boundaries)
+    estimated = sum(statistics_bytes_per_boundary(result.hidden_size, options, b.start > 0) for b in boundaries)
     log.info("calibrating %d distinct boundaries for depths %s in one pass: statistics of about %.0f MiB",
              len(boundaries), list(chosen), estimated / 2**20)
+    needs = needs_of(v.operator for v in options.variants)
+    live: list = []  # the accumulators, to read what they allocated
     stats: dict[Boundary, BoundaryStats] = dict(zip(boundaries, collect_stats(dense, boundaries, batches,
-                                                                               options.calibrate)))
+                                                                               options.calibrate, needs, live)))
     result.statistics = {"boundaries": [[b.start, b.end] for b in boundaries], "distinct_boundaries": len(boundaries),
-                         "bytes": stats_nbytes(list(stats.values())), "estimated_bytes": estimated,
-                         "calibration_passes": 1}
+                         "bytes": sum(acc.nbytes() for acc in live), "estimated_bytes": estimated,
+                         "kept_bytes": sum(s.nbytes() for s in stats.values()), "calibration_passes": 1}
+    del live
     clock.tick("calibrate")
     yield "calibrate", result
 
@@ -348,15 +333,14 @@ def _run_depth(dense: PreTrainedModel, options: RunOptions, plan: PruningPlan, s
     """Fit every operator at one depth, evaluate the variants on the kept dense states, drop them."""
     depth = DepthResult(len(plan.removed), plan)
     clock = _Clock(depth.timings)
-    depth_stats = [stats[b] for b in plan.boundaries]
-    models: dict[str, PreTrainedModel] = {}
+    # fit_variants drops each entry of this list once its fits exist; `stats` keeps what later depths share
+    depth.fits, models = fit_variants(dense, plan, options.variants, [stats[b] for b in plan.boundaries], batches,
+                                      options)
     for variant in options.variants:
-        fits, reports = fit_variant(dense, plan, variant, depth_stats, batches, options)
-        depth.fits[variant.name] = reports
+        reports = depth.fits[variant.name]
         depth.notes += [f"{variant.name}, boundary {r.boundary}: {note}" for r in reports for note in r.notes]
         if variant.sequential:
             depth.extra_passes += len(plan.boundaries) - 1
-        models[variant.name] = build_recovered(dense, plan, variant, fits)
     clock.tick("fit operators")
     for corpus, states in cached.items():
         desc = f"perplexity {corpus}, n = {depth.n}"

@@ -12,27 +12,31 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.estimate import ZEROGPU_MAX_SECONDS, ZEROGPU_MIN_SECONDS, DeviceInfo, current_device, \
     estimate_memory, estimate_time, gpu_duration, statistics_bytes_per_boundary, workload
 from ghosted_core.models import estimate_parameters
+from ghosted_core.operators import needs_of
 from ghosted_core.pipeline import RunOptions
 from ghosted_core.plan import Boundary
 from ghosted_core.presets import get_preset
-from ghosted_core.sweep import stats_nbytes
 
 DEVICE = DeviceInfo("test GPU", "cuda", 80 * 2**30, 400e12, 30e12, "assumed (test)")
 
 
 def test_statistics_formula_equals_what_calibration_allocates(tiny_llama):
     ids = random_tokens(4, 16)
-    stats = collect_stats(tiny_llama, [Boundary(0, 1), Boundary(1, 3), Boundary(4, 5)], make_batches(ids, ids[:2], 2),
-                          CalibrationOptions(quiet=True))
-    assert [stats_nbytes([s]) for s in stats] == [statistics_bytes_per_boundary(TINY_WIDTH, branch=False),
-                                                       *2 * [statistics_bytes_per_boundary(TINY_WIDTH)]]
+    options = RunOptions(train_size=4)
+    needs = needs_of(v.operator for v in options.variants)
+    live = []
+    collect_stats(tiny_llama, [Boundary(0, 1), Boundary(1, 3), Boundary(4, 5)], make_batches(ids, ids[:2], 2),
+                  CalibrationOptions(quiet=True), needs, live)
+    assert [acc.nbytes() for acc in live] == [statistics_bytes_per_boundary(TINY_WIDTH, options, branch=False),
+                                                  *2 * [statistics_bytes_per_boundary(TINY_WIDTH, options)]]
 
 
 def test_memory_estimate_adds_weights_and_every_boundary_of_a_sweep():
     config = get_preset("llama-3.1-8b").config()
     options = RunOptions(model="meta-llama/Llama-3.1-8B")
     single = estimate_memory(config, options, dtype_bytes=2)
-    assert single.weights == estimate_parameters(config) * 2 and single.statistics == statistics_bytes_per_boundary(4096)
+    per_boundary = statistics_bytes_per_boundary(4096, options)
+    assert single.weights == estimate_parameters(config) * 2 and single.statistics == per_boundary
     sweep = estimate_memory(config, options, (2, 4, 6, 8, 10), dtype_bytes=2)
     assert sweep.statistics == 5 * single.statistics  # streamline: one boundary per depth
     assert sweep.kept_states == 5 * 2 * 8192 * 4096 * 2  # two corpora × 8192 tokens × C × bf16 per depth

@@ -78,7 +78,7 @@ def test_sweep_scores_once_and_calibrates_in_one_pass(loaded, tiny_model_folder,
     real_collect = sweep_module.collect_stats
     monkeypatch.setattr(sweep_module, "collect_stats", lambda *a, **k: calls.append(a[1]) or real_collect(*a, **k))
     counter = ForwardCounter(loaded.model)
-    fit_batches, all_batches = 2, 3  # 4 fit sequences and 2 held-out, 2 per forward pass
+    fit_batches, heldout_batches = 2, 1  # 4 fit sequences and 2 held-out, 2 per forward pass
     eval_batches = 2 * 2  # 96 tokens of 32 = 3 windows per corpus → 2 batches of 2, two corpora
     try:
         passes = {stage: counter.take() for stage, _ in sweep_stages(options, (1, 2, 3, 4), loaded)}
@@ -86,10 +86,18 @@ def test_sweep_scores_once_and_calibrates_in_one_pass(loaded, tiny_model_folder,
         counter.handle.remove()
     assert list(passes) == planned_stages((1, 2, 3, 4))
     assert passes["score blocks"] == fit_batches  # one similarity pass for four depths
-    assert passes["calibrate"] == all_batches  # ONE calibration pass for four depths
-    assert passes["perplexity dense"] == eval_batches  # the dense model runs once per corpus
-    assert [passes[f"depth {n}"] for n in (1, 2, 3, 4)] == [0, 0, 0, 0]  # depths run only their suffixes
+    assert passes["calibrate"] == fit_batches  # ONE calibration pass for four depths
     assert len(calls) == 1
+    assert passes["perplexity dense"] == eval_batches  # the dense model runs once per corpus
+    # a depth runs its variants' suffixes only (no pass from the tokens) and, once its fits exist, the
+    # held-out sequences once for the boundary errors of all its variants, as a single run does
+    assert [passes[f"depth {n}"] for n in (1, 2, 3, 4)] == [heldout_batches] * 4
+    single = ForwardCounter(loaded.model)
+    try:
+        run(replace(options, num_prune=2), loaded)
+    finally:
+        single.handle.remove()
+    assert single.count == 2 * fit_batches + heldout_batches + eval_batches  # what each depth would cost alone
 
 
 def test_every_depth_equals_a_single_depth_run(loaded, tiny_model_folder):
