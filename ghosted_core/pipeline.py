@@ -30,6 +30,7 @@ from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
 from ghosted_core.surgery import build_variant, patch_site
 from ghosted_core.tasks import TaskResults, evaluate_tasks, parse_tasks
+from ghosted_core.user_text import USER_CORPUS, UserText
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,23 @@ class RunOptions:
     generation: GenerationOptions = GenerationOptions()
     fit: FitOptions = FitOptions()
     calibrate: CalibrationOptions = CalibrationOptions()
+    user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
     quiet: bool = False
 
     @property
     def heldout(self) -> int:
         return self.heldout_size if self.heldout_size is not None else max(1, (self.train_size or 64) // 8)
+
+    def corpus(self, name: str, split: str) -> str | data.Corpus:
+        """What the data functions read for corpus `name`: its registered name, or the user's text
+        (disjoint calibration and evaluation parts when this run uses it for both)."""
+        if name != USER_CORPUS:
+            return name
+        if self.user_text is None:
+            raise GhostedError(f"the corpus {USER_CORPUS!r} needs your text: paste or upload it "
+                               "(command line: --user_text FILE.txt or FILE.jsonl)")
+        shared = self.calibration == USER_CORPUS and USER_CORPUS in self.eval_corpora
+        return self.user_text.corpus(split, shared)
 
 
 @dataclass
@@ -128,14 +141,7 @@ class RunResult:
         for name in self.variant_names:
             entry: dict = {"ppl": {corpus: table[name] for corpus, table in self.perplexity.items() if name in table}}
             if name in self.fits:
-                reports = self.fits[name]
-                entry["boundary_error"] = [
-                    {"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
-                     "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
-                     "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
-                    for r in reports]
-                entry["antisym_fraction"] = [r.antisym_fraction for r in reports]
-                entry["fits"] = [r.to_json() for r in reports]
+                entry |= fit_json(self.fits[name])
             if name in self.drift:
                 entry["drift"] = self.drift[name].to_json()
             if name in self.generations:
@@ -171,12 +177,27 @@ class RunResult:
         }
 
 
+def fit_json(reports: Sequence[FitReport]) -> dict:
+    """A variant's boundary errors, anti-symmetric shares and full fit reports, one per boundary (results.json)."""
+    return {
+        "boundary_error": [{"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
+                            "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
+                            "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
+                           for r in reports],
+        "antisym_fraction": [r.antisym_fraction for r in reports],
+        "fits": [r.to_json() for r in reports],
+    }
+
+
 def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
     """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
     for name in (options.calibration, *options.eval_corpora):
-        if name not in data.corpus_names():
-            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}")
+        if name == USER_CORPUS:
+            options.corpus(name, "evaluation")  # refuses "your text" without the text
+        elif name not in data.corpus_names():
+            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}, "
+                               f"or {USER_CORPUS!r} with your own text")
     if options.tasks:
         parse_tasks(",".join(options.tasks))  # unknown task names fail before any work
         if options.task_limit is not None and options.task_limit < 1:
@@ -434,12 +455,9 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     needs_data = spec.needs_similarity or options.criterion != "none"
     batches = []
     if needs_data:
-        fit_ids, heldout_ids = data.calibration_windows(tokenizer, options.calibration, options.train_size,
-                                                        options.seqlen, options.seed, options.heldout)
-        batches = make_batches(fit_ids, heldout_ids, options.calibrate.batch_size)
-        result.calibration_label = data.load_corpus(options.calibration, "calibration").label
-        result.calibration_tokens = int(fit_ids.numel())
-        result.corpora[options.calibration] = _corpus_entry(options.calibration, "calibration")
+        batches, result.calibration_tokens = calibration_batches(tokenizer, options)
+        result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
+        result.calibration_label = result.corpora[options.calibration]["label"]
         result.notes += calibration_size_notes(result.calibration_tokens, loaded.hidden_size, options)
     plan, sim = select_blocks(dense, options.criterion, _request(options, loaded.num_layers), batches, options.quiet)
     result.plan, result.similarity = plan, sim
@@ -462,9 +480,11 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     eval_seqlen = options.eval_seqlen or options.seqlen
     first_windows = None
     for corpus in options.eval_corpora:
-        windows = data.evaluation_windows(tokenizer, corpus, eval_seqlen, options.eval_max_tokens)
+        windows = data.evaluation_windows(tokenizer, options.corpus(corpus, "evaluation"), eval_seqlen,
+                                          options.eval_max_tokens)
         first_windows = windows if first_windows is None else first_windows
-        result.corpora[corpus] = _corpus_entry(corpus, "evaluation") | {"windows": len(windows), "tokens": int(windows.numel())}
+        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | {"windows": len(windows),
+                                                                                 "tokens": int(windows.numel())}
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
                                                desc=f"perplexity {corpus}")
         yield done("perplexity")
@@ -507,9 +527,17 @@ def _record_run(result: RunResult) -> None:
             model.config.ghosted.update(run_record(report, name))
 
 
-def _corpus_entry(name: str, split: str) -> dict:
-    corpus = data.load_corpus(name, split)
-    return {"label": corpus.label, "real": corpus.real}
+def calibration_batches(tokenizer, options: RunOptions) -> tuple[list, int]:
+    """The seeded calibration windows of a run as forward-pass batches (fit, then held-out), and the fit token count."""
+    fit_ids, heldout_ids = data.calibration_windows(tokenizer, options.corpus(options.calibration, "calibration"),
+                                                    options.train_size, options.seqlen, options.seed, options.heldout)
+    return make_batches(fit_ids, heldout_ids, options.calibrate.batch_size), int(fit_ids.numel())
+
+
+def corpus_entry(options: RunOptions, name: str, split: str) -> dict:
+    """The results.json record of a corpus: its label, whether it is the paper's own data, whether it is the user's."""
+    corpus = data.get_corpus(options.corpus(name, split), split)
+    return {"label": corpus.label, "real": corpus.real, "user": name == USER_CORPUS}
 
 
 def run(options: RunOptions, loaded: LoadedModel | None = None) -> RunResult:
