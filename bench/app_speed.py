@@ -43,13 +43,17 @@ def main() -> int:
     import torch
     from gradio_client import Client
 
+    from studio.cache import MODELS
+    from studio.callbacks import OUTPUT_NAMES
+    from studio.settings import DEFAULTS
+
     start = time.perf_counter()
-    app.MODELS.get(app.DEFAULTS.model)
+    MODELS.get(DEFAULTS.model)
     load_seconds = time.perf_counter() - start
     port = free_port()
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
     client = Client(f"http://127.0.0.1:{port}/", verbose=False)
-    d = app.DEFAULTS
+    d = DEFAULTS
     print(f"default run: {d.model}, {d.criterion} removes {d.depth} blocks, variants dense + {', '.join(d.operators)}; "
           f"calibration {d.calibration} {d.samples} x {d.seqlen} tokens; perplexity on {', '.join(d.eval_corpora)} "
           f"({d.eval_tokens} tokens each); drift on {d.drift_windows} window; {d.new_tokens} new tokens")
@@ -60,7 +64,7 @@ def main() -> int:
     for index in range(1, args.runs + 1):
         before = os.getloadavg()
         start = time.perf_counter()
-        outputs = dict(zip(app.OUTPUT_NAMES, client.predict(api_name="/run")))
+        outputs = dict(zip(OUTPUT_NAMES, client.predict(api_name="/run")))
         wall = time.perf_counter() - start
         after = os.getloadavg()
         report = json.loads(Path(outputs["results_file"]).read_text())

@@ -12,8 +12,8 @@ operators fitted on `--train_size` windows of `--seqlen` tokens, perplexity over
 `--eval_tokens` tokens of each corpus's evaluation split in `--seqlen` windows (not the full
 test sets at 2048). Also: a calibration-size sweep for ghost and ghost_capped at one setting,
 and a quick zero-shot task mean at one setting.
-Writes bench/results/quality.json and prints the tables (our own measurements; stand-in
-corpora are labelled as such).
+Writes bench/results/quality.json (quality_quick.json with --quick) and prints the tables (our own
+measurements; stand-in corpora are labelled as such).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the script's folder)
 
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
@@ -162,8 +164,9 @@ def main() -> None:
     parser.add_argument("--sweep_n", type=int, default=11)
     parser.add_argument("--sweep_max", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/quality.json"))
+    parser.add_argument("--out", default=None, help=out_help("quality"))
     args = parser.parse_args()
+    args.out = str(result_path("quality", args.quick, args.out))
     torch.set_grad_enabled(False)
     settings = {"smollm2-135m": [(c, n) for n in (7, 11) for c in ("streamline", "shortgpt")],
                 "gemma3-270m": [(c, n) for n in (4, 6) for c in ("streamline", "shortgpt")]}

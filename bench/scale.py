@@ -244,61 +244,79 @@ def cpu_main(args) -> None:
 
 
 def cuda_main(args) -> None:
-    """The full 32-block Llama-3-8B shape in bf16 on the GPU: the pipeline's stages and the GPU peak."""
+    """The full 32-block Llama-3-8B shape in bf16 on the GPU: the pipeline's stages and the GPU peak.
+
+    `--dry_run` runs the same steps on the CPU with the 1B shape and 6 blocks (checks the script).
+    """
     import ghosted_core  # noqa: F401
     import torch
 
     from ghosted_core.calibration import CalibrationOptions
     from ghosted_core.plan import Boundary, boundaries_of
 
-    report: dict = {"mode": "cuda", "device": torch.cuda.get_device_name(0), "seqlen": SEQLEN, "runs": []}
-    clock = time.perf_counter()
-    model = build_model("llama-3-8b", 32, "cuda", "bfloat16")
-    torch.cuda.synchronize()
-    report["build_s"] = time.perf_counter() - clock
-    report["weights_gib"] = torch.cuda.memory_allocated() / GIB
-    batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
-    plans = {"streamline n=7 (1 boundary)": [Boundary(22, 29)],
-             "shortgpt-like (4 boundaries)": list(boundaries_of([5, 11, 12, 19, 24, 25, 26]))}
-    for label, boundaries in plans.items():
-        for products in ("float64", "float32"):
-            options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full", stats_device="cuda",
-                                         products=products)
+    dry = args.dry_run
+    device, shape, layers = ("cpu", "llama-3.2-1b", 6) if dry else ("cuda", "llama-3-8b", 32)
+    gpu = device == "cuda"
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated() if gpu else 0
+
+    def peak() -> int:
+        if gpu:
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() if gpu else 0
+
+    def reset() -> None:
+        if gpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+
+    report: dict = {"mode": "cuda", "device": torch.cuda.get_device_name(0) if gpu else "cpu (dry run)",
+                    "shape": shape, "layers": layers, "dtype": "bfloat16", "seqlen": SEQLEN, "tokens": args.tokens,
+                    "batch_size": args.batch_size, "runs": []}
+    clock = time.perf_counter()
+    model = build_model(shape, layers, device, "bfloat16")
+    report["build_s"] = time.perf_counter() - clock
+    report["weights_gib"] = allocated() / GIB
+    batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
+    one = [Boundary(layers - 10, layers - 3)] if not dry else [Boundary(2, 4)]
+    plans = {"one boundary (n = 7)": one,
+             "four boundaries": list(boundaries_of([5, 11, 12, 19, 24, 25, 26] if not dry else [0, 2, 4, 5]))}
+    for label, boundaries in plans.items():
+        for products in ("float64", "float32"):
+            options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full", stats_device=device,
+                                         products=products)
+            reset()
+            before = allocated()
             result = fit_ours(model, boundaries, batches, options)
-            torch.cuda.synchronize()
             result.update(label=label, products=products, boundaries=[str(b) for b in boundaries],
-                          peak_extra_gib=(torch.cuda.max_memory_allocated() - before) / GIB,
-                          max_memory_allocated_gib=torch.cuda.max_memory_allocated() / GIB)
+                          peak_extra_gib=(peak() - before) / GIB, max_memory_allocated_gib=peak() / GIB)
             report["runs"].append(result)
             print(json.dumps(result), flush=True)
-    rows = report["runs"]
-    for i in range(0, len(rows), 2):
-        a, b = rows[i], rows[i + 1]
-        b["ghost_norm_relative_difference_vs_float64"] = [abs(x - y) / x for x, y in
-                                                          zip(a["ghost_update_norm"], b["ghost_update_norm"])]
     report["products_difference"] = products_difference(
-        model, plans["streamline n=7 (1 boundary)"], batches,
-        CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full", stats_device="cuda"))
+        model, one, batches, CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full",
+                                                stats_device=device))
+    print("fp32 products vs float64, relative difference in M:", report["products_difference"], flush=True)
     del model
     gc.collect()
-    torch.cuda.empty_cache()
-    # blocks: weights on the CPU, one block at a time on the GPU
-    cpu_model = build_model("llama-3-8b", 32, "cpu", "bfloat16")
-    options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="blocks", stats_device="cuda",
-                                 compute_device="cuda")
-    torch.cuda.reset_peak_memory_stats()
-    result = fit_ours(cpu_model, plans["streamline n=7 (1 boundary)"], batches, options)
-    result.update(label="blocks pipeline, weights on the CPU", max_memory_allocated_gib=torch.cuda.max_memory_allocated() / GIB)
+    if gpu:
+        torch.cuda.empty_cache()
+    clock = time.perf_counter()
+    cpu_model = build_model(shape, layers, "cpu", "bfloat16")  # weights on the CPU, one block at a time on the GPU
+    report["cpu_build_s"] = time.perf_counter() - clock
+    options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="blocks", stats_device=device,
+                                 compute_device=device)
+    reset()
+    result = fit_ours(cpu_model, one, batches, options)
+    result.update(label="blocks pipeline, weights on the CPU", products="float64", max_memory_allocated_gib=peak() / GIB)
     report["runs"].append(result)
     print(json.dumps(result), flush=True)
-    lines = ["| run | products | calibrate (s) | fit (s) | held-out (s) | GPU max allocated (GiB) |", "|---|---|---|---|---|---|"]
+    lines = ["| run | products | calibrate (s) | fit (s) | held-out (s) | GPU max allocated (GiB) |",
+             "|---|---|---|---|---|---|"]
     for r in report["runs"]:
-        s = r["seconds"]
-        lines.append(f"| {r['label']} | {r.get('products', 'float64')} | {s['calibrate']:.1f} | {s['fit']:.1f} | "
-                     f"{s['heldout']:.1f} | {r['max_memory_allocated_gib']:.1f} |")
+        t = r["seconds"]
+        lines.append(f"| {r['label']} | {r['products']} | {t['calibrate']:.1f} | {t['fit']:.1f} | "
+                     f"{t['heldout']:.1f} | {r['max_memory_allocated_gib']:.1f} |")
     write(args, report, lines)
 
 
@@ -317,14 +335,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="C = 2048 only, 1 and 4 boundaries")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--tokens", type=int, default=8192, help="fit tokens per configuration (plus 1/8 held out)")
-    parser.add_argument("--batch_size", type=int, default=4, help="sequences of 512 tokens per forward")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="fit tokens per configuration, plus 1/8 held out (default: 8192 on the CPU, 16384 = 4·C on cuda)")
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="sequences of 512 tokens per forward (default: 4 on the CPU, 8 on cuda)")
+    parser.add_argument("--dry_run", action="store_true", help="--device cuda's steps on the CPU with a small shape")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="llama-3.2-1b", help=argparse.SUPPRESS)
     parser.add_argument("--boundaries", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ours", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    gpu = args.device == "cuda"
+    args.tokens = args.tokens or (16384 if gpu and not args.dry_run else 8192 if not gpu else 1024)
+    args.batch_size = args.batch_size or (8 if gpu else 4)
     if args.worker:
         worker(args)
     elif args.device == "cuda":

@@ -68,7 +68,7 @@ class CalibrationOptions:
         if self.stats_device.split(":")[0] not in STATS_DEVICES:
             raise GhostedError(f"unknown statistics device {self.stats_device!r}; use auto, cpu or cuda")
         if self.batch_size < 1:
-            raise GhostedError(f"the calibration batch size must be at least 1 (got {self.batch_size})")
+            raise GhostedError(f"--batch_size must be at least 1 (sequences per calibration forward pass; got {self.batch_size})")
 
     @property
     def sink_label(self) -> str:

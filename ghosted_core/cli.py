@@ -18,7 +18,7 @@ from ghosted_core.calibration_pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
 from ghosted_core.export import save_recovered
-from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names
+from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names, parse_max_memory
 from ghosted_core.operators import HELDOUT_FLAG, OPERATORS, FitOptions
 from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
 from ghosted_core.selection import COSINE_AXES, CRITERIA, parse_layers
@@ -91,8 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_model", default=None, metavar="DIR",
                    help="save each recovered variant to DIR/<variant> (load with ghosted_core.export.load_recovered)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, or map (accelerate offload)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda if present, else cpu), cpu, cuda, cuda:N, or map (accelerate: GPUs, then CPU, "
+                        "then disk); weights load straight onto it")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--max_memory", default=None, metavar="CAPS",
+                   help="with --device map: memory cap per device, e.g. 0=20GiB,cpu=60GiB (the rest goes to disk)")
+    p.add_argument("--offload_folder", default=None, metavar="DIR",
+                   help="with --device map: folder for weights that must be re-saved to be offloaded to disk "
+                        "(default: the cache folder's offload/<model>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -101,7 +108,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
     """Widget-free translation of the flags into the library's options."""
     return RunOptions(
         model=args.model,
-        load=LoadOptions(device=args.device, dtype=args.dtype),
+        load=LoadOptions(device=args.device, dtype=args.dtype, max_memory=parse_max_memory(args.max_memory),
+                         offload_folder=args.offload_folder),
         criterion=args.pruning_method,
         num_prune=args.total_num_prune,
         layers=parse_layers(args.layers),

@@ -21,8 +21,8 @@ from ghosted_core.heldout import measure_errors
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
 from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
-from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, peek_config, \
-    resolve_device, resolve_dtype
+from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
+    peek_config, resolve_device, resolve_dtype
 from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, \
     module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
@@ -170,8 +170,8 @@ class RunResult:
         }
 
 
-def validate(options: RunOptions, num_layers: int | None = None) -> None:
-    """Refuse bad input before any expensive step."""
+def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
+    """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
     for name in (options.calibration, *options.eval_corpora):
         if name not in data.corpus_names():
@@ -182,6 +182,15 @@ def validate(options: RunOptions, num_layers: int | None = None) -> None:
             raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
     if options.train_size is not None and options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
+    sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
+             "--task_batch_size": options.task_batch_size}
+    for flag, size in sizes.items():
+        if size < 1:
+            raise GhostedError(f"{flag} must be at least 1 (got {size})")
+    longest = max(options.seqlen, options.eval_seqlen or 0)
+    if max_positions is not None and longest > max_positions:
+        raise GhostedError(f"sequences of {longest} tokens exceed the model's {max_positions} positions "
+                           f"(max_position_embeddings); use --seqlen/--eval_seqlen of at most {max_positions}")
     if num_layers is not None:
         check_request(options.criterion, _request(options, num_layers))
 
@@ -384,24 +393,24 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
 
     if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
         config = peek_config(options.model)
-        validate(options, config.num_hidden_layers)
+        validate(options, config.num_hidden_layers, max_positions(config))
         options = sized(options, config.hidden_size)
         plan = memory_plan(options, config)
     else:
         options = sized(options, loaded.hidden_size)
         plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model))
     plan.check()
-    log.info(plan.summary())
     options = _placed(plan, options)
     result.options, result.memory_plan = options, plan
     if loaded is None:
         loaded = load_model(options.model, options.load)
+    log.info(plan.summary())  # once loading succeeded: a refused run prints one line
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     result.tokenizer = tokenizer
     result.models["dense"] = dense
-    validate(options, loaded.num_layers)
+    validate(options, loaded.num_layers, max_positions(dense.config))
     yield done("load model")
 
     spec = get_criterion(options.criterion)

@@ -222,7 +222,10 @@ def parse_layers(text: str) -> tuple[int, ...]:
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):
             low, _, high = part.partition("-")
-            layers.extend(range(int(low), int(high or low) + 1))
+            first, last = int(low), int(high or low)
+            if last < first:
+                raise GhostedError(f"reversed block range {part!r} in {text!r}; write it low-high, e.g. {last}-{first}")
+            layers.extend(range(first, last + 1))
     except ValueError:
         raise GhostedError(f"cannot read block list {text!r}; write e.g. 20,21,25-27") from None
     return tuple(layers)

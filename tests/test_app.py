@@ -16,6 +16,7 @@ import pytest
 
 import app
 from ghosted_core.errors import GhostedError
+from studio import cache, callbacks, charts, layout, runner, settings, tables
 
 SMALL = dict(samples=8, seqlen=128, eval_tokens=256, new_tokens=8)  # the defaults otherwise
 
@@ -50,44 +51,44 @@ def synthetic_report() -> dict:
 
 
 def test_recovered_share_is_the_fraction_of_pruning_damage_undone():
-    assert app.recovered_share(15.0, 30.0, 10.0) == pytest.approx(0.75)
-    assert app.recovered_share(40.0, 30.0, 10.0) == pytest.approx(-0.5)
-    assert app.recovered_share(15.0, None, 10.0) is None
-    assert app.recovered_share(15.0, 10.0, 10.0) is None  # no damage to recover
+    assert tables.recovered_share(15.0, 30.0, 10.0) == pytest.approx(0.75)
+    assert tables.recovered_share(40.0, 30.0, 10.0) == pytest.approx(-0.5)
+    assert tables.recovered_share(15.0, None, 10.0) is None
+    assert tables.recovered_share(15.0, 10.0, 10.0) is None  # no damage to recover
 
 
 def test_perplexity_table_has_every_variant_corpus_label_and_share():
-    table = app.perplexity_table(synthetic_report())
+    table = tables.perplexity_table(synthetic_report())
     assert list(table["variant"]) == ["dense", "none", "ghost"]
     assert list(table.columns) == ["variant", "ptb (exact) ppl", "ptb (exact) recovered", "wiki (stand-in) ppl",
                                    "wiki (stand-in) recovered"]
     ghost = table.set_index("variant").loc["ghost"]
     assert ghost["ptb (exact) recovered"] == "75%" and ghost["wiki (stand-in) recovered"] == "-25%"
-    caption = app.perplexity_caption(synthetic_report())
+    caption = tables.perplexity_caption(synthetic_report())
     for text in ("smollm2-135m", "12–18", "PTB (valid split, exact)", "stand-in for WikiText-2", "stand-in for C4"):
         assert text in caption
 
 
 def test_generations_are_escaped_cards_side_by_side():
-    page = app.generations_html(synthetic_report())
+    page = tables.generations_html(synthetic_report())
     assert re.findall(r"data-variant='([^']+)'", page) == ["dense", "none", "ghost"]
     assert "ghost &amp; text" in page and "&lt;time&gt;" in page and "<time>" not in page
 
 
 def test_every_figure_has_data_and_the_context_in_its_title():
     report = synthetic_report()
-    for build in (app.scores_figure, app.boundary_error_figure, app.drift_figure, app.structure_figure):
+    for build in (charts.scores_figure, charts.boundary_error_figure, charts.drift_figure, charts.structure_figure):
         fig = build(report)
         assert fig.data and all(len(trace.y) for trace in fig.data), build.__name__
         assert "smollm2-135m" in fig.layout.title.text and "12–18" in fig.layout.title.text, build.__name__
-    assert "PTB (valid split, exact)" in app.drift_figure(report).layout.title.text
-    structure = app.structure_figure(report)
+    assert "PTB (valid split, exact)" in charts.drift_figure(report).layout.title.text
+    structure = charts.structure_figure(report)
     assert {t.legendgroup for t in structure.data} == {"ghost"}  # identity (none) has no structure to show
 
 
 def test_manual_plans_show_the_removed_blocks_without_scores():
     report = synthetic_report() | {"criterion": "manual", "scores": [], "score_label": ""}
-    fig = app.scores_figure(report)
+    fig = charts.scores_figure(report)
     assert len(fig.data[0].x) == 30 and "manual" in fig.layout.xaxis.title.text
 
 
@@ -95,29 +96,29 @@ def test_build_options_refuses_what_no_run_could_use():
     values = dict(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="", operators=["ghost"],
                   calibration="mix", samples=8, seqlen=128, seed=0, eval_corpora=["ptb"], eval_tokens=256,
                   prompt="", new_tokens=8)
-    options = app.build_options(**values)
+    options = runner.build_options(**values)
     assert options.prompt is None and options.num_prune == 7 and options.layers == ()
-    assert app.build_options(**values | {"criterion": "manual", "manual_blocks": "3,5-6"}).layers == (3, 5, 6)
+    assert runner.build_options(**values | {"criterion": "manual", "manual_blocks": "3,5-6"}).layers == (3, 5, 6)
     for bad in ({"operators": []}, {"model": " "}, {"criterion": "manual", "manual_blocks": ""},
                 {"criterion": "manual", "manual_blocks": "a-b"}):
         with pytest.raises(GhostedError):
-            app.build_options(**values | bad)
+            runner.build_options(**values | bad)
 
 
 def test_saving_needs_a_variant_the_run_builds():
-    options = app.build_options(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="",
+    options = runner.build_options(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="",
                                 operators=["none", "ghost"], calibration="mix", samples=8, seqlen=128, seed=0,
                                 eval_corpora=["ptb"], eval_tokens=256, prompt="", new_tokens=8)
-    assert app.check_save(options, app.NO_SAVE) is None
-    assert app.check_save(options, "ghost") == "ghost"
-    assert app.planned_stages(options, app.QuickTasks(), "ghost")[-1] == "save model"
+    assert runner.check_save(options, settings.NO_SAVE) is None
+    assert runner.check_save(options, "ghost") == "ghost"
+    assert runner.planned_stages(options, runner.QuickTasks(), "ghost")[-1] == "save model"
     with pytest.raises(GhostedError, match="not among this run's variants"):
-        app.check_save(options, "diag")
-    assert app.safe_name("org/Model v2") == "org-Model-v2"
+        runner.check_save(options, "diag")
+    assert runner.safe_name("org/Model v2") == "org-Model-v2"
 
 
 def test_messages_name_the_widgets_not_the_cli_flags():
-    message = app.page_message(GhostedError("removing 30 of 30 blocks leaves none; use --total_num_prune at most 29"))
+    message = callbacks.page_message(GhostedError("removing 30 of 30 blocks leaves none; use --total_num_prune at most 29"))
     assert "--" not in message and "'Blocks to remove'" in message
 
 
@@ -125,18 +126,18 @@ def test_widget_choices_come_from_the_registries():
     from ghosted_core import data
     from ghosted_core.operators import OPERATORS
 
-    assert set(OPERATORS) <= set(app.OPERATOR_CHOICES)
-    assert set(app.DEFAULTS.operators) >= {"none", "diag", "rotate", "ghost", "ghost_capped", "replaceme"}
-    assert [name for _, name in app.corpus_choices("evaluation")] == data.corpus_names()
+    assert set(OPERATORS) <= set(settings.OPERATOR_CHOICES)
+    assert set(settings.DEFAULTS.operators) >= {"none", "diag", "rotate", "ghost", "ghost_capped", "replaceme"}
+    assert [name for _, name in layout.corpus_choices("evaluation")] == data.corpus_names()
 
 
 def test_model_cache_is_bounded_and_keyed_by_name(monkeypatch):
     loads = []
-    monkeypatch.setattr(app, "load_model", lambda name: loads.append(name) or f"model {name}")
-    cache = app.ModelCache(capacity=2)
-    assert cache.get("a") == "model a" and cache.get("a") == "model a"
-    cache.get("b"), cache.get("c")
-    assert loads == ["a", "b", "c"] and cache.peek("a") is None and cache.peek("c") == "model c"
+    monkeypatch.setattr(cache, "load_model", lambda name: loads.append(name) or f"model {name}")
+    models = cache.ModelCache(capacity=2)
+    assert models.get("a") == "model a" and models.get("a") == "model a"
+    models.get("b"), models.get("c")
+    assert loads == ["a", "b", "c"] and models.peek("a") is None and models.peek("c") == "model c"
 
 
 # ---------------------------------------------------------------- slow: the served app on SmolLM2
@@ -153,10 +154,10 @@ def client(smollm2):
     """The app served in-process on a free port, with the session's SmolLM2 in its model cache."""
     from gradio_client import Client
 
-    app.MODELS.put(smollm2)
+    cache.MODELS.put(smollm2)
     port = free_port()
     app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
-                    **app.launch_options())
+                    **layout.launch_options())
     try:
         # Stop returns once the stage computing at the time has finished (tens of seconds on a
         # busy 2-core machine): wait for it rather than time out at httpx's default 5 s.
@@ -182,13 +183,13 @@ def plot_title(output: dict) -> str:
 @pytest.mark.slow
 def test_default_run_streams_and_fills_every_output(client, all_threads):
     job = client.submit(api_name="/run", **run_kwargs())
-    outputs = dict(zip(app.OUTPUT_NAMES, job.result(timeout=900)))
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, job.result(timeout=900)))
     streamed = job.outputs()
-    variants = ["dense", *app.DEFAULTS.operators]
+    variants = ["dense", *settings.DEFAULTS.operators]
 
     # streaming: one update per stage; perplexity shows up before the generations do
     assert len(streamed) >= 8
-    partial = dict(zip(app.OUTPUT_NAMES, streamed[5]))
+    partial = dict(zip(callbacks.OUTPUT_NAMES, streamed[5]))
     assert partial["ppl_table"]["data"] and "data-variant" not in partial["generations"]
 
     assert "Run complete" in outputs["status"] and "smollm2-135m" in outputs["status"]
@@ -209,10 +210,10 @@ def test_default_run_streams_and_fills_every_output(client, all_threads):
         assert traces and all(trace.get("y") for trace in traces), name
         assert "smollm2-135m" in plot_title(outputs[name]) and "removed" in plot_title(outputs[name]), name
     error_variants = {t["name"] for t in plot_traces(outputs["errors"])}
-    assert error_variants == set(app.DEFAULTS.operators)
+    assert error_variants == set(settings.DEFAULTS.operators)
 
     report = json.loads(Path(outputs["results_file"]).read_text())
-    assert len(report["removed_layers"]) == app.DEFAULTS.depth
+    assert len(report["removed_layers"]) == settings.DEFAULTS.depth
     assert list(report["variants"]) == variants
     for name, entry in report["variants"].items():
         assert set(entry["ppl"]) == {"ptb", "wiki"} and entry["generation"].strip(), name
@@ -248,12 +249,12 @@ def test_a_cancelled_run_and_errors_leave_the_app_serving(client, all_threads):
         time.sleep(0.5)
     assert job.done()
 
-    outputs = dict(zip(app.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt="",
                                       save_variant="ghost_capped"))))
     assert [row[0] for row in outputs["ppl_table"]["data"]] == ["dense", "none", "ghost_capped"]
     assert "generation skipped" in outputs["generations"]
-    assert_saved_model_loads(Path(outputs["model_file"]), removed=app.DEFAULTS.depth, operator="ghost_capped")
+    assert_saved_model_loads(Path(outputs["model_file"]), removed=settings.DEFAULTS.depth, operator="ghost_capped")
 
 
 def assert_saved_model_loads(archive: Path, removed: int, operator: str) -> None:
@@ -278,7 +279,7 @@ def assert_saved_model_loads(archive: Path, removed: int, operator: str) -> None
 
 @pytest.mark.slow
 def test_quick_tasks_fill_the_table_and_chart(client, all_threads):
-    outputs = dict(zip(app.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", "ghost"], eval_corpora=["ptb"], prompt="", tasks_on=True,
                                       task_names=["copa", "arc_easy"], task_examples=5))))
     table = outputs["tasks_table"]

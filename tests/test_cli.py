@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -12,9 +14,17 @@ from ghosted_core.cli import main
 from ghosted_core.hub import hub_reachable
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ghosted_core", *args], capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a refused run (exit code 2, no traceback, nothing else logged)."""
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    return lines[0]
 
 
 def test_whole_run_writes_results(tiny_model_folder, tmp_path, capsys):
@@ -51,22 +61,77 @@ def test_whole_run_writes_results(tiny_model_folder, tmp_path, capsys):
     (["--insert_type", "ghost,magic"], "unknown operator 'magic'"),
     (["--calibration_data", "nowhere"], "unknown corpus"),
     (["--pruning_method", "manual", "--layers", "3,99"], "out of range"),
+    (["--pruning_method", "manual", "--layers", "5-3"], "reversed block range '5-3'"),
     (["--pruning_method", "random"], "invalid choice"),
+    (["--seqlen", "9000"], "exceed the model's 8192 positions"),  # SmolLM2: max_position_embeddings 8192
+    (["--eval_seqlen", "8193"], "exceed the model's 8192 positions"),
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+    (["--task_batch_size", "-1", "--eval_tasks", "copa"], "--task_batch_size must be at least 1"),
+    (["--device", "map", "--max_memory", "cpu:3GB"], "cannot read --max_memory"),
+    (["--max_memory", "cpu=3GB"], "apply to --device map only"),
 ])
 def test_bad_input_gives_one_line_and_exit_code_2(args, message):
     hub_reachable.cache_clear()
     done = run_cli(*args, "--eval_ppl", "none")  # not --quiet: the default log level must not add lines
-    assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], done.stderr
-    assert lines[0].startswith("error: ")
+    assert message in one_error_line(done)
+
+
+# Runs the CLI as if huggingface.co answered: `hub_reachable` says yes, and the Hub's replies come
+# from `setup` (a patched download that raises what huggingface_hub raises, or a prepared cache).
+HUB_CLI = """
+import sys
+import ghosted_core.models
+ghosted_core.models.hub_reachable = lambda timeout=3.0: True
+{setup}
+from ghosted_core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+HUB_REPLY = """
+import huggingface_hub.errors, transformers.utils.hub
+http = __import__(huggingface_hub.errors.HfHubHTTPError.__mro__[1].__module__.split(".")[0])  # huggingface_hub's httpx
+
+def reply(repo_id, filename, **kwargs):
+    url = f"https://huggingface.co/{{repo_id}}/resolve/main/{{filename}}"
+    raise huggingface_hub.errors.{error}("{status} Client Error", response=http.Response({status}, request=http.Request("GET", url)))
+
+transformers.utils.hub.hf_hub_download = reply
+"""
+
+
+def run_hub_cli(model: str, setup: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(HUB_CLI).format(setup=setup)
+    return subprocess.run([sys.executable, "-c", code, "--model", model, "--eval_ppl", "none"], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("error, status, message", [
+    ("RepositoryNotFoundError", 404, "is not a model on the Hugging Face Hub"),
+    ("GatedRepoError", 403, "is a gated model on the Hugging Face Hub: request access at https://huggingface.co/"),
+])
+def test_hub_model_missing_or_gated_is_one_line(error, status, message):
+    done = run_hub_cli("some-org/some-model", HUB_REPLY.format(error=error, status=status))
+    line = one_error_line(done)
+    assert "some-org/some-model" in line and message in line
+
+
+def test_hub_model_needing_remote_code_is_one_line_and_never_runs_it(tmp_path):
+    """A cached Hub repository whose config asks for its own code: refused before anything from it runs."""
+    snapshot = tmp_path / "hub" / "models--some-org--custom-model" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    (snapshot / "config.json").write_text(json.dumps({
+        "model_type": "custom_lm", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
+    (snapshot / "configuration_custom.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
+    done = run_hub_cli("some-org/custom-model", "", env={"HF_HOME": str(tmp_path)})
+    assert "needs its own modelling code (trust_remote_code)" in one_error_line(done)
+    assert not (tmp_path / "ran").exists()
 
 
 def test_unknown_task_is_one_line_and_exit_code_2():
     done = run_cli("--eval_tasks", "arc_easy,hellaswagg", "--quiet", "--eval_ppl", "none")
-    assert done.returncode == 2
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "unknown task(s): hellaswagg" in lines[0]
+    assert "unknown task(s): hellaswagg" in one_error_line(done)
 
 
 def test_tasks_stage_runs_lm_eval_for_every_variant(tiny_model_folder, tmp_path):

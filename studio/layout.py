@@ -1,0 +1,147 @@
+"""The page: controls on the left, results on the right, and the events that connect them."""
+
+from __future__ import annotations
+
+import logging
+
+import gradio as gr
+
+from ghosted_core import data
+from ghosted_core.models import EMBEDDED
+from ghosted_core.pipeline import SEQUENTIAL_SUFFIX
+from ghosted_core.selection import CRITERIA
+from ghosted_core.tasks import TASKS
+from studio.cache import num_blocks
+from studio.callbacks import depth_info, model_note, on_criterion_change, on_model_change, on_run
+from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, NO_SAVE, OPERATOR_CHOICES, QUEUE_SIZE, RUN_CONCURRENCY, \
+    SEQLENS
+
+log = logging.getLogger(__name__)
+
+
+def read_prompts() -> list[str]:
+    """Example prompts from assets/prompts.txt, one a line."""
+    return [line.strip() for line in (ASSETS / "prompts.txt").read_text().splitlines() if line.strip()]
+
+
+def corpus_choices(split: str) -> list[tuple[str, str]]:
+    """(label, name) pairs from the corpus registry; the label says stand-in or exact."""
+    return [(f"{name} — {label}", name) for name, label in data.describe(data.corpus_names(), split).items()]
+
+
+def build_demo() -> gr.Blocks:
+    """The page: controls on the left, results filling in on the right."""
+    prompts = read_prompts()
+    default_layers = num_blocks_or(DEFAULTS.model, 30)
+    with gr.Blocks(title="Ghosted Layers Studio", delete_cache=(3600, 7200)) as demo:
+        with gr.Row(equal_height=True):
+            with gr.Column(scale=2, elem_id="app-header"):
+                gr.Markdown(
+                    "# Ghosted Layers Studio\n"
+                    "Remove decoder blocks from a language model, fit a training-free linear map **W** where they were, "
+                    "and see what pruning broke and what each operator gives back: generations, perplexity, "
+                    "boundary error, per-block drift and the structure of W. Press **Run** to try the defaults "
+                    "(about a minute on 2 CPU cores).")
+            with gr.Column(scale=3):
+                gr.HTML((ASSETS / "method.svg").read_text(), elem_id="method-diagram")
+        with gr.Row():
+            with gr.Column(scale=1, min_width=340, elem_id="controls"):
+                with gr.Row(elem_id="run-buttons"):
+                    run_btn = gr.Button("Run", variant="primary", elem_id="run-button")
+                    stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-button")
+                with gr.Accordion("Model and pruning", open=True):
+                    model = gr.Dropdown(list(EMBEDDED), value=DEFAULTS.model, allow_custom_value=True, label="Model",
+                                        elem_id="model",
+                                        info="an embedded model, a local folder or a Hub id")
+                    model_info = gr.Markdown(model_note(DEFAULTS.model), elem_classes="caption")
+                    criterion = gr.Dropdown([(f"{name} — {CRITERION_HELP.get(name, spec.paper)}", name)
+                                             for name, spec in CRITERIA.items()],
+                                            value=DEFAULTS.criterion, label="Which blocks to remove")
+                    depth = gr.Slider(1, default_layers, value=DEFAULTS.depth, step=1, label="Blocks to remove",
+                                      info=depth_info(default_layers), elem_id="depth")
+                    manual_blocks = gr.Textbox(label="Blocks to remove (manual)", value="19-25", visible=False,
+                                               info=f"block indices 0–{default_layers - 1}, e.g. 19-25 or 3,7,12")
+                with gr.Accordion("Recovery operators", open=True):
+                    operators = gr.Dropdown(OPERATOR_CHOICES, value=list(DEFAULTS.operators), multiselect=True,
+                                            label="Operators",
+                                            info=f"{SEQUENTIAL_SUFFIX}: fit each boundary on the already recovered model")
+                with gr.Accordion("Calibration", open=False):
+                    calibration = gr.Dropdown(corpus_choices("calibration"), value=DEFAULTS.calibration,
+                                              label="Calibration corpus")
+                    samples = gr.Slider(1, 128, value=DEFAULTS.samples, step=1, label="Sequences",
+                                        info="the paper: 128")
+                    seqlen = gr.Dropdown(list(SEQLENS), value=DEFAULTS.seqlen, label="Sequence length (tokens)",
+                                         info="also the perplexity window; the paper: 2048")
+                    seed = gr.Number(DEFAULTS.seed, precision=0, label="Seed")
+                with gr.Accordion("Evaluation", open=False):
+                    eval_corpora = gr.CheckboxGroup(corpus_choices("evaluation"), value=list(DEFAULTS.eval_corpora),
+                                                    label="Perplexity corpora")
+                    eval_tokens = gr.Slider(256, 16384, value=DEFAULTS.eval_tokens, step=256,
+                                            label="Perplexity tokens per corpus")
+                with gr.Accordion("Generation", open=True):
+                    prompt = gr.Textbox(prompts[0], label="Prompt", lines=2)
+                    gr.Examples([[p] for p in prompts], inputs=[prompt], label="Example prompts")
+                    new_tokens = gr.Slider(4, 128, value=DEFAULTS.new_tokens, step=4, label="New tokens")
+                with gr.Accordion("Quick zero-shot tasks", open=False):
+                    tasks_on = gr.Checkbox(False, label="Score every variant on quick tasks (slow: minutes)")
+                    task_names = gr.CheckboxGroup(list(TASKS), value=list(DEFAULTS.tasks), label="Tasks")
+                    task_examples = gr.Slider(5, 200, value=DEFAULTS.task_examples, step=5,
+                                              label="Examples per task (seeded subset)")
+                with gr.Accordion("Save a recovered model", open=False):
+                    save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES, value=DEFAULTS.save_variant,
+                                               label="Variant to download",
+                                               info="surviving blocks + operators as safetensors in a zip "
+                                                    "(SmolLM2: about 0.4 GB); must be one of the operators above")
+                    model_file = gr.File(label="Recovered model (zip; load with ghosted_core.export.load_recovered)",
+                                         elem_id="model-file", interactive=False)
+            with gr.Column(scale=2):
+                status = gr.Markdown("Press **Run** to start.", elem_id="status")
+                gr.Markdown("### Generations", elem_classes="section-title")
+                generations = gr.HTML("<p class='gen-empty'>Generations appear here once the generate stage has run.</p>",
+                                      elem_id="generations")
+                gr.Markdown("### Perplexity", elem_classes="section-title")
+                ppl_caption = gr.Markdown("", elem_classes="caption")
+                ppl_table = gr.Dataframe(label="Perplexity by corpus and variant", interactive=False, elem_id="ppl-table",
+                                         show_label=False, wrap=True)
+                gr.Markdown("### Charts", elem_classes="section-title")
+                scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
+                errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
+                drift_plot = gr.Plot(label="Per-block drift", elem_id="plot-drift", show_label=False)
+                structure_plot = gr.Plot(label="Operator structure", elem_id="plot-structure", show_label=False)
+                with gr.Column(visible=False) as tasks_box:
+                    gr.Markdown("### Quick tasks", elem_classes="section-title")
+                    tasks_caption_md = gr.Markdown("Quick tasks run after the other stages when enabled.",
+                                                   elem_classes="caption")
+                    tasks_table_df = gr.Dataframe(interactive=False, show_label=False, elem_id="tasks-table")
+                    tasks_plot = gr.Plot(show_label=False, elem_id="plot-tasks")
+                results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
+
+        inputs = [model, criterion, depth, manual_blocks, operators, calibration, samples, seqlen, seed, eval_corpora,
+                  eval_tokens, prompt, new_tokens, tasks_on, task_names, task_examples, save_variant]
+        outputs = [status, generations, ppl_caption, ppl_table, scores_plot, errors_plot, drift_plot, structure_plot,
+                   tasks_caption_md, tasks_table_df, tasks_plot, results_file, model_file]
+        run_event = run_btn.click(on_run, inputs, outputs, api_name="run", concurrency_limit=RUN_CONCURRENCY,
+                                  concurrency_id="run", show_progress_on=[status])
+        stop_btn.click(None, None, None, cancels=[run_event], api_name="stop")
+        model.change(on_model_change, [model, depth], [model_info, depth, manual_blocks], api_name="model_info")
+        criterion.change(on_criterion_change, criterion, [depth, manual_blocks], api_visibility="private")
+        tasks_on.change(lambda on: gr.update(visible=on), tasks_on, tasks_box, api_visibility="private")
+    demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=RUN_CONCURRENCY)
+    return demo
+
+
+def num_blocks_or(name: str, fallback: int) -> int:
+    """Block count of `name`, or `fallback` when it cannot be read at start-up (e.g. assets not set up yet)."""
+    try:
+        return num_blocks(name)
+    except Exception as err:  # start-up must not fail on a missing asset; the run says what is wrong
+        log.warning("cannot read the block count of %s: %s", name, err)
+        return fallback
+
+
+def launch_options() -> dict:
+    """Theme and CSS, which Gradio 6 takes at launch."""
+    return {"theme": gr.themes.Soft(primary_hue="indigo", neutral_hue="slate"),
+            "css_paths": [ASSETS / "app.css"]}
+
+

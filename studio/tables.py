@@ -1,0 +1,178 @@
+"""Text, HTML and tables from a run's JSON snapshot (results.json's layout)."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+
+import pandas as pd
+
+from studio.settings import OPERATOR_CHOICES
+
+
+PALETTE = ("#dc2626", "#ea580c", "#ca8a04", "#4f46e5", "#0d9488", "#16a34a", "#9333ea", "#db2777", "#0891b2",
+           "#65a30d", "#7c3aed", "#c2410c", "#0284c7")
+DENSE_COLOR = "#334155"
+
+
+def variant_colors(names: Sequence[str]) -> dict[str, str]:
+    """A stable colour per variant: dense slate, then the palette in the order of OPERATOR_CHOICES."""
+    colors = {"dense": DENSE_COLOR}
+    for name in names:
+        if name != "dense":
+            index = OPERATOR_CHOICES.index(name) if name in OPERATOR_CHOICES else len(colors)
+            colors[name] = PALETTE[index % len(PALETTE)]
+    return colors
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    """A number for a table cell; '–' when missing or not finite."""
+    if value is None or not math.isfinite(value):
+        return "–"
+    return f"{value:.{digits}f}" if abs(value) < 1e5 else f"{value:.3g}"
+
+
+def blocks_text(blocks: Sequence[int]) -> str:
+    """(19, 20, 21, 25) → '19–21, 25'."""
+    runs: list[list[int]] = []
+    for b in sorted(blocks):
+        if runs and runs[-1][1] == b - 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs) or "none"
+
+
+def corpus_tag(report: dict, corpus: str) -> str:
+    """'ptb (exact)' or 'wiki (stand-in)': the short form used in table headers and legends."""
+    info = report.get("corpora", {}).get(corpus, {})
+    return f"{corpus} ({'exact' if info.get('real') else 'stand-in'})"
+
+
+def context_line(report: dict) -> str:
+    """Model, removed blocks and calibration: the caption every table and chart carries."""
+    removed = report.get("removed_layers", [])
+    line = f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} removed " \
+           f"**{len(removed)} block{'s' if len(removed) != 1 else ''}: {blocks_text(removed)}**"
+    cal = report.get("calibration", {})
+    if cal.get("label"):
+        line += f" · calibration: {cal['label']}, {cal['sequences']} × {cal['seqlen']} tokens, seed {cal['seed']}"
+    return line
+
+
+def corpora_caption(report: dict) -> str:
+    """One line per evaluation corpus: its full label and how much of it was read."""
+    parts = []
+    for corpus in report.get("variants", {}).get("dense", {}).get("ppl", {}):
+        info = report["corpora"].get(corpus, {})
+        parts.append(f"{corpus} = {info.get('label', corpus)} ({info.get('windows', '?')} windows, "
+                     f"{info.get('tokens', '?')} tokens)")
+    return " · ".join(parts)
+
+
+def status_markdown(stage: str, done: int, total: int, elapsed: float, report: dict | None, finished: bool) -> str:
+    """The status panel: where the run is, what it is about, and any notes from the library."""
+    head = (f"**Run complete** in {elapsed:.1f} s" if finished
+            else f"**Running:** {stage} done ({done}/{total}) · {elapsed:.1f} s elapsed")
+    lines = [head]
+    if report:
+        lines.append(context_line(report))
+        timings = report.get("timings", {})
+        if timings:
+            lines.append("Stage times: " + " · ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+        lines += [f"*Note:* {note}" for note in report.get("notes", [])]
+    return "\n\n".join(lines)
+
+
+def generations_html(report: dict) -> str:
+    """Side-by-side cards: each variant's continuation of the same prompt, with its perplexities."""
+    variants = report.get("variants", {})
+    prompt = report.get("prompt")
+    texts = {name: entry["generation"] for name, entry in variants.items() if "generation" in entry}
+    if not prompt:
+        return "<p class='gen-empty'>No prompt given: generation skipped.</p>"
+    if not texts:
+        return "<p class='gen-empty'>Generations appear here once the generate stage has run.</p>"
+    app = report.get("app", {})
+    colors = variant_colors(list(texts))
+    cards = []
+    for name, text in texts.items():
+        ppl = " · ".join(f"{corpus} {fmt(value)}" for corpus, value in variants[name].get("ppl", {}).items())
+        cards.append(
+            f"<div class='gen-card{' dense' if name == 'dense' else ''}' data-variant='{html.escape(name)}'>"
+            f"<div class='gen-head'><span class='gen-name'><span class='gen-swatch' style='background:{colors[name]}'>"
+            f"</span>{html.escape(name)}</span><span class='gen-ppl'>{html.escape(ppl and 'ppl ' + ppl)}</span></div>"
+            f"<div class='gen-text'>{html.escape(text.strip()) or '<i>(empty)</i>'}</div></div>")
+    corpora = ", ".join(corpus_tag(report, c) for c in variants.get("dense", {}).get("ppl", {}))
+    about = (f"{report.get('model', '')}, blocks {blocks_text(report.get('removed_layers', []))} removed · greedy, "
+             f"{app.get('max_new_tokens', '?')} new tokens, seed {app.get('generation_seed', '?')}"
+             + (f" · ppl on {corpora}" if corpora else ""))
+    return (f"<div class='gen-prompt'><b>Prompt:</b> <span class='gen-prompt-text'>{html.escape(prompt)}</span>"
+            f"<div class='gen-about'>{html.escape(about)}</div></div>"
+            f"<div class='gen-grid'>{''.join(cards)}</div>")
+
+
+def recovered_share(ppl_op: float, ppl_none: float | None, ppl_dense: float | None) -> float | None:
+    """Share of the pruning damage an operator recovers: (ppl_none − ppl_op) / (ppl_none − ppl_dense)."""
+    if ppl_none is None or ppl_dense is None or not math.isfinite(ppl_none) or ppl_none == ppl_dense:
+        return None
+    return (ppl_none - ppl_op) / (ppl_none - ppl_dense)
+
+
+def perplexity_table(report: dict) -> pd.DataFrame:
+    """Variant × corpus perplexity, and for every operator the share of pruning damage recovered."""
+    variants = report.get("variants", {})
+    corpora = list(variants.get("dense", {}).get("ppl", {}))
+    columns = ["variant"]
+    for corpus in corpora:
+        columns += [f"{corpus_tag(report, corpus)} ppl", f"{corpus_tag(report, corpus)} recovered"]
+    rows = []
+    for name, entry in variants.items():
+        row = [name]
+        for corpus in corpora:
+            value = entry.get("ppl", {}).get(corpus)
+            share = None
+            if name not in ("dense", "none") and value is not None:
+                share = recovered_share(value, variants.get("none", {}).get("ppl", {}).get(corpus),
+                                        variants["dense"]["ppl"].get(corpus))
+            row += [fmt(value), "–" if share is None else f"{share:.0%}"]
+        rows.append(row)
+    return pd.DataFrame(rows, columns=columns)
+
+
+def perplexity_caption(report: dict) -> str:
+    """What the perplexity table is about, and the formula of its 'recovered' columns."""
+    if not report.get("variants", {}).get("dense", {}).get("ppl"):
+        return "Perplexity appears here once the first corpus is done."
+    note = ("recovered = (ppl_none − ppl_op) / (ppl_none − ppl_dense): 100% is the dense model, 0% plain pruning, "
+            "negative worse than plain pruning")
+    if "none" not in report["variants"]:
+        note = "add the `none` operator to see the share of pruning damage each operator recovers"
+    return f"{context_line(report)}  \n{corpora_caption(report)}  \n{note}"
+
+
+def tasks_table(report: dict) -> pd.DataFrame:
+    """Variant × task accuracy (%) and the mean over the tasks run."""
+    tasks = report.get("tasks", {})
+    names = [s["task"] for s in next(iter(tasks.values()))["scores"]] if tasks else []
+    rows = []
+    for variant, result in tasks.items():
+        acc = {s["task"]: s["acc"] for s in result["scores"]}
+        rows.append([variant, *(fmt(100 * acc[t], 1) for t in names),
+                     fmt(100 * result["mean_acc"], 1) if result["mean_acc"] is not None else "–"])
+    return pd.DataFrame(rows, columns=["variant", *(f"{t} acc %" for t in names), "mean acc %"])
+
+
+def tasks_caption(report: dict) -> str:
+    """Where the task examples came from and how many were scored."""
+    tasks = report.get("tasks", {})
+    if not tasks:
+        return "Quick tasks run after the other stages when enabled."
+    first = next(iter(tasks.values()))
+    lines = [context_line(report) + f" · lm-eval, {first.get('limit') or 'all'} examples per task "
+                                    f"(seeded subset, the same for every variant)"]
+    lines += [f"{s['task']}: {s['data']}; chance {100 * s['chance']:.0f}%" for s in first["scores"]]
+    lines += [f"{u['task']}: not run ({u['reason']})" for u in first.get("unavailable", [])]
+    return "  \n".join(lines)
+
