@@ -3,6 +3,7 @@
     flock /tmp/ghosted-heavy.lock .venv/bin/python bench/scale.py     # C = 2048 (1/2/4 boundaries), 4096 (1/4)
     .venv/bin/python bench/scale.py --quick                           # C = 2048, 1 and 4 boundaries (scale_quick.json)
     python bench/scale.py --device cuda                               # a GPU machine: the full 32-block 8B shape, bf16
+    .venv/bin/python bench/scale.py --smollm2_products                # fp32 vs float64 products on SmolLM2
 
 CPU mode builds random Llama models from configs, fp32, with 4 blocks: C = 2048 with
 Llama-3.2-1B's shapes and C = 4096 with Llama-3-8B's (intermediate 14336, 32 heads, 8 KV
@@ -169,6 +170,25 @@ def products_difference(model, boundaries, batches, options) -> dict:
     return out
 
 
+def smollm2_products(args) -> None:
+    """fp32 products vs float64 on the real SmolLM2 (streamline n = 7 boundary, mix calibration)."""
+    import ghosted_core  # noqa: F401
+
+    from ghosted_core import data
+    from ghosted_core.calibration import CalibrationOptions, make_batches
+    from ghosted_core.models import load_model
+    from ghosted_core.plan import Boundary
+
+    loaded = load_model("smollm2-135m")
+    fit_ids, _ = data.calibration_windows(loaded.tokenizer, "mix", 32, SEQLEN, 0)
+    boundaries = [Boundary(20, 27)]
+    options = CalibrationOptions(quiet=True, batch_size=8, pipeline="full")
+    result = products_difference(loaded.model, boundaries, make_batches(fit_ids, None, 8), options)
+    report = {"mode": "products", "model": "smollm2-135m", "boundary": "20-26", "calibration": "mix (stand-in mix), 32 x 512",
+              "relative_difference": result}
+    write(args, report, [f"SmolLM2 boundary 20-26, fp32 products vs float64, relative difference in M: {result}"])
+
+
 def worker(args) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
     import ghosted_core  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads
@@ -323,7 +343,8 @@ def cuda_main(args) -> None:
 
 
 def write(args, report: dict, lines: list[str]) -> None:
-    name = {"cpu": "scale_quick.json" if args.quick else "scale.json", "cuda": "scale_cuda.json"}[report["mode"]]
+    name = {"cpu": "scale_quick.json" if args.quick else "scale.json", "cuda": "scale_cuda.json",
+            "products": "scale_products.json"}[report["mode"]]
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     report["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
@@ -342,6 +363,8 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=None,
                         help="sequences of 512 tokens per forward (default: 4 on the CPU, 8 on cuda)")
     parser.add_argument("--dry_run", action="store_true", help="--device cuda's steps on the CPU with a small shape")
+    parser.add_argument("--smollm2_products", action="store_true",
+                        help="only: fp32 vs float64 products on the real SmolLM2 (scale_products.json)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="llama-3.2-1b", help=argparse.SUPPRESS)
@@ -353,6 +376,8 @@ def main() -> None:
     args.batch_size = args.batch_size or (8 if gpu else 4)
     if args.worker:
         worker(args)
+    elif args.smollm2_products:
+        smollm2_products(args)
     elif args.device == "cuda":
         cuda_main(args)
     else:
