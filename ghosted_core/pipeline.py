@@ -398,6 +398,26 @@ def memory_plan(options: RunOptions, config, device: str | None = None, dtype=No
                        options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
 
 
+def planned(options: RunOptions, loaded: LoadedModel | None = None,
+            boundaries: int | None = None) -> tuple[RunOptions, MemoryPlan]:
+    """Options with the calibration size resolved and calibration placed, and the memory plan behind them.
+
+    Before loading (`loaded` None) the plan comes from the config alone; a plan that cannot fit
+    is refused here, before any weight is read. `boundaries`: how many boundaries the statistics
+    hold at once (None: the most this criterion and depth can make).
+    """
+    if loaded is None:
+        config = peek_config(options.model)
+        options = sized(options, config.hidden_size)
+        plan = memory_plan(options, config, boundaries=boundaries)
+    else:
+        options = sized(options, loaded.hidden_size)
+        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model), boundaries=boundaries)
+    plan.check()
+    log.info(plan.summary())
+    return _placed(plan, options), plan
+
+
 def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
     """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
     cal = options.calibrate
@@ -432,14 +452,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
         config = peek_config(options.model)
         validate(options, config.num_hidden_layers, max_positions(config))
-        options = sized(options, config.hidden_size)
-        plan = memory_plan(options, config)
-    else:
-        options = sized(options, loaded.hidden_size)
-        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model))
-    plan.check()
-    log.info(plan.summary())
-    options = _placed(plan, options)
+    options, plan = planned(options, loaded)
     result.options, result.memory_plan = options, plan
     if loaded is None:
         loaded = load_model(options.model, options.load)
