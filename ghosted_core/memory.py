@@ -215,6 +215,7 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
         host_available = available_bytes("cpu")
     if not gpu:  # the CPU computes; with "map", accelerate keeps what exceeds its max_memory on disk
         chosen = "full" if pipeline == "auto" else pipeline
+        # `map` without a GPU: accelerate keeps at most its max_memory cap of the weights in RAM, the rest on disk
         resident = 0 if device == "map" else weights
         host = resident + acts + stats + fit + logits + (hidden if chosen == "blocks" else 0)
         return MemoryPlan(name, device, _name(dtype), params, weights, c, tokens, acts, boundaries, needs.describe(),

@@ -81,6 +81,10 @@ class LoadOptions:
     max_memory: dict | None = None  # device="map": cap per device, e.g. {0: "20GiB", "cpu": "60GiB"}; the rest goes to disk
     offload_folder: str | None = None  # device="map": where weights that must be re-saved for disk offload go
 
+    def __post_init__(self) -> None:
+        if self.device != "map" and (self.max_memory or self.offload_folder):
+            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -182,8 +186,6 @@ def placement(name: str, options: LoadOptions) -> dict:
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     if device != "map":
-        if options.max_memory or options.offload_folder:
-            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
         return {"dtype": dtype, "device_map": device}
     folder = Path(options.offload_folder) if options.offload_folder else default_offload_folder(name)
     return {"dtype": dtype, "device_map": "auto", "max_memory": options.max_memory, "offload_folder": str(folder)}

@@ -21,14 +21,16 @@ from ghosted_core.heldout import measure_errors
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
 from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
+from ghosted_core.model_card import run_record
 from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
     peek_config, resolve_device, resolve_dtype
-from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, \
-    module_device, needs_of, residual_module
+from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, \
+    choose_by_heldout, get_operator, module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
 from ghosted_core.surgery import build_variant, patch_site
 from ghosted_core.tasks import TaskResults, evaluate_tasks, parse_tasks
+from ghosted_core.user_text import USER_CORPUS, UserText
 
 log = logging.getLogger(__name__)
 
@@ -86,11 +88,23 @@ class RunOptions:
     generation: GenerationOptions = GenerationOptions()
     fit: FitOptions = FitOptions()
     calibrate: CalibrationOptions = CalibrationOptions()
+    user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
     quiet: bool = False
 
     @property
     def heldout(self) -> int:
         return self.heldout_size if self.heldout_size is not None else max(1, (self.train_size or 64) // 8)
+
+    def corpus(self, name: str, split: str) -> str | data.Corpus:
+        """What the data functions read for corpus `name`: its registered name, or the user's text
+        (disjoint calibration and evaluation parts when this run uses it for both)."""
+        if name != USER_CORPUS:
+            return name
+        if self.user_text is None:
+            raise GhostedError(f"the corpus {USER_CORPUS!r} needs your text: paste or upload it "
+                               "(command line: --user_text FILE.txt or FILE.jsonl)")
+        shared = self.calibration == USER_CORPUS and USER_CORPUS in self.eval_corpora
+        return self.user_text.corpus(split, shared)
 
 
 @dataclass
@@ -127,14 +141,7 @@ class RunResult:
         for name in self.variant_names:
             entry: dict = {"ppl": {corpus: table[name] for corpus, table in self.perplexity.items() if name in table}}
             if name in self.fits:
-                reports = self.fits[name]
-                entry["boundary_error"] = [
-                    {"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
-                     "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
-                     "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
-                    for r in reports]
-                entry["antisym_fraction"] = [r.antisym_fraction for r in reports]
-                entry["fits"] = [r.to_json() for r in reports]
+                entry |= fit_json(self.fits[name])
             if name in self.drift:
                 entry["drift"] = self.drift[name].to_json()
             if name in self.generations:
@@ -170,12 +177,27 @@ class RunResult:
         }
 
 
+def fit_json(reports: Sequence[FitReport]) -> dict:
+    """A variant's boundary errors, anti-symmetric shares and full fit reports, one per boundary (results.json)."""
+    return {
+        "boundary_error": [{"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
+                            "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
+                            "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
+                           for r in reports],
+        "antisym_fraction": [r.antisym_fraction for r in reports],
+        "fits": [r.to_json() for r in reports],
+    }
+
+
 def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
     """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
     for name in (options.calibration, *options.eval_corpora):
-        if name not in data.corpus_names():
-            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}")
+        if name == USER_CORPUS:
+            options.corpus(name, "evaluation")  # refuses "your text" without the text
+        elif name not in data.corpus_names():
+            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}, "
+                               f"or {USER_CORPUS!r} with your own text")
     if options.tasks:
         parse_tasks(",".join(options.tasks))  # unknown task names fail before any work
         if options.task_limit is not None and options.task_limit < 1:
@@ -217,8 +239,9 @@ def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> tuple[dict[int, nn.
 
 
 def _record(plan: PruningPlan, variant: VariantSpec) -> dict:
-    return {"removed_layers": list(plan.removed), "boundaries": [[b.start, b.end] for b in plan.boundaries],
-            "operator": variant.operator, "sequential": variant.sequential}
+    return {"dense_layers": plan.num_layers, "removed_layers": list(plan.removed),
+            "boundaries": [[b.start, b.end] for b in plan.boundaries], "operator": variant.operator,
+            "sequential": variant.sequential}
 
 
 def build_recovered(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, fits: Sequence[Fit]) -> PreTrainedModel:
@@ -248,6 +271,20 @@ def _with_heldout(report: FitReport, errors) -> FitReport:
         heldout_worse_than_pruning=errors.relative is not None and errors.relative > 1.0)
 
 
+def choose_fit(dense: PreTrainedModel, fit: Fit, batches, options: RunOptions, source: PreTrainedModel | None = None,
+               source_start: int | None = None) -> Fit:
+    """A fit that carries candidates (replaceme_keepsink: one per number of sink directions) becomes the
+    candidate with the lowest held-out boundary error. Time: one held-out pass up to the boundary for
+    all candidates (one per candidate for a sequential fit); memory: the candidates' C×C updates."""
+    if not fit.candidates:
+        return fit
+    if source is None:
+        errors = measure_errors(dense, list(fit.candidates), batches, options.calibrate)
+    else:
+        errors = [measure_errors(dense, [c], batches, options.calibrate, source, source_start)[0] for c in fit.candidates]
+    return choose_by_heldout(fit, errors)
+
+
 def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, stats: Sequence[BoundaryStats],
                 batches, options: RunOptions) -> tuple[list[Fit], list[FitReport]]:
     """Fit a variant's operator at every boundary, independently or sequentially, with held-out errors.
@@ -259,11 +296,11 @@ def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec,
     reports: list[FitReport] = []
     held: list = []
     for k, boundary_stats in enumerate(stats):
-        source = None
+        source, source_start = None, None
         if variant.sequential and k > 0:
             source = build_recovered(dense, _upstream(plan, k), variant, fits)
             boundary_stats, source_start = _sequential_stats(dense, plan, k, source, batches, options, variant.operator)
-        fit = spec.fit(boundary_stats, options.fit)
+        fit = choose_fit(dense, spec.fit(boundary_stats, options.fit), batches, options, source, source_start)
         fits.append(fit)
         reports.append(assess(fit, boundary_stats))
         if source is not None:
@@ -311,7 +348,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     for k in range(len(stats)):
         for variant in variants:
             if not variant.sequential or k == 0:
-                fit = get_operator(variant.operator).fit(stats[k], options.fit)
+                fit = choose_fit(dense, get_operator(variant.operator).fit(stats[k], options.fit), batches, options)
                 builds[variant.name].add(dense, fit, stats[k])
                 del fit
         if k > 0 or not sequential:
@@ -326,6 +363,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
             view = build_variant(dense, upstream.removed, build.patches, build.replacements, _record(upstream, variant))
             boundary_stats, source_start = _sequential_stats(dense, plan, k, view, batches, options, variant.operator)
             fit = get_operator(variant.operator).fit(boundary_stats, options.fit)
+            fit = choose_fit(dense, fit, batches, options, view, source_start)
             build.add(dense, fit, boundary_stats)
             del boundary_stats
             errors = measure_errors(dense, [build.maps[k]], batches, options.calibrate, view, source_start)[0]
@@ -358,6 +396,26 @@ def memory_plan(options: RunOptions, config, device: str | None = None, dtype=No
     return plan_memory(config, options.model, device, dtype, needs_of(v.operator for v in options.variants),
                        boundaries, sequences, options.seqlen, cal.batch_size, cal.capacity(sequences),
                        options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
+
+
+def planned(options: RunOptions, loaded: LoadedModel | None = None,
+            boundaries: int | None = None) -> tuple[RunOptions, MemoryPlan]:
+    """Options with the calibration size resolved and calibration placed, and the memory plan behind them.
+
+    Before loading (`loaded` None) the plan comes from the config alone; a plan that cannot fit
+    is refused here, before any weight is read. `boundaries`: how many boundaries the statistics
+    hold at once (None: the most this criterion and depth can make).
+    """
+    if loaded is None:
+        config = peek_config(options.model)
+        options = sized(options, config.hidden_size)
+        plan = memory_plan(options, config, boundaries=boundaries)
+    else:
+        options = sized(options, loaded.hidden_size)
+        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model), boundaries=boundaries)
+    plan.check()
+    log.info(plan.summary())
+    return _placed(plan, options), plan
 
 
 def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
@@ -394,17 +452,10 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
         config = peek_config(options.model)
         validate(options, config.num_hidden_layers, max_positions(config))
-        options = sized(options, config.hidden_size)
-        plan = memory_plan(options, config)
-    else:
-        options = sized(options, loaded.hidden_size)
-        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model))
-    plan.check()
-    options = _placed(plan, options)
+    options, plan = planned(options, loaded)
     result.options, result.memory_plan = options, plan
     if loaded is None:
         loaded = load_model(options.model, options.load)
-    log.info(plan.summary())  # once loading succeeded: a refused run prints one line
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
@@ -417,12 +468,9 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     needs_data = spec.needs_similarity or options.criterion != "none"
     batches = []
     if needs_data:
-        fit_ids, heldout_ids = data.calibration_windows(tokenizer, options.calibration, options.train_size,
-                                                        options.seqlen, options.seed, options.heldout)
-        batches = make_batches(fit_ids, heldout_ids, options.calibrate.batch_size)
-        result.calibration_label = data.load_corpus(options.calibration, "calibration").label
-        result.calibration_tokens = int(fit_ids.numel())
-        result.corpora[options.calibration] = _corpus_entry(options.calibration, "calibration")
+        batches, result.calibration_tokens = calibration_batches(tokenizer, options)
+        result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
+        result.calibration_label = result.corpora[options.calibration]["label"]
         result.notes += calibration_size_notes(result.calibration_tokens, loaded.hidden_size, options)
     plan, sim = select_blocks(dense, options.criterion, _request(options, loaded.num_layers), batches, options.quiet)
     result.plan, result.similarity = plan, sim
@@ -445,12 +493,15 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     eval_seqlen = options.eval_seqlen or options.seqlen
     first_windows = None
     for corpus in options.eval_corpora:
-        windows = data.evaluation_windows(tokenizer, corpus, eval_seqlen, options.eval_max_tokens)
+        windows = data.evaluation_windows(tokenizer, options.corpus(corpus, "evaluation"), eval_seqlen,
+                                          options.eval_max_tokens)
         first_windows = windows if first_windows is None else first_windows
-        result.corpora[corpus] = _corpus_entry(corpus, "evaluation") | {"windows": len(windows), "tokens": int(windows.numel())}
+        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | {"windows": len(windows),
+                                                                                 "tokens": int(windows.numel())}
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
                                                desc=f"perplexity {corpus}")
         yield done("perplexity")
+    _record_run(result)
 
     if plan.removed and first_windows is not None and options.drift_windows > 0:
         pruned = {name: model for name, model in result.models.items() if name != "dense"}
@@ -480,9 +531,26 @@ def calibration_size_notes(tokens: int, width: int, options: RunOptions) -> list
     return [note]
 
 
-def _corpus_entry(name: str, split: str) -> dict:
-    corpus = data.load_corpus(name, split)
-    return {"label": corpus.label, "real": corpus.real}
+def _record_run(result: RunResult) -> None:
+    """Add the run's facts (base model, calibration, perplexities) to each variant's `ghosted` record,
+    so that an export of the variant can state them in its model card."""
+    report = result.to_json()
+    for name, model in result.models.items():
+        if name != "dense" and getattr(model.config, "ghosted", None) is not None:
+            model.config.ghosted.update(run_record(report, name))
+
+
+def calibration_batches(tokenizer, options: RunOptions) -> tuple[list, int]:
+    """The seeded calibration windows of a run as forward-pass batches (fit, then held-out), and the fit token count."""
+    fit_ids, heldout_ids = data.calibration_windows(tokenizer, options.corpus(options.calibration, "calibration"),
+                                                    options.train_size, options.seqlen, options.seed, options.heldout)
+    return make_batches(fit_ids, heldout_ids, options.calibrate.batch_size), int(fit_ids.numel())
+
+
+def corpus_entry(options: RunOptions, name: str, split: str) -> dict:
+    """The results.json record of a corpus: its label, whether it is the paper's own data, whether it is the user's."""
+    corpus = data.get_corpus(options.corpus(name, split), split)
+    return {"label": corpus.label, "real": corpus.real, "user": name == USER_CORPUS}
 
 
 def run(options: RunOptions, loaded: LoadedModel | None = None) -> RunResult:
