@@ -248,21 +248,20 @@ def table(rows: list[dict]) -> list[str]:
 
 def cpu_main(args) -> None:
     # the 8B shape at 1 and 4 boundaries only: each of its configurations takes 5-20 min on 2 shared cores
-    plan = {"llama-3.2-1b": [1, 4]} if args.quick else {"llama-3.2-1b": [1, 2, 4], "llama-3-8b": [1, 4]}
-    rows = []
-    for shape, counts in plan.items():
-        for count in counts:
-            for method in ("ours", "store-all"):
-                row = run_one(shape, count, method, args.tokens, args.batch_size)
-                rows.append(row)
-                print(f"{shape} {count} boundaries {method}: peak extra {row['peak_extra_gib']:.2f} GiB, "
-                      f"{row['wall_s']:.0f} s", flush=True)
-    rows.append(run_one("llama-3.2-1b", 1, "fp32-products", args.tokens, args.batch_size))
-    print("fp32 products vs float64, relative difference in M:", rows[-1]["relative_difference"])
-    for row in rows:
-        if row["method"] == "ours":
+    plan = {"llama-3.2-1b": [1, 4]} if args.quick else {"llama-3-8b": [1, 4], "llama-3.2-1b": [1, 2, 4]}
+    rows: list[dict] = []
+    jobs = [(shape, count, method) for shape, counts in plan.items() for count in counts
+            for method in ("ours", "store-all")] + [("llama-3.2-1b", 1, "fp32-products")]
+    for shape, count, method in jobs:
+        row = run_one(shape, count, method, args.tokens, args.batch_size)
+        if method == "ours":
             row["stats_equal_plan"] = all(b == row["plan_stats_bytes_per_boundary"] for b in row["stats_bytes"])
-    write(args, {"mode": "cpu", "seqlen": SEQLEN, "operators": list(OPERATORS), "rows": rows}, table(rows))
+        rows.append(row)
+        print(f"{shape} {count} boundaries {method}: peak extra {row['peak_extra_gib']:.2f} GiB, {row['wall_s']:.0f} s"
+              + (f", M difference {row['relative_difference']}" if "relative_difference" in row else ""), flush=True)
+        report = {"mode": "cpu", "seqlen": SEQLEN, "operators": list(OPERATORS), "rows": rows,
+                  "complete": len(rows) == len(jobs)}
+        write(args, report, table(rows), quiet=len(rows) < len(jobs))  # partial results survive an interruption
 
 
 def cuda_main(args) -> None:
@@ -342,7 +341,7 @@ def cuda_main(args) -> None:
     write(args, report, lines)
 
 
-def write(args, report: dict, lines: list[str]) -> None:
+def write(args, report: dict, lines: list[str], quiet: bool = False) -> None:
     name = {"cpu": "scale_quick.json" if args.quick else "scale.json", "cuda": "scale_cuda.json",
             "products": "scale_products.json"}[report["mode"]]
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / name
@@ -350,8 +349,9 @@ def write(args, report: dict, lines: list[str]) -> None:
     report["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
     report["load_average"] = os.getloadavg()
     out.write_text(json.dumps(report, indent=2))
-    print("\n".join(lines))
-    print(f"written: {out}")
+    if not quiet:
+        print("\n".join(lines))
+        print(f"written: {out}")
 
 
 def main() -> None:
