@@ -11,7 +11,9 @@ heads, vocabulary 128256; the LM head is tied to the embeddings, which calibrati
 to spare 2 GB of a shared machine's memory). Boundaries (0,1), (1,2), (2,3), (3,4): the first
 1, 2 or 4 of them, each fitted on its own, as a depth sweep asks (the forward stops after the
 last one). 8192 fit tokens (2·C at C = 4096; the CLI default would give 4·C: the statistics'
-memory does not depend on it, only time does) in batches of 4 × 512. For each configuration, in a
+memory does not depend on it, only time does) in batches of 2 × 512 (the forward's own
+activations grow with the batch: the memory plan counts them, and names a smaller batch as the
+way out when they do not fit). For each configuration, in a
 fresh subprocess so peaks do not mask each other:
 - ours: `collect_stats` with the statistics that none, diag, rotate, ghost and ghost_capped
   need, then every fit per boundary (realized as its module and compacted; statistics freed
@@ -361,7 +363,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None,
                         help="fit tokens per configuration, plus 1/8 held out (default: 8192 on the CPU, 16384 = 4·C on cuda)")
     parser.add_argument("--batch_size", type=int, default=None,
-                        help="sequences of 512 tokens per forward (default: 4 on the CPU, 8 on cuda)")
+                        help="sequences of 512 tokens per forward (default: 2 on the CPU, 8 on cuda)")
     parser.add_argument("--dry_run", action="store_true", help="--device cuda's steps on the CPU with a small shape")
     parser.add_argument("--smollm2_products", action="store_true",
                         help="only: fp32 vs float64 products on the real SmolLM2 (scale_products.json)")
@@ -373,7 +375,7 @@ def main() -> None:
     args = parser.parse_args()
     gpu = args.device == "cuda"
     args.tokens = args.tokens or (16384 if gpu and not args.dry_run else 8192 if not gpu else 1024)
-    args.batch_size = args.batch_size or (8 if gpu else 4)
+    args.batch_size = args.batch_size or (8 if gpu else 2)
     if args.worker:
         worker(args)
     elif args.smollm2_products:
