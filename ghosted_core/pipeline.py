@@ -22,8 +22,8 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
 from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
 from ghosted_core.model_card import run_record
-from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
-    peek_config, resolve_device, resolve_dtype
+from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, check_load_options, decoder_blocks, load_model, \
+    max_positions, peek_config, resolve_device, resolve_dtype
 from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, \
     choose_by_heldout, get_operator, module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
@@ -192,6 +192,7 @@ def fit_json(reports: Sequence[FitReport]) -> dict:
 def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
     """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
+    check_load_options(options.load)
     for name in (options.calibration, *options.eval_corpora):
         if name == USER_CORPUS:
             options.corpus(name, "evaluation")  # refuses "your text" without the text
