@@ -26,9 +26,12 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llam
 
 
 class ResidualLinear(nn.Module):
-    """x ↦ x W on the residual stream at a boundary (W = I + M), computed in float32.
+    """x ↦ x W on the residual stream at a boundary (W = I + M), applied in the model's dtype.
 
-    The input is moved to the operator's device, which is that of the block it feeds.
+    W is kept in float32 (saved, reloaded and cast from there); the product runs in x's dtype,
+    like every other linear layer of the model (a bf16 GEMM accumulates in fp32 and rounds once,
+    and the identity part of W is exact in bf16). The input is moved to the operator's device,
+    which is that of the block it feeds.
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -36,21 +39,21 @@ class ResidualLinear(nn.Module):
         self.weight = nn.Parameter(weight.to(torch.float32), requires_grad=False)  # (C, C)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(self.weight.device, self.weight.dtype) @ self.weight).to(x.dtype)
+        return x.to(self.weight.device) @ self.weight.to(x.dtype)  # (…, C); the cast is a no-op in fp32
 
     def matrix(self) -> torch.Tensor:
         return self.weight.detach()
 
 
 class ResidualScale(nn.Module):
-    """x ↦ x diag(s): a per-channel scale (LinearPatch-D), computed in float32."""
+    """x ↦ x diag(s): a per-channel scale (LinearPatch-D), kept in float32 and applied in x's dtype."""
 
     def __init__(self, scale: torch.Tensor):
         super().__init__()
         self.scale = nn.Parameter(scale.to(torch.float32), requires_grad=False)  # (C,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(self.scale.device, self.scale.dtype) * self.scale).to(x.dtype)
+        return x.to(self.scale.device) * self.scale.to(x.dtype)
 
     def matrix(self) -> torch.Tensor:
         return torch.diag(self.scale.detach())

@@ -510,6 +510,11 @@ def singular_values(update: torch.Tensor | None, max_width: int = 4096) -> tuple
     return tuple(torch.linalg.svdvals(update).tolist())
 
 
+def scale_singular_values(fit: Fit) -> tuple[float, ...]:
+    """Singular values of B diag(r − 1) Bᵀ (B orthogonal): |r − 1| in descending order, no O(C³) SVD."""
+    return tuple(torch.sort((fit.scale - 1).abs(), descending=True).values.tolist())
+
+
 def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None) -> FitReport:
     """Boundary errors of a fit (calibration tokens from the statistics; held-out tokens as
     measured by `heldout.measure_errors`, all and ordinary tokens) and its structure."""
@@ -522,8 +527,8 @@ def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None
         fit_error_ordinary=None if errors is None else relative(errors[1], stats.ordinary.dd),
         heldout_error=held,
         heldout_error_ordinary=None if heldout is None else heldout.relative_ordinary,
-        antisym_fraction=antisymmetric_fraction(fit.update),
-        singular_values=singular_values(fit.update),
+        antisym_fraction=0.0 if fit.scale is not None else antisymmetric_fraction(fit.update),  # B diag(r) Bᵀ is symmetric
+        singular_values=scale_singular_values(fit) if fit.scale is not None else singular_values(fit.update),
         condition_number=fit.condition_number if math.isfinite(fit.condition_number) else None,
         tokens_used=fit.tokens_used,
         sink_tokens=fit.sink_tokens,

@@ -20,15 +20,17 @@ from ghosted_core.calibration import BoundaryStats, CalibrationOptions, collect_
 from ghosted_core.heldout import measure_errors
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
+from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
 from ghosted_core.model_card import run_record
 from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
-    peek_config
+    peek_config, resolve_device, resolve_dtype
 from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, \
     choose_by_heldout, get_operator, module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
 from ghosted_core.surgery import build_variant, patch_site
 from ghosted_core.tasks import TaskResults, evaluate_tasks, parse_tasks
+from ghosted_core.user_text import USER_CORPUS, UserText
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class RunOptions:
     cosine: str = "hidden"  # "hidden" (papers) or "token-axis" (reference repos)
     variants: tuple[VariantSpec, ...] = parse_variants(DEFAULT_VARIANTS)
     calibration: str = "mix"  # calibration corpus
-    train_size: int = 64  # calibration sequences (the paper: 128)
+    train_size: int | None = None  # calibration sequences (None: enough for 4·C fit tokens, at least 64; the paper: 128)
     seqlen: int = 512  # calibration sequence length (the paper: 2048)
     heldout_size: int | None = None  # held-out calibration sequences for boundary errors (None: train_size // 8, at least 1)
     seed: int = 0
@@ -86,11 +88,23 @@ class RunOptions:
     generation: GenerationOptions = GenerationOptions()
     fit: FitOptions = FitOptions()
     calibrate: CalibrationOptions = CalibrationOptions()
+    user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
     quiet: bool = False
 
     @property
     def heldout(self) -> int:
-        return self.heldout_size if self.heldout_size is not None else max(1, self.train_size // 8)
+        return self.heldout_size if self.heldout_size is not None else max(1, (self.train_size or 64) // 8)
+
+    def corpus(self, name: str, split: str) -> str | data.Corpus:
+        """What the data functions read for corpus `name`: its registered name, or the user's text
+        (disjoint calibration and evaluation parts when this run uses it for both)."""
+        if name != USER_CORPUS:
+            return name
+        if self.user_text is None:
+            raise GhostedError(f"the corpus {USER_CORPUS!r} needs your text: paste or upload it "
+                               "(command line: --user_text FILE.txt or FILE.jsonl)")
+        shared = self.calibration == USER_CORPUS and USER_CORPUS in self.eval_corpora
+        return self.user_text.corpus(split, shared)
 
 
 @dataclass
@@ -113,6 +127,7 @@ class RunResult:
     tasks: dict[str, TaskResults] = field(default_factory=dict)  # variant → zero-shot task scores
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    memory_plan: MemoryPlan | None = None
     models: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)  # dense + variants (not serialized)
     tokenizer: object = field(default=None, repr=False)
 
@@ -126,12 +141,7 @@ class RunResult:
         for name in self.variant_names:
             entry: dict = {"ppl": {corpus: table[name] for corpus, table in self.perplexity.items() if name in table}}
             if name in self.fits:
-                reports = self.fits[name]
-                entry["boundary_error"] = [
-                    {"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
-                     "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary} for r in reports]
-                entry["antisym_fraction"] = [r.antisym_fraction for r in reports]
-                entry["fits"] = [r.to_json() for r in reports]
+                entry |= fit_json(self.fits[name])
             if name in self.drift:
                 entry["drift"] = self.drift[name].to_json()
             if name in self.generations:
@@ -154,7 +164,10 @@ class RunResult:
                 "corpus": opts.calibration, "label": self.calibration_label, "sequences": opts.train_size,
                 "heldout_sequences": opts.heldout, "seqlen": opts.seqlen, "tokens": self.calibration_tokens,
                 "seed": opts.seed, "sink_rule": opts.calibrate.sink_rule, "sink_ratio": opts.calibrate.sink_ratio,
+                "pipeline": opts.calibrate.pipeline, "stats_device": opts.calibrate.stats_device,
+                "products": opts.calibrate.products,
             },
+            "memory_plan": self.memory_plan.to_json() if self.memory_plan else None,
             "evaluation": {"seqlen": opts.eval_seqlen or opts.seqlen, "max_tokens": opts.eval_max_tokens},
             "corpora": self.corpora,
             "prompt": opts.prompt,
@@ -164,17 +177,32 @@ class RunResult:
         }
 
 
+def fit_json(reports: Sequence[FitReport]) -> dict:
+    """A variant's boundary errors, anti-symmetric shares and full fit reports, one per boundary (results.json)."""
+    return {
+        "boundary_error": [{"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
+                            "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
+                            "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
+                           for r in reports],
+        "antisym_fraction": [r.antisym_fraction for r in reports],
+        "fits": [r.to_json() for r in reports],
+    }
+
+
 def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
     """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
     for name in (options.calibration, *options.eval_corpora):
-        if name not in data.corpus_names():
-            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}")
+        if name == USER_CORPUS:
+            options.corpus(name, "evaluation")  # refuses "your text" without the text
+        elif name not in data.corpus_names():
+            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}, "
+                               f"or {USER_CORPUS!r} with your own text")
     if options.tasks:
         parse_tasks(",".join(options.tasks))  # unknown task names fail before any work
         if options.task_limit is not None and options.task_limit < 1:
             raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
-    if options.train_size < 1 or options.seqlen < 2:
+    if options.train_size is not None and options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
     sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
              "--task_batch_size": options.task_batch_size}
@@ -286,7 +314,7 @@ def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec,
 
 
 @dataclass
-class _VariantBuild:
+class VariantBuild:
     """A variant being fitted: its boundary modules so far, what applies each fit, its reports."""
 
     spec: VariantSpec
@@ -315,7 +343,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     for the sequential variants. Time: one C×C solve per least-squares fit and one held-out pass
     for all independent fits, plus two forwards per batch per later boundary of a sequential variant.
     """
-    builds = {v.name: _VariantBuild(v) for v in variants}
+    builds = {v.name: VariantBuild(v) for v in variants}
     sequential = [v for v in variants if v.sequential]
     for k in range(len(stats)):
         for variant in variants:
@@ -349,6 +377,65 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     return reports, models
 
 
+def sized(options: RunOptions, width: int) -> RunOptions:
+    """Options with the calibration size resolved: enough sequences for 4·C fit tokens, at least 64."""
+    if options.train_size is not None:
+        return options
+    return dataclasses.replace(options, train_size=min_calibration_sequences(width, options.seqlen))
+
+
+def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None,
+                boundaries: int | None = None) -> MemoryPlan:
+    """The run's memory plan from the config (before loading: device and dtype as the load options say)."""
+    device = device or resolve_device(options.load.device)
+    dtype = dtype or resolve_dtype(options.load.dtype, device)
+    if boundaries is None:
+        boundaries = max_boundaries(options.criterion, config.num_hidden_layers, options.num_prune, options.layers)
+    sequences = options.train_size or min_calibration_sequences(config.hidden_size, options.seqlen)
+    cal = options.calibrate
+    return plan_memory(config, options.model, device, dtype, needs_of(v.operator for v in options.variants),
+                       boundaries, sequences, options.seqlen, cal.batch_size, cal.capacity(sequences),
+                       options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
+
+
+def planned(options: RunOptions, loaded: LoadedModel | None = None,
+            boundaries: int | None = None) -> tuple[RunOptions, MemoryPlan]:
+    """Options with the calibration size resolved and calibration placed, and the memory plan behind them.
+
+    Before loading (`loaded` None) the plan comes from the config alone; a plan that cannot fit
+    is refused here, before any weight is read. `boundaries`: how many boundaries the statistics
+    hold at once (None: the most this criterion and depth can make).
+    """
+    if loaded is None:
+        config = peek_config(options.model)
+        options = sized(options, config.hidden_size)
+        plan = memory_plan(options, config, boundaries=boundaries)
+    else:
+        options = sized(options, loaded.hidden_size)
+        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model), boundaries=boundaries)
+    plan.check()
+    log.info(plan.summary())
+    return _placed(plan, options), plan
+
+
+def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
+    """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
+    cal = options.calibrate
+    stats_device = plan.stats_device if cal.stats_device == "auto" and plan.device != "cpu" else cal.stats_device
+    compute = cal.compute_device
+    if plan.pipeline == "blocks" and compute is None and plan.device.startswith("cuda"):
+        compute = plan.device
+    return dataclasses.replace(options, calibrate=dataclasses.replace(cal, pipeline=plan.pipeline,
+                                                                      stats_device=stats_device, compute_device=compute))
+
+
+def _loaded_placement(model: PreTrainedModel) -> tuple[str, object]:
+    """(device, dtype) of an already loaded model, as the memory plan names them."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "map", model.dtype
+    return str(module_device(model.model.embed_tokens)), model.dtype
+
+
 def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterator[tuple[str, RunResult]]:
     """Run everything `options` asks for, yielding (stage, result so far) after each stage."""
     validate(options)
@@ -362,9 +449,12 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         clock = now
         return stage, result
 
-    if loaded is None:
-        config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
+    if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
+        config = peek_config(options.model)
         validate(options, config.num_hidden_layers, max_positions(config))
+    options, plan = planned(options, loaded)
+    result.options, result.memory_plan = options, plan
+    if loaded is None:
         loaded = load_model(options.model, options.load)
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description
@@ -378,17 +468,16 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     needs_data = spec.needs_similarity or options.criterion != "none"
     batches = []
     if needs_data:
-        fit_ids, heldout_ids = data.calibration_windows(tokenizer, options.calibration, options.train_size,
-                                                        options.seqlen, options.seed, options.heldout)
-        batches = make_batches(fit_ids, heldout_ids, options.calibrate.batch_size)
-        result.calibration_label = data.load_corpus(options.calibration, "calibration").label
-        result.calibration_tokens = int(fit_ids.numel())
-        result.corpora[options.calibration] = _corpus_entry(options.calibration, "calibration")
+        batches, result.calibration_tokens = calibration_batches(tokenizer, options)
+        result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
+        result.calibration_label = result.corpora[options.calibration]["label"]
+        result.notes += calibration_size_notes(result.calibration_tokens, loaded.hidden_size, options)
     plan, sim = select_blocks(dense, options.criterion, _request(options, loaded.num_layers), batches, options.quiet)
     result.plan, result.similarity = plan, sim
     yield done("score blocks")
 
     if plan.removed:
+        result.memory_plan = memory_plan(options, dense.config, *_loaded_placement(dense), len(plan.boundaries))
         needs = needs_of(v.operator for v in options.variants)
         stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
         yield done("calibrate")
@@ -404,9 +493,11 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     eval_seqlen = options.eval_seqlen or options.seqlen
     first_windows = None
     for corpus in options.eval_corpora:
-        windows = data.evaluation_windows(tokenizer, corpus, eval_seqlen, options.eval_max_tokens)
+        windows = data.evaluation_windows(tokenizer, options.corpus(corpus, "evaluation"), eval_seqlen,
+                                          options.eval_max_tokens)
         first_windows = windows if first_windows is None else first_windows
-        result.corpora[corpus] = _corpus_entry(corpus, "evaluation") | {"windows": len(windows), "tokens": int(windows.numel())}
+        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | {"windows": len(windows),
+                                                                                 "tokens": int(windows.numel())}
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
                                                desc=f"perplexity {corpus}")
         yield done("perplexity")
@@ -427,6 +518,19 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         yield done("tasks")
 
 
+def calibration_size_notes(tokens: int, width: int, options: RunOptions) -> list[str]:
+    """A warning (logged and returned for the result) when a least-squares fit gets fewer than 4·C tokens."""
+    needs = needs_of(v.operator for v in options.variants)
+    if not (needs.residual or needs.branch) or tokens >= 4 * width:
+        return []
+    wanted = min_calibration_sequences(width, options.seqlen, floor=1)
+    note = (f"calibration has {tokens} tokens, fewer than 4·C = {4 * width} for a {width}-wide model: the least-squares "
+            f"fits are poorly determined{' (rank-deficient: a relative ridge decides them)' if tokens < width else ''}; "
+            f"use --train_size {wanted} or more at --seqlen {options.seqlen}")
+    log.warning(note)
+    return [note]
+
+
 def _record_run(result: RunResult) -> None:
     """Add the run's facts (base model, calibration, perplexities) to each variant's `ghosted` record,
     so that an export of the variant can state them in its model card."""
@@ -436,9 +540,17 @@ def _record_run(result: RunResult) -> None:
             model.config.ghosted.update(run_record(report, name))
 
 
-def _corpus_entry(name: str, split: str) -> dict:
-    corpus = data.load_corpus(name, split)
-    return {"label": corpus.label, "real": corpus.real}
+def calibration_batches(tokenizer, options: RunOptions) -> tuple[list, int]:
+    """The seeded calibration windows of a run as forward-pass batches (fit, then held-out), and the fit token count."""
+    fit_ids, heldout_ids = data.calibration_windows(tokenizer, options.corpus(options.calibration, "calibration"),
+                                                    options.train_size, options.seqlen, options.seed, options.heldout)
+    return make_batches(fit_ids, heldout_ids, options.calibrate.batch_size), int(fit_ids.numel())
+
+
+def corpus_entry(options: RunOptions, name: str, split: str) -> dict:
+    """The results.json record of a corpus: its label, whether it is the paper's own data, whether it is the user's."""
+    corpus = data.get_corpus(options.corpus(name, split), split)
+    return {"label": corpus.label, "real": corpus.real, "user": name == USER_CORPUS}
 
 
 def run(options: RunOptions, loaded: LoadedModel | None = None) -> RunResult:
