@@ -55,7 +55,7 @@ class CalibrationOptions:
     sink_capacity: int | None = None  # sink rows kept per boundary (None: 4 per calibration sequence, at least 64)
     stats_device: str = "auto"  # where sums live: "auto" (where the activations arrive), "cpu", "cuda" or "cuda:N"
     products: str = "float64"  # "float32": per-batch products in fp32, added into float64 sums (GPUs with slow FP64)
-    pipeline: str = "full"  # calibration pipeline: "full" or "blocks" (see calibration_pipelines)
+    pipeline: str = "auto"  # calibration pipeline: "full", "blocks" (see calibration_pipelines) or "auto" (the memory plan picks; full here)
     compute_device: str | None = None  # "blocks": where each block runs (None: the first block's device)
 
     def __post_init__(self) -> None:
@@ -63,7 +63,7 @@ class CalibrationOptions:
             raise GhostedError(f"unknown sink rule {self.sink_rule!r}; use norm, position or none")
         if self.products not in PRODUCT_DTYPES:
             raise GhostedError(f"unknown product precision {self.products!r}; use float64 or float32")
-        if self.pipeline not in CALIBRATION_PIPELINES:
+        if self.pipeline != "auto" and self.pipeline not in CALIBRATION_PIPELINES:
             raise GhostedError(f"unknown calibration pipeline {self.pipeline!r}; use {' or '.join(CALIBRATION_PIPELINES)}")
         if self.stats_device.split(":")[0] not in STATS_DEVICES:
             raise GhostedError(f"unknown statistics device {self.stats_device!r}; use auto, cpu or cuda")
@@ -123,6 +123,11 @@ def valid_mask(batch: CalibrationBatch) -> torch.Tensor:
     if batch.attention_mask is None:
         return torch.ones(batch.input_ids.shape, dtype=torch.bool)
     return batch.attention_mask.bool()
+
+
+def pipeline_name(options: CalibrationOptions) -> str:
+    """The pipeline that runs: as asked, "full" for an unresolved "auto"."""
+    return "full" if options.pipeline == "auto" else options.pipeline
 
 
 def resolve_stats_device(options: CalibrationOptions, arriving: torch.device) -> torch.device:
@@ -198,8 +203,8 @@ def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batche
         live[k].add(x_pre, x_post, branch, valid_mask(batch))
 
     compute = None if options.compute_device is None else torch.device(options.compute_device)
-    get_pipeline(options.pipeline).run(dense, list(boundaries), needs.branch, fit_batches, consume, compute,
-                                       options.quiet)
+    get_pipeline(pipeline_name(options)).run(dense, list(boundaries), needs.branch, fit_batches, consume, compute,
+                                             options.quiet)
     stats = [acc.freeze() for acc in live]
     for s in stats:
         for note in s.notes:

@@ -15,11 +15,12 @@ from pathlib import Path
 
 from ghosted_core import data
 from ghosted_core.calibration import CalibrationOptions
+from ghosted_core.calibration_pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
-from ghosted_core.export import save_recovered
+from ghosted_core.export import EXPORT_MODES, check_export, export_variant
 from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names, parse_max_memory
-from ghosted_core.operators import OPERATORS, FitOptions
+from ghosted_core.operators import HELDOUT_FLAG, OPERATORS, FitOptions
 from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
 from ghosted_core.selection import COSINE_AXES, CRITERIA, parse_layers
 from ghosted_core.sweep import SweepResult, parse_depths, run_sweep
@@ -60,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user_text", default=None, metavar="FILE",
                    help="your own text (.txt, or .jsonl with a \"text\" field per line; at most 5 MB), used where "
                         "--calibration_data or --eval_ppl names yours; kept in memory only")
-    p.add_argument("--train_size", type=int, default=64, help="calibration sequences (paper: 128)")
+    p.add_argument("--train_size", type=int, default=None,
+                   help="calibration sequences (paper: 128); default: enough for at least 4·C fit tokens, at least 64 "
+                        "(C = hidden size; e.g. 32 at --seqlen 512 for C = 4096); fewer than C tokens make the "
+                        "least-squares fits rank-deficient (a relative ridge then decides them, with a warning)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (paper: 2048)")
     p.add_argument("--heldout_size", type=int, default=None, help="held-out calibration sequences (default train_size/8)")
     p.add_argument("--eval_ppl", default="ptb,wiki",
@@ -82,9 +86,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epsilon", type=float, default=FitOptions.epsilon, help="absolute ridge ε")
     p.add_argument("--ridge_lambda", type=float, default=FitOptions.ridge_lambda, help="relative ridge λ")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per calibration forward pass")
+    p.add_argument("--calibration_pipeline", default="auto", choices=["auto", *CALIBRATION_PIPELINES],
+                   help="full: one forward per batch; blocks: hidden states on the CPU, one block at a time on the "
+                        "compute device (models larger than the GPU); auto: the memory plan chooses")
+    p.add_argument("--stats_device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where calibration statistics are summed (float64): auto = on the GPU when the memory plan "
+                        "has room, else on the CPU")
+    p.add_argument("--fp32_products", action="store_true",
+                   help="per-batch statistics products in fp32, summed in float64 (GPUs with slow FP64)")
+    p.add_argument("--sink_capacity", type=int, default=None,
+                   help="attention-sink token rows kept per boundary (default 4 per calibration sequence, at least 64); "
+                        "more spill into C×C moments with a warning")
     p.add_argument("--outdir", default="out", help="folder for results.json")
     p.add_argument("--save_model", default=None, metavar="DIR",
-                   help="save each recovered variant to DIR/<variant> (load with ghosted_core.export.load_recovered)")
+                   help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
+    p.add_argument("--export", default="auto", choices=EXPORT_MODES,
+                   help="format of --save_model: stock (plain transformers and serving engines; none and the "
+                        "replaceme family), remote_code (needs trust_remote_code=True; every operator), auto (stock "
+                        "where the variant folds, remote_code otherwise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
                    help="auto (cuda if present, else cpu), cpu, cuda, cuda:N, or map (accelerate: GPUs, then CPU, "
@@ -147,7 +166,9 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
         fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda),
         calibrate=CalibrationOptions(sink_rule=args.sink_rule, sink_ratio=args.sink_ratio, batch_size=args.batch_size,
-                                     quiet=args.quiet),
+                                     quiet=args.quiet, pipeline=args.calibration_pipeline,
+                                     stats_device=args.stats_device, sink_capacity=args.sink_capacity,
+                                     products="float32" if args.fp32_products else "float64"),
         quiet=args.quiet,
     )
 
@@ -224,12 +245,17 @@ def summary(result: RunResult) -> str:
     lines += _corpus_lines(report, corpora)
     header = ["variant", *(f"ppl {c}" for c in corpora), "boundary err (held-out, all / ordinary)", "antisym"]
     rows = []
+    flagged = False
     for name, entry in report["variants"].items():
         errors = entry.get("boundary_error", [])
-        err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])} / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
+        flagged = flagged or any(e.get("heldout_worse_than_pruning") for e in errors)
+        err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])}{' !' if e.get('heldout_worse_than_pruning') else ''}"
+                        f" / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
         anti = ", ".join(_fmt(a, 2) for a in entry.get("antisym_fraction", [])) or "-"
         rows.append([name, *(_fmt(entry["ppl"].get(c), 2) for c in corpora), err, anti])
     lines += _table(header, rows)
+    if flagged:
+        lines.append(f"  ! = {HELDOUT_FLAG} (held-out boundary error above 1)")
     if result.tasks:
         lines += _task_table(result)
     lines += [f"note: {note}" for note in report["notes"]]
@@ -269,21 +295,38 @@ def main(argv: list[str] | None = None) -> int:
         options = options_from_args(args)
         if is_sweep(args) and args.save_model:
             raise GhostedError("--save_model saves the variants of one depth; run a single --total_num_prune to save")
+        if args.save_model:
+            check_export([v.operator for v in options.variants], args.export)
         result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "results.json").write_text(json.dumps(result.to_json(), indent=2))
+    report = result.to_json()
+    (outdir / "results.json").write_text(json.dumps(report, indent=2))
     if isinstance(result, SweepResult):
         print(sweep_summary(result))
         print(f"results: {outdir / 'results.json'}")
         return 0
     print(summary(result))
     if args.save_model:
-        for name, model in result.models.items():
-            if name != "dense":
-                print(f"saved {name}: {save_recovered(model, result.tokenizer, Path(args.save_model) / name)}")
+        try:
+            report["exports"] = save_variants(result, Path(args.save_model), args.export)
+        except GhostedError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        (outdir / "results.json").write_text(json.dumps(report, indent=2))
     print(f"results: {outdir / 'results.json'}")
     return 0
+
+
+def save_variants(result: RunResult, folder: Path, mode: str) -> dict[str, dict]:
+    """Export every pruned variant to folder/<variant>, saying in which format and why."""
+    exports = {}
+    for name, model in result.models.items():
+        if name != "dense":
+            done = export_variant(model, result.tokenizer, folder / name, mode)
+            exports[name] = done.to_json()
+            print(f"saved {name} as {done.mode} ({done.reason}): {done.folder}")
+    return exports

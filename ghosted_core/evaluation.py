@@ -24,7 +24,7 @@ from ghosted_core.surgery import slice_view
 
 log = logging.getLogger(__name__)
 
-LOGITS_BUDGET = 2**28  # bytes of float32 logits materialized at once by the chunked LM head
+LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once
 
 
 def shared_prefix(dense: PreTrainedModel, variant: PreTrainedModel) -> int:
@@ -43,12 +43,17 @@ def _input_device(model: PreTrainedModel) -> torch.device:
 
 
 def _token_nll(model: PreTrainedModel, hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token NLL of the windows from the final hidden states, LM head in chunks."""
+    """Summed next-token NLL of the windows from the final hidden states, LM head in chunks.
+
+    The head runs in the model's dtype; its logits are cast to fp32 before the log-softmax,
+    and the sum is accumulated in fp32 per chunk, then in a Python float.
+    """
     head = model.lm_head
     batch, length, _ = hidden.shape
     vocab = model.config.vocab_size
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    chunk = max(1, LOGITS_BUDGET // (4 * vocab * batch))
+    per_logit = 4 + (hidden.element_size() if hidden.dtype != torch.float32 else 0)  # fp32 copy + the head's own output
+    chunk = max(1, LOGITS_BUDGET // (per_logit * vocab * batch))  # memory: chunk·batch·vocab·per_logit ≤ LOGITS_BUDGET
     labels = input_ids[:, 1:].to(hidden.device)  # (B, T-1)
     total = 0.0
     for lo in range(0, length - 1, chunk):

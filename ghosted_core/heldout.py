@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ghosted_core.calibration import CalibrationBatch, CalibrationOptions, sink_mask, valid_mask
+from ghosted_core.calibration import CalibrationBatch, CalibrationOptions, pipeline_name, sink_mask, valid_mask
 from ghosted_core.calibration_pipelines import get_pipeline
 from ghosted_core.capture import capture, run_forward
 from ghosted_core.operators import BoundaryMap, Fit
@@ -92,5 +92,5 @@ def measure_errors(dense: PreTrainedModel, fits: Sequence[Fit | BoundaryMap], ba
             s.add(*rows)
 
     compute = None if options.compute_device is None else torch.device(options.compute_device)
-    get_pipeline(options.pipeline).run(dense, boundaries, branches, held, consume, compute, True)
+    get_pipeline(pipeline_name(options)).run(dense, boundaries, branches, held, consume, compute, True)
     return [s.freeze() for s in sums]

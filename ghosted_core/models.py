@@ -11,7 +11,6 @@ import contextlib
 import importlib
 import importlib.util
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -28,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from ghosted_core.assets import cache_dir
 from ghosted_core.errors import GhostedError
 from ghosted_core.hub import hub_reachable
+from ghosted_core.memory import check_fits, estimate_parameters  # noqa: F401  (moved to memory.py; kept importable here)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,10 @@ class LoadOptions:
     dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16", "float16"
     max_memory: dict | None = None  # device="map": cap per device, e.g. {0: "20GiB", "cpu": "60GiB"}; the rest goes to disk
     offload_folder: str | None = None  # device="map": where weights that must be re-saved for disk offload go
+
+    def __post_init__(self) -> None:
+        if self.device != "map" and (self.max_memory or self.offload_folder):
+            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
 
 
 @dataclass(frozen=True)
@@ -182,46 +186,9 @@ def placement(name: str, options: LoadOptions) -> dict:
     device = resolve_device(options.device)
     dtype = resolve_dtype(options.dtype, device)
     if device != "map":
-        if options.max_memory or options.offload_folder:
-            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
         return {"dtype": dtype, "device_map": device}
     folder = Path(options.offload_folder) if options.offload_folder else default_offload_folder(name)
     return {"dtype": dtype, "device_map": "auto", "max_memory": options.max_memory, "offload_folder": str(folder)}
-
-
-def estimate_parameters(config: PretrainedConfig) -> int:
-    """Parameter count of a decoder-only LM from its config (to refuse what cannot fit before loading)."""
-    c = config.hidden_size
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or c // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attention = c * head_dim * (2 * heads + 2 * kv_heads)
-    mlp = 3 * c * config.intermediate_size
-    embeddings = config.vocab_size * c * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-    return int(layers * (attention + mlp + 2 * c) + embeddings)
-
-
-def _available_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
-        free, _total = torch.cuda.mem_get_info(index)
-        return int(free)
-    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 1 << 62
-
-
-def check_fits(config: PretrainedConfig, device: str, dtype: torch.dtype, name: str) -> None:
-    """Refuse a model whose weights would not fit on `device` (device="map" may offload, so it passes)."""
-    if device == "map":
-        return
-    needed = estimate_parameters(config) * torch.tensor([], dtype=dtype).element_size()
-    available = _available_bytes(device)
-    if needed > 0.9 * available:
-        raise GhostedError(
-            f"{name} needs about {needed / 2**30:.1f} GiB of weights in {str(dtype).removeprefix('torch.')} "
-            f"but {device} has about {available / 2**30:.1f} GiB free; use --device map to offload, or a smaller model"
-        )
 
 
 def _gguf_path(spec: EmbeddedModel) -> Path:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from torch import nn
 from ghosted_core.capture import branch_module
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard_factors, hadamard_transform
+from ghosted_core.modeling_ghosted import ResidualLinear, ResidualScale  # shared with remote-code exports
 from ghosted_core.plan import Boundary
 from ghosted_core.registry import add, check_signature, lookup
 from ghosted_core.statistics import ALL_NEEDS, BoundaryErrors, BoundaryStats, Moments, StatNeeds, relative
@@ -39,10 +40,13 @@ class FitOptions:
     ridge: str = "absolute"  # "absolute" (paper) or "relative": ε = ridge_lambda · tr(XᵀX) / C
     ridge_lambda: float = 1e-4  # relative ridge, also the fallback for rank-deficient fits
     max_condition: float = 1e12  # cond(XᵀX) above which an absolute-ridge fit falls back to the relative ridge
+    sink_directions: tuple[int, ...] = (0, 1, 2, 3, 4)  # replaceme_keepsink: candidate counts k, chosen by held-out error
 
     def __post_init__(self) -> None:
         if self.ridge not in {"absolute", "relative"}:
             raise GhostedError(f"unknown ridge {self.ridge!r}; use absolute or relative")
+        if not self.sink_directions or min(self.sink_directions) < 0:
+            raise GhostedError(f"sink direction counts must be ≥ 0 (got {self.sink_directions})")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,10 @@ class Fit:
     scale: torch.Tensor | None = None  # (C,) per-channel scale r when W = B diag(r) Bᵀ (diag, rotate)
     basis: str | None = None  # the basis B of `scale`: "channel" (B = I) or "hadamard" (B = H)
     ridge_fallback: str | None = None  # why the fit switched to the relative ridge (None: it did not)
+    sink_directions: int | None = None  # replaceme_keepsink: sink MLP-output directions on which T = I
+    # alternatives of this fit (e.g. each k of replaceme_keepsink); the pipeline keeps the one with the lowest
+    # held-out boundary error (`choose_by_heldout`). Memory: one C×C float64 update each, until chosen.
+    candidates: tuple[Fit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,21 +80,23 @@ class OperatorSpec:
     paper: str
     description: str
     needs: StatNeeds = ALL_NEEDS  # statistics the fit (and its error report) reads
+    stock: bool = False  # its variants fold into a stock checkpoint (plain pruning, maps on the MLP branch)
 
 
 OPERATORS: dict[str, OperatorSpec] = {}
 
 
-def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS):
+def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS, stock: bool = False):
     """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import.
 
     `needs` names the statistics the fit reads; calibration keeps only the union over the
-    requested operators (an operator that does not say gets every statistic).
+    requested operators (an operator that does not say gets every statistic). `stock`: the
+    operator's variants fold into a stock checkpoint (see `fold`).
     """
 
     def decorator(fn):
         check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
-        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs), "operator")
+        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock), "operator")
         return fn
 
     return decorator
@@ -169,7 +179,7 @@ def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the operators
 
 
-@register_operator("none", paper="plain pruning", description="no recovery: W = I", needs=StatNeeds())
+@register_operator("none", paper="plain pruning", description="no recovery: W = I", needs=StatNeeds(), stock=True)
 def fit_none(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return Fit("none", stats.boundary, "residual", None, tokens_used=stats.tokens)
 
@@ -231,16 +241,132 @@ def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost_nosink", stats, "ordinary", opts, sink_handling="excluded")
 
 
+BRANCH = StatNeeds(branch=True)
+
+
+def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit | None:
+    """ReplaceMe's family needs block s−1: a boundary at block 0 stays unrecovered (None: the fit can run)."""
+    if stats.boundary.start > 0:
+        return None
+    note = f"ReplaceMe needs the block before the boundary; boundary {stats.boundary} starts at block 0 and is left unrecovered"
+    log.warning(note)
+    return Fit(name, stats.boundary, "branch", None, tokens_used=stats.tokens, notes=(note,))
+
+
 @register_operator("replaceme", paper="ReplaceMe-LS",
                    description="least-squares map on block s−1's MLP output, folded into its down projection",
-                   needs=StatNeeds(branch=True))
+                   needs=BRANCH, stock=True)
 def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
-    if stats.boundary.start == 0:
-        note = f"ReplaceMe needs the block before the boundary; boundary {stats.boundary} starts at block 0 and is left unrecovered"
-        log.warning(note)
-        return Fit("replaceme", stats.boundary, "branch", None, tokens_used=stats.tokens, notes=(note,))
     # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
-    return _least_squares_fit("replaceme", stats, "all", opts, site="branch")
+    return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
+
+
+@register_operator("replaceme_capped", paper="ReplaceMe-LS, sink-capped (this project)",
+                   description="ReplaceMe with each attention-sink token scaled down to the sink threshold norm, "
+                               "folded into block s−1's down projection", needs=BRANCH, stock=True)
+def fit_replaceme_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _unrecovered_branch("replaceme_capped", stats) or _least_squares_fit(
+        "replaceme_capped", stats, "capped", opts, site="branch", sink_handling="capped")
+
+
+def principal_directions(rows: torch.Tensor | None, extra_gram: torch.Tensor | None, count: int,
+                         width: int) -> torch.Tensor:
+    """(C, k) orthonormal top eigenvectors of rowsᵀrows (+ extra_gram), k ≤ count, only those with weight.
+
+    From the rows alone: an SVD of the (n, C) rows, O(n²·C) time, O(n·C) memory. With a C×C
+    extra Gram matrix (sinks that spilled past the kept rows): one eigendecomposition, O(C³).
+    """
+    if extra_gram is None:
+        if rows is None or rows.shape[0] == 0:
+            return torch.zeros(width, 0, dtype=torch.float64)
+        _, values, vh = torch.linalg.svd(rows, full_matrices=False)  # descending
+        weights, vectors = values * values, vh.T  # (n,), (C, n)
+    else:
+        gram = extra_gram if rows is None else extra_gram + rows.T @ rows  # (C, C)
+        weights, vectors = torch.linalg.eigh(gram)  # ascending
+        weights, vectors = weights.flip(0), vectors.flip(1)
+    top = float(weights[0]) if weights.numel() else 0.0
+    useful = int((weights > top * 1e-9).sum()) if top > 0 else 0
+    return vectors[:, : min(count, useful)]
+
+
+def sink_directions(stats: BoundaryStats, count: int) -> torch.Tensor:
+    """(C, k) top directions of the sink tokens' MLP outputs m (kept rows, plus spilled moments)."""
+    sinks = stats.sinks
+    spilled = None if sinks.spill is None else sinks.spill.mtm
+    return principal_directions(sinks.branch, spilled, count, stats.width)
+
+
+def solve_keeping(gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, tokens: int,
+                  opts: FitOptions) -> tuple[torch.Tensor, float, float, tuple[str, ...]]:
+    """A = P B minimizing ‖m P B − Δ‖² + ε‖B‖², P = I − UUᵀ, U = `keep` (C, k) orthonormal.
+
+    Then T = I + A is the identity on the directions U (u T = u) and the least-squares optimum
+    on the rest. In the basis [Q U] with Q spanning range(P), the normal equations are
+    (QᵀGQ + εI) B̃ = QᵀR, A = Q B̃: the same solution as (PGP + c·UUᵀ + εI) A = P R (any c > 0
+    makes the U block invertible and its right-hand side is 0, so UᵀA = 0), which needs no Q.
+    Memory: three C×C float64 matrices beyond the statistics; time O(C²·k) plus one solve, O(C³).
+    """
+    if keep.shape[1] == 0:
+        return solve_ridge(gram, cross, tokens, opts)
+    gu = gram @ keep  # (C, k) G U
+    pgp = gram - keep @ gu.T - gu @ keep.T + keep @ (keep.T @ gu) @ keep.T  # (C, C) P G P
+    pgp += (float(torch.trace(gram)) / gram.shape[0]) * (keep @ keep.T)  # c·UUᵀ: U block invertible
+    rhs = cross - keep @ (keep.T @ cross)  # (C, C) P R
+    update, eps, cond, notes = solve_ridge(pgp, rhs, tokens, opts)
+    update -= keep @ (keep.T @ update)  # exactly 0 on U (it already is up to rounding)
+    return update, eps, cond, notes
+
+
+def keepsink_note(k: int, errors: dict[int, float | None], where: str) -> str:
+    table = ", ".join(f"{j}: {'-' if e is None else f'{e:.3f}'}" for j, e in errors.items())
+    return f"kept {k} sink direction(s) as identity (boundary error on {where} tokens by count: {table})"
+
+
+@register_operator("replaceme_keepsink", paper="ReplaceMe-LS, sink-preserving (this project)",
+                   description="ReplaceMe fitted on ordinary tokens with T = I on the sink tokens' top MLP-output "
+                               "directions (their number chosen by held-out error); folded into block s−1's down "
+                               "projection", needs=BRANCH, stock=True)
+def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    """The sink token's MLP output is massive; any T ≠ I on it breaks the sink for every block after.
+
+    Fit on ordinary tokens only, T = I + P·B with P = I − UUᵀ, U the top-k directions of the
+    sink tokens' MLP outputs. One candidate per k in `opts.sink_directions`; the fit returned is
+    the best on calibration tokens (all of them), and carries every candidate so that the
+    pipeline keeps the one with the lowest held-out boundary error (`choose_by_heldout`).
+    Memory O(C²) per candidate; time one SVD of the sink rows plus one O(C³) solve per k.
+    """
+    name = "replaceme_keepsink"
+    unrecovered = _unrecovered_branch(name, stats)
+    if unrecovered is not None:
+        return unrecovered
+    ordinary = stats.token_set("ordinary", "branch")
+    directions = sink_directions(stats, max(opts.sink_directions))
+    candidates, errors = [], {}
+    for k in sorted({min(k, directions.shape[1]) for k in opts.sink_directions}):
+        update, eps, cond, notes = solve_keeping(ordinary.mtm, ordinary.mtd, directions[:, :k], ordinary.tokens, opts)
+        fit = Fit(name, stats.boundary, "branch", update, tokens_used=ordinary.tokens, sink_tokens=stats.sinks.tokens,
+                  sink_handling="identity", ridge=eps, condition_number=cond, notes=notes,
+                  ridge_fallback=next((n for n in notes if n.startswith(RIDGE_FALLBACK)), None), sink_directions=k)
+        squared = calibration_errors(fit, stats)
+        errors[k] = None if squared is None else relative(squared[0], stats.dd)
+        candidates.append(fit)
+    best = min(candidates, key=lambda f: math.inf if errors[f.sink_directions] is None else errors[f.sink_directions])
+    note = keepsink_note(best.sink_directions, errors, "calibration")
+    log.info("%s at %s: %s", name, stats.boundary, note)
+    return replace(best, notes=(*best.notes, note), candidates=tuple(candidates) if len(candidates) > 1 else ())
+
+
+def choose_by_heldout(fit: Fit, errors: list[BoundaryErrors | None]) -> Fit:
+    """The candidate of `fit` with the lowest held-out boundary error (all tokens), `errors` in
+    the order of `fit.candidates`; `fit` itself when there are none or nothing was held out."""
+    if not fit.candidates or any(e is None or e.relative is None for e in errors):
+        return replace(fit, candidates=())
+    by_count = {c.sink_directions: e.relative for c, e in zip(fit.candidates, errors)}
+    best = min(zip(fit.candidates, errors), key=lambda pair: pair[1].relative)[0]
+    note = keepsink_note(best.sink_directions, by_count, "held-out")
+    log.info("%s at %s: %s", fit.operator, fit.boundary, note)
+    return replace(best, notes=(*best.notes, note), candidates=())
 
 
 # ---------------------------------------------------------------- assessment
@@ -339,6 +465,7 @@ class FitReport:
     notes: tuple[str, ...] = field(default_factory=tuple)
     ridge_fallback: str | None = None  # why the fit used the relative ridge instead of the paper's ε (None: it did not)
     heldout_worse_than_pruning: bool = False  # held-out boundary error above 1: worse than plain pruning on unseen text
+    sink_directions: int | None = None  # replaceme_keepsink: sink directions kept as identity
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -382,6 +509,11 @@ def singular_values(update: torch.Tensor | None, max_width: int = 4096) -> tuple
     return tuple(torch.linalg.svdvals(update).tolist())
 
 
+def scale_singular_values(fit: Fit) -> tuple[float, ...]:
+    """Singular values of B diag(r − 1) Bᵀ (B orthogonal): |r − 1| in descending order, no O(C³) SVD."""
+    return tuple(torch.sort((fit.scale - 1).abs(), descending=True).values.tolist())
+
+
 def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None) -> FitReport:
     """Boundary errors of a fit (calibration tokens from the statistics; held-out tokens as
     measured by `heldout.measure_errors`, all and ordinary tokens) and its structure."""
@@ -394,8 +526,8 @@ def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None
         fit_error_ordinary=None if errors is None else relative(errors[1], stats.ordinary.dd),
         heldout_error=held,
         heldout_error_ordinary=None if heldout is None else heldout.relative_ordinary,
-        antisym_fraction=antisymmetric_fraction(fit.update),
-        singular_values=singular_values(fit.update),
+        antisym_fraction=0.0 if fit.scale is not None else antisymmetric_fraction(fit.update),  # B diag(r) Bᵀ is symmetric
+        singular_values=scale_singular_values(fit) if fit.scale is not None else singular_values(fit.update),
         condition_number=fit.condition_number if math.isfinite(fit.condition_number) else None,
         tokens_used=fit.tokens_used,
         sink_tokens=fit.sink_tokens,
@@ -404,6 +536,7 @@ def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None
         notes=fit.notes + stats.notes,
         ridge_fallback=fit.ridge_fallback,
         heldout_worse_than_pruning=held is not None and held > 1.0,
+        sink_directions=fit.sink_directions,
     )
 
 
@@ -419,37 +552,6 @@ def module_device(module: nn.Module) -> torch.device:
         if tensor.device.type != "meta":
             return tensor.device
     return torch.device("cpu")
-
-
-class ResidualLinear(nn.Module):
-    """x ↦ x W on the residual stream at a boundary (W = I + M), computed in float32.
-
-    The input is moved to the operator's device, which is that of the block it feeds.
-    """
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight.to(torch.float32), requires_grad=False)  # (C, C)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(self.weight.device, self.weight.dtype) @ self.weight).to(x.dtype)
-
-    def matrix(self) -> torch.Tensor:
-        return self.weight.detach()
-
-
-class ResidualScale(nn.Module):
-    """x ↦ x diag(s): a per-channel scale (LinearPatch-D), computed in float32."""
-
-    def __init__(self, scale: torch.Tensor):
-        super().__init__()
-        self.scale = nn.Parameter(scale.to(torch.float32), requires_grad=False)  # (C,)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.to(self.scale.device, self.scale.dtype) * self.scale).to(x.dtype)
-
-    def matrix(self) -> torch.Tensor:
-        return torch.diag(self.scale.detach())
 
 
 def residual_module(fit: Fit, device: torch.device) -> nn.Module:

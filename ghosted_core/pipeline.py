@@ -20,10 +20,12 @@ from ghosted_core.calibration import BoundaryStats, CalibrationOptions, collect_
 from ghosted_core.heldout import measure_errors
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
+from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
+from ghosted_core.model_card import run_record
 from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
-    peek_config
-from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, \
-    module_device, needs_of, residual_module
+    peek_config, resolve_device, resolve_dtype
+from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, \
+    choose_by_heldout, get_operator, module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
 from ghosted_core.surgery import build_variant, patch_site
@@ -70,7 +72,7 @@ class RunOptions:
     cosine: str = "hidden"  # "hidden" (papers) or "token-axis" (reference repos)
     variants: tuple[VariantSpec, ...] = parse_variants(DEFAULT_VARIANTS)
     calibration: str = "mix"  # calibration corpus
-    train_size: int = 64  # calibration sequences (the paper: 128)
+    train_size: int | None = None  # calibration sequences (None: enough for 4·C fit tokens, at least 64; the paper: 128)
     seqlen: int = 512  # calibration sequence length (the paper: 2048)
     heldout_size: int | None = None  # held-out calibration sequences for boundary errors (None: train_size // 8, at least 1)
     seed: int = 0
@@ -91,7 +93,7 @@ class RunOptions:
 
     @property
     def heldout(self) -> int:
-        return self.heldout_size if self.heldout_size is not None else max(1, self.train_size // 8)
+        return self.heldout_size if self.heldout_size is not None else max(1, (self.train_size or 64) // 8)
 
     def corpus(self, name: str, split: str) -> str | data.Corpus:
         """What the data functions read for corpus `name`: its registered name, or the user's text
@@ -125,6 +127,7 @@ class RunResult:
     tasks: dict[str, TaskResults] = field(default_factory=dict)  # variant → zero-shot task scores
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    memory_plan: MemoryPlan | None = None
     models: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)  # dense + variants (not serialized)
     tokenizer: object = field(default=None, repr=False)
 
@@ -161,7 +164,10 @@ class RunResult:
                 "corpus": opts.calibration, "label": self.calibration_label, "sequences": opts.train_size,
                 "heldout_sequences": opts.heldout, "seqlen": opts.seqlen, "tokens": self.calibration_tokens,
                 "seed": opts.seed, "sink_rule": opts.calibrate.sink_rule, "sink_ratio": opts.calibrate.sink_ratio,
+                "pipeline": opts.calibrate.pipeline, "stats_device": opts.calibrate.stats_device,
+                "products": opts.calibrate.products,
             },
+            "memory_plan": self.memory_plan.to_json() if self.memory_plan else None,
             "evaluation": {"seqlen": opts.eval_seqlen or opts.seqlen, "max_tokens": opts.eval_max_tokens},
             "corpora": self.corpora,
             "prompt": opts.prompt,
@@ -175,7 +181,9 @@ def fit_json(reports: Sequence[FitReport]) -> dict:
     """A variant's boundary errors, anti-symmetric shares and full fit reports, one per boundary (results.json)."""
     return {
         "boundary_error": [{"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
-                            "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary} for r in reports],
+                            "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
+                            "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
+                           for r in reports],
         "antisym_fraction": [r.antisym_fraction for r in reports],
         "fits": [r.to_json() for r in reports],
     }
@@ -194,7 +202,7 @@ def validate(options: RunOptions, num_layers: int | None = None, max_positions: 
         parse_tasks(",".join(options.tasks))  # unknown task names fail before any work
         if options.task_limit is not None and options.task_limit < 1:
             raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
-    if options.train_size < 1 or options.seqlen < 2:
+    if options.train_size is not None and options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
     sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
              "--task_batch_size": options.task_batch_size}
@@ -231,8 +239,9 @@ def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> tuple[dict[int, nn.
 
 
 def _record(plan: PruningPlan, variant: VariantSpec) -> dict:
-    return {"removed_layers": list(plan.removed), "boundaries": [[b.start, b.end] for b in plan.boundaries],
-            "operator": variant.operator, "sequential": variant.sequential}
+    return {"dense_layers": plan.num_layers, "removed_layers": list(plan.removed),
+            "boundaries": [[b.start, b.end] for b in plan.boundaries], "operator": variant.operator,
+            "sequential": variant.sequential}
 
 
 def build_recovered(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, fits: Sequence[Fit]) -> PreTrainedModel:
@@ -262,6 +271,20 @@ def _with_heldout(report: FitReport, errors) -> FitReport:
         heldout_worse_than_pruning=errors.relative is not None and errors.relative > 1.0)
 
 
+def choose_fit(dense: PreTrainedModel, fit: Fit, batches, options: RunOptions, source: PreTrainedModel | None = None,
+               source_start: int | None = None) -> Fit:
+    """A fit that carries candidates (replaceme_keepsink: one per number of sink directions) becomes the
+    candidate with the lowest held-out boundary error. Time: one held-out pass up to the boundary for
+    all candidates (one per candidate for a sequential fit); memory: the candidates' C×C updates."""
+    if not fit.candidates:
+        return fit
+    if source is None:
+        errors = measure_errors(dense, list(fit.candidates), batches, options.calibrate)
+    else:
+        errors = [measure_errors(dense, [c], batches, options.calibrate, source, source_start)[0] for c in fit.candidates]
+    return choose_by_heldout(fit, errors)
+
+
 def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, stats: Sequence[BoundaryStats],
                 batches, options: RunOptions) -> tuple[list[Fit], list[FitReport]]:
     """Fit a variant's operator at every boundary, independently or sequentially, with held-out errors.
@@ -273,11 +296,11 @@ def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec,
     reports: list[FitReport] = []
     held: list = []
     for k, boundary_stats in enumerate(stats):
-        source = None
+        source, source_start = None, None
         if variant.sequential and k > 0:
             source = build_recovered(dense, _upstream(plan, k), variant, fits)
             boundary_stats, source_start = _sequential_stats(dense, plan, k, source, batches, options, variant.operator)
-        fit = spec.fit(boundary_stats, options.fit)
+        fit = choose_fit(dense, spec.fit(boundary_stats, options.fit), batches, options, source, source_start)
         fits.append(fit)
         reports.append(assess(fit, boundary_stats))
         if source is not None:
@@ -291,7 +314,7 @@ def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec,
 
 
 @dataclass
-class _VariantBuild:
+class VariantBuild:
     """A variant being fitted: its boundary modules so far, what applies each fit, its reports."""
 
     spec: VariantSpec
@@ -320,12 +343,12 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     for the sequential variants. Time: one C×C solve per least-squares fit and one held-out pass
     for all independent fits, plus two forwards per batch per later boundary of a sequential variant.
     """
-    builds = {v.name: _VariantBuild(v) for v in variants}
+    builds = {v.name: VariantBuild(v) for v in variants}
     sequential = [v for v in variants if v.sequential]
     for k in range(len(stats)):
         for variant in variants:
             if not variant.sequential or k == 0:
-                fit = get_operator(variant.operator).fit(stats[k], options.fit)
+                fit = choose_fit(dense, get_operator(variant.operator).fit(stats[k], options.fit), batches, options)
                 builds[variant.name].add(dense, fit, stats[k])
                 del fit
         if k > 0 or not sequential:
@@ -340,6 +363,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
             view = build_variant(dense, upstream.removed, build.patches, build.replacements, _record(upstream, variant))
             boundary_stats, source_start = _sequential_stats(dense, plan, k, view, batches, options, variant.operator)
             fit = get_operator(variant.operator).fit(boundary_stats, options.fit)
+            fit = choose_fit(dense, fit, batches, options, view, source_start)
             build.add(dense, fit, boundary_stats)
             del boundary_stats
             errors = measure_errors(dense, [build.maps[k]], batches, options.calibrate, view, source_start)[0]
@@ -351,6 +375,65 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     models = {name: build_variant(dense, plan.removed, b.patches, b.replacements, _record(plan, b.spec))
               for name, b in builds.items()}
     return reports, models
+
+
+def sized(options: RunOptions, width: int) -> RunOptions:
+    """Options with the calibration size resolved: enough sequences for 4·C fit tokens, at least 64."""
+    if options.train_size is not None:
+        return options
+    return dataclasses.replace(options, train_size=min_calibration_sequences(width, options.seqlen))
+
+
+def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None,
+                boundaries: int | None = None) -> MemoryPlan:
+    """The run's memory plan from the config (before loading: device and dtype as the load options say)."""
+    device = device or resolve_device(options.load.device)
+    dtype = dtype or resolve_dtype(options.load.dtype, device)
+    if boundaries is None:
+        boundaries = max_boundaries(options.criterion, config.num_hidden_layers, options.num_prune, options.layers)
+    sequences = options.train_size or min_calibration_sequences(config.hidden_size, options.seqlen)
+    cal = options.calibrate
+    return plan_memory(config, options.model, device, dtype, needs_of(v.operator for v in options.variants),
+                       boundaries, sequences, options.seqlen, cal.batch_size, cal.capacity(sequences),
+                       options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
+
+
+def planned(options: RunOptions, loaded: LoadedModel | None = None,
+            boundaries: int | None = None) -> tuple[RunOptions, MemoryPlan]:
+    """Options with the calibration size resolved and calibration placed, and the memory plan behind them.
+
+    Before loading (`loaded` None) the plan comes from the config alone; a plan that cannot fit
+    is refused here, before any weight is read. `boundaries`: how many boundaries the statistics
+    hold at once (None: the most this criterion and depth can make).
+    """
+    if loaded is None:
+        config = peek_config(options.model)
+        options = sized(options, config.hidden_size)
+        plan = memory_plan(options, config, boundaries=boundaries)
+    else:
+        options = sized(options, loaded.hidden_size)
+        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model), boundaries=boundaries)
+    plan.check()
+    log.info(plan.summary())
+    return _placed(plan, options), plan
+
+
+def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
+    """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
+    cal = options.calibrate
+    stats_device = plan.stats_device if cal.stats_device == "auto" and plan.device != "cpu" else cal.stats_device
+    compute = cal.compute_device
+    if plan.pipeline == "blocks" and compute is None and plan.device.startswith("cuda"):
+        compute = plan.device
+    return dataclasses.replace(options, calibrate=dataclasses.replace(cal, pipeline=plan.pipeline,
+                                                                      stats_device=stats_device, compute_device=compute))
+
+
+def _loaded_placement(model: PreTrainedModel) -> tuple[str, object]:
+    """(device, dtype) of an already loaded model, as the memory plan names them."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "map", model.dtype
+    return str(module_device(model.model.embed_tokens)), model.dtype
 
 
 def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterator[tuple[str, RunResult]]:
@@ -366,9 +449,12 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         clock = now
         return stage, result
 
-    if loaded is None:
-        config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
+    if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
+        config = peek_config(options.model)
         validate(options, config.num_hidden_layers, max_positions(config))
+    options, plan = planned(options, loaded)
+    result.options, result.memory_plan = options, plan
+    if loaded is None:
         loaded = load_model(options.model, options.load)
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description
@@ -385,11 +471,13 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         batches, result.calibration_tokens = calibration_batches(tokenizer, options)
         result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
         result.calibration_label = result.corpora[options.calibration]["label"]
+        result.notes += calibration_size_notes(result.calibration_tokens, loaded.hidden_size, options)
     plan, sim = select_blocks(dense, options.criterion, _request(options, loaded.num_layers), batches, options.quiet)
     result.plan, result.similarity = plan, sim
     yield done("score blocks")
 
     if plan.removed:
+        result.memory_plan = memory_plan(options, dense.config, *_loaded_placement(dense), len(plan.boundaries))
         needs = needs_of(v.operator for v in options.variants)
         stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
         yield done("calibrate")
@@ -413,6 +501,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
                                                desc=f"perplexity {corpus}")
         yield done("perplexity")
+    _record_run(result)
 
     if plan.removed and first_windows is not None and options.drift_windows > 0:
         pruned = {name: model for name, model in result.models.items() if name != "dense"}
@@ -427,6 +516,28 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.tasks[name] = evaluate_tasks(model, tokenizer, options.tasks, options.task_limit, options.seed,
                                             options.task_batch_size, progress=not options.quiet)
         yield done("tasks")
+
+
+def calibration_size_notes(tokens: int, width: int, options: RunOptions) -> list[str]:
+    """A warning (logged and returned for the result) when a least-squares fit gets fewer than 4·C tokens."""
+    needs = needs_of(v.operator for v in options.variants)
+    if not (needs.residual or needs.branch) or tokens >= 4 * width:
+        return []
+    wanted = min_calibration_sequences(width, options.seqlen, floor=1)
+    note = (f"calibration has {tokens} tokens, fewer than 4·C = {4 * width} for a {width}-wide model: the least-squares "
+            f"fits are poorly determined{' (rank-deficient: a relative ridge decides them)' if tokens < width else ''}; "
+            f"use --train_size {wanted} or more at --seqlen {options.seqlen}")
+    log.warning(note)
+    return [note]
+
+
+def _record_run(result: RunResult) -> None:
+    """Add the run's facts (base model, calibration, perplexities) to each variant's `ghosted` record,
+    so that an export of the variant can state them in its model card."""
+    report = result.to_json()
+    for name, model in result.models.items():
+        if name != "dense" and getattr(model.config, "ghosted", None) is not None:
+            model.config.ghosted.update(run_record(report, name))
 
 
 def calibration_batches(tokenizer, options: RunOptions) -> tuple[list, int]:

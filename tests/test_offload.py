@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from conftest import random_tokens
 from ghosted_core.cli import main
-from ghosted_core.export import load_recovered, save_recovered
+from ghosted_core.export import export_variant, load_recovered
 from ghosted_core.models import LoadOptions, load_model, parse_max_memory
 from ghosted_core.pipeline import RunOptions, parse_variants, run
 
@@ -112,14 +112,13 @@ def test_cli_device_map_with_a_memory_cap_runs_calibration_and_perplexity(tiny_m
             assert mine["fit"] == pytest.approx(theirs["fit"], rel=1e-6, abs=1e-9), name
 
 
-@pytest.mark.xfail(strict=True, reason="issue 9 item 4, export engineer: save_recovered still meets meta tensors of "
-                                       "offloaded blocks; remove this mark when it gathers them from the offload")
 def test_offloaded_variant_saves_and_reloads_with_equal_logits(capped, tmp_path):
     loaded, _cap, _total = capped
     result = run(dataclasses.replace(run_options(loaded.name), variants=parse_variants("ghost,replaceme"),
                                      eval_corpora=()), loaded)
     ids = random_tokens(2, 16, seed=8)
     for name in ("ghost", "replaceme"):
-        reloaded, _ = load_recovered(save_recovered(result.models[name], None, tmp_path / name))
-        with torch.no_grad():
-            assert torch.equal(reloaded(ids).logits, result.models[name](ids).logits), name
+        reloaded, _ = load_recovered(export_variant(result.models[name], None, tmp_path / name).folder)
+        with torch.no_grad():  # offloaded replaceme applies T after the MLP; the stock export folds it into down_proj
+            torch.testing.assert_close(reloaded(ids).logits, result.models[name](ids).logits, rtol=1e-5, atol=1e-5,
+                                       msg=name)

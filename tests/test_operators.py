@@ -296,3 +296,12 @@ def test_heldout_flag_marks_an_operator_worse_than_pruning():
     assert "worse than plain pruning on held-out calibration text" in report.to_json()["flags"]
     better = assess(fit, stats, BoundaryErrors(10, 0, 0.25, 0.25, 1.0, 1.0))
     assert not better.heldout_worse_than_pruning and better.to_json()["flags"] == []
+
+
+@pytest.mark.parametrize("name", ["diag", "rotate"])
+def test_scale_fits_report_the_singular_values_of_their_matrix(name):
+    stats, *_ = synthetic_stats()
+    fit = get_operator(name).fit(stats, FitOptions())
+    report = assess(fit, stats)
+    np.testing.assert_allclose(report.singular_values, torch.linalg.svdvals(fit.update).numpy(), atol=1e-12)
+    assert report.antisym_fraction == pytest.approx(antisymmetric_fraction(fit.update), abs=1e-12)
