@@ -23,6 +23,7 @@ from ghosted_core.operators import Fit, FitOptions, FitReport, assess, branch_re
     residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
+from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.surgery import build_variant, patch_site
 from ghosted_core.tasks import TaskResults, evaluate_tasks, parse_tasks
 
@@ -226,8 +227,15 @@ def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec,
     return fits, reports
 
 
-def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterator[tuple[str, RunResult]]:
-    """Run everything `options` asks for, yielding (stage, result so far) after each stage."""
+def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
+               should_stop: StopCheck = None) -> Iterator[tuple[str, RunResult]]:
+    """Run everything `options` asks for, yielding (stage, result so far) after each stage.
+
+    `should_stop` (e.g. `threading.Event().is_set`) is polled before every stage and between the
+    batches of perplexity and drift and the variants of generation and tasks; when it returns
+    True the generator raises `stopping.RunStopped` naming the stage, and the result yielded last
+    holds every stage finished before it.
+    """
     validate(options)
     result = RunResult(options)
     clock = time.perf_counter()
@@ -250,6 +258,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     validate(options, loaded.num_layers)
     yield done("load model")
 
+    check_stop(should_stop, "score blocks")
     spec = get_criterion(options.criterion)
     needs_data = spec.needs_similarity or options.criterion != "none"
     batches = []
@@ -265,9 +274,11 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     yield done("score blocks")
 
     if plan.removed:
+        check_stop(should_stop, "calibrate")
         stats = collect_stats(dense, plan.boundaries, batches, options.calibrate)
         yield done("calibrate")
         for variant in options.variants:
+            check_stop(should_stop, "fit operators")
             fits, reports = fit_variant(dense, plan, variant, stats, batches, options)
             result.fits[variant.name] = reports
             result.notes += [f"{variant.name}, boundary {r.boundary}: {note}" for r in reports for note in r.notes]
@@ -281,19 +292,21 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         first_windows = windows if first_windows is None else first_windows
         result.corpora[corpus] = _corpus_entry(corpus, "evaluation") | {"windows": len(windows), "tokens": int(windows.numel())}
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
-                                               desc=f"perplexity {corpus}")
+                                               desc=f"perplexity {corpus}", should_stop=should_stop)
         yield done("perplexity")
 
     if plan.removed and first_windows is not None and options.drift_windows > 0:
         pruned = {name: model for name, model in result.models.items() if name != "dense"}
-        result.drift = block_drift(dense, pruned, plan, first_windows[: options.drift_windows], options.calibrate)
+        result.drift = block_drift(dense, pruned, plan, first_windows[: options.drift_windows], options.calibrate,
+                                   should_stop=should_stop)
         yield done("drift")
 
     if options.prompt:
-        result.generations = generate(result.models, tokenizer, options.prompt, options.generation)
+        result.generations = generate(result.models, tokenizer, options.prompt, options.generation, should_stop)
         yield done("generate")
 
     for name, model in result.models.items() if options.tasks else ():
+        check_stop(should_stop, "tasks")
         result.tasks[name] = evaluate_tasks(model, tokenizer, options.tasks, options.task_limit, options.seed,
                                             options.task_batch_size, progress=not options.quiet)
         yield done("tasks")

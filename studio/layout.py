@@ -12,9 +12,13 @@ from ghosted_core.pipeline import SEQUENTIAL_SUFFIX
 from ghosted_core.selection import CRITERIA
 from ghosted_core.tasks import TASKS
 from studio.cache import num_blocks
-from studio.callbacks import depth_info, model_note, on_criterion_change, on_model_change, on_run
+from studio.callbacks import OUTPUT_NAMES, depth_info, model_note, on_criterion_change, on_model_change, on_run, \
+    on_settings_change, on_stop, on_submit
 from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, NO_SAVE, OPERATOR_CHOICES, QUEUE_SIZE, RUN_CONCURRENCY, \
     SEQLENS
+from studio.speed import default_run_note
+from studio.status import NOTHING_SHOWN
+from studio.tables import empty_perplexity_table
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +33,21 @@ def corpus_choices(split: str) -> list[tuple[str, str]]:
     return [(f"{name} — {label}", name) for name, label in data.describe(data.corpus_names(), split).items()]
 
 
-def build_demo() -> gr.Blocks:
-    """The page: controls on the left, results filling in on the right."""
+# After Run, bring the status panel into view: on a phone the results column sits below every control.
+SCROLL_TO_STATUS = "() => { document.getElementById('status')?.scrollIntoView({block: 'start', behavior: 'smooth'}); }"
+
+
+def method_diagram() -> str:
+    """The method in one picture: a wide left-to-right version, and a top-to-bottom one for phones (CSS picks)."""
+    return (f"<div class='diagram-wide'>{(ASSETS / 'method.svg').read_text()}</div>"
+            f"<div class='diagram-narrow'>{(ASSETS / 'method-narrow.svg').read_text()}</div>")
+
+
+def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
+    """The page: controls on the left, results filling in on the right (stacked on a phone).
+
+    `concurrency`: runs computing at once (GHOSTED_APP_CONCURRENCY); the others wait in the queue.
+    """
     prompts = read_prompts()
     default_layers = num_blocks_or(DEFAULTS.model, 30)
     with gr.Blocks(title="Ghosted Layers Studio", delete_cache=(3600, 7200)) as demo:
@@ -40,23 +57,24 @@ def build_demo() -> gr.Blocks:
                     "# Ghosted Layers Studio\n"
                     "Remove decoder blocks from a language model, fit a training-free linear map **W** where they were, "
                     "and see what pruning broke and what each operator gives back: generations, perplexity, "
-                    "boundary error, per-block drift and the structure of W. Press **Run** to try the defaults "
-                    "(about a minute on 2 CPU cores).")
+                    "boundary error, per-block drift and the structure of W. Press **Run** to try the defaults.\n\n"
+                    f"{default_run_note()}", elem_id="app-intro")
             with gr.Column(scale=3):
-                gr.HTML((ASSETS / "method.svg").read_text(), elem_id="method-diagram")
+                gr.HTML(method_diagram(), elem_id="method-diagram")
         with gr.Row():
             with gr.Column(scale=1, min_width=340, elem_id="controls"):
                 with gr.Row(elem_id="run-buttons"):
                     run_btn = gr.Button("Run", variant="primary", elem_id="run-button")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-button")
+                run_advice = gr.Markdown("", elem_id="run-advice")
                 with gr.Accordion("Model and pruning", open=True):
                     model = gr.Dropdown(list(EMBEDDED), value=DEFAULTS.model, allow_custom_value=True, label="Model",
                                         elem_id="model",
                                         info="an embedded model, a local folder or a Hub id")
                     model_info = gr.Markdown(model_note(DEFAULTS.model), elem_classes="caption")
-                    criterion = gr.Dropdown([(f"{name} — {CRITERION_HELP.get(name, spec.paper)}", name)
+                    criterion = gr.Dropdown([(f"{name}: {CRITERION_HELP.get(name, spec.paper)}", name)
                                              for name, spec in CRITERIA.items()],
-                                            value=DEFAULTS.criterion, label="Which blocks to remove")
+                                            value=DEFAULTS.criterion, label="Which blocks to remove", elem_id="criterion")
                     depth = gr.Slider(1, default_layers, value=DEFAULTS.depth, step=1, label="Blocks to remove",
                                       info=depth_info(default_layers), elem_id="depth")
                     manual_blocks = gr.Textbox(label="Blocks to remove (manual)", value="19-25", visible=False,
@@ -101,8 +119,8 @@ def build_demo() -> gr.Blocks:
                                       elem_id="generations")
                 gr.Markdown("### Perplexity", elem_classes="section-title")
                 ppl_caption = gr.Markdown("", elem_classes="caption")
-                ppl_table = gr.Dataframe(label="Perplexity by corpus and variant", interactive=False, elem_id="ppl-table",
-                                         show_label=False, wrap=True)
+                ppl_table = gr.Dataframe(empty_perplexity_table(), label="Perplexity by corpus and variant",
+                                         interactive=False, elem_id="ppl-table", show_label=False, wrap=True)
                 gr.Markdown("### Charts", elem_classes="section-title")
                 scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
                 errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
@@ -116,17 +134,31 @@ def build_demo() -> gr.Blocks:
                     tasks_plot = gr.Plot(show_label=False, elem_id="plot-tasks")
                 results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
 
+        submitted = gr.State(None)  # when Run was pressed (server clock): queueing counts apart from running
+        shown = gr.State(NOTHING_SHOWN)  # which run the results on the page belong to
+
         inputs = [model, criterion, depth, manual_blocks, operators, calibration, samples, seqlen, seed, eval_corpora,
                   eval_tokens, prompt, new_tokens, tasks_on, task_names, task_examples, save_variant]
         outputs = [status, generations, ppl_caption, ppl_table, scores_plot, errors_plot, drift_plot, structure_plot,
                    tasks_caption_md, tasks_table_df, tasks_plot, results_file, model_file]
-        run_event = run_btn.click(on_run, inputs, outputs, api_name="run", concurrency_limit=RUN_CONCURRENCY,
-                                  concurrency_id="run", show_progress_on=[status])
-        stop_btn.click(None, None, None, cancels=[run_event], api_name="stop")
-        model.change(on_model_change, [model, depth], [model_info, depth, manual_blocks], api_name="model_info")
-        criterion.change(on_criterion_change, criterion, [depth, manual_blocks], api_visibility="private")
+        assert len(outputs) == len(OUTPUT_NAMES)
+        submit = run_btn.click(on_submit, None, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
+                               api_visibility="private")
+        run_event = submit.then(on_run, [*inputs, submitted, shown], [*outputs, shown], api_name="run",
+                                concurrency_limit=concurrency, concurrency_id="run", show_progress_on=[status])
+        stop_btn.click(on_stop, [shown], [status, shown], cancels=[run_event], api_name="stop", concurrency_limit=None,
+                       show_progress="hidden")
+        model.change(on_model_change, [model], [model_info, depth, manual_blocks], api_name="model_info",
+                     concurrency_limit=None)
+        criterion.change(on_criterion_change, criterion, [depth, manual_blocks], api_visibility="private",
+                         concurrency_limit=None)
+        settings = [model, criterion, depth, manual_blocks, operators, samples, seqlen]
+        for widget in settings:
+            widget.change(on_settings_change, settings, run_advice, api_name="check" if widget is model else None,
+                          api_visibility="public" if widget is model else "private", concurrency_limit=None,
+                          show_progress="hidden")
         tasks_on.change(lambda on: gr.update(visible=on), tasks_on, tasks_box, api_visibility="private")
-    demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=RUN_CONCURRENCY)
+    demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency)
     return demo
 
 

@@ -7,15 +7,17 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ghosted_core.advice import Advice, calibration_advice, cut_advice
 from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
 from ghosted_core.export import archive_recovered
-from ghosted_core.models import EMBEDDED
+from ghosted_core.models import EMBEDDED, needs_conversion
 from ghosted_core.operators import OPERATORS
 from ghosted_core.pipeline import RunOptions, RunResult, parse_variants, run_stages, validate
 from ghosted_core.selection import parse_layers
-from studio.cache import MODELS, num_blocks
+from ghosted_core.stopping import StopCheck, check_stop
+from studio.cache import MODELS, model_shape, num_blocks
 from studio.settings import DEFAULTS, NO_SAVE, gpu
 
 
@@ -76,9 +78,10 @@ def check_save(options: RunOptions, save_variant: str) -> str | None:
 
 
 def planned_stages(options: RunOptions, quick: QuickTasks, save_variant: str | None = None) -> list[str]:
-    """The stage names `run_job` will yield, in order (for the progress bar)."""
+    """The stage names `run_job` will yield, in order (for the progress bar and the status)."""
     prunes = options.criterion != "none"
-    stages = ["load model", "score blocks"]
+    stages = ["convert model"] if needs_conversion(options.model) else []
+    stages += ["load model", "score blocks"]
     stages += ["calibrate", "fit operators"] if prunes else []
     stages += ["perplexity"] * len(options.eval_corpora)
     stages += ["drift"] if prunes and options.eval_corpora and options.drift_windows else []
@@ -88,14 +91,26 @@ def planned_stages(options: RunOptions, quick: QuickTasks, save_variant: str | N
     return stages
 
 
+def settings_advice(options: RunOptions) -> list[Advice]:
+    """What the library's advice says about these settings before anything runs (depth, cut, calibration size)."""
+    layers, width = model_shape(options.model)
+    removed = options.layers if options.criterion == "manual" else ()
+    count = len(removed) if options.criterion == "manual" else options.num_prune if options.criterion != "none" else 0
+    advice = cut_advice(layers, count, removed) if count else []
+    if options.criterion != "none":
+        advice += calibration_advice(options.train_size * options.seqlen, width, [v.name for v in options.variants])
+    return advice
+
+
 # ---------------------------------------------------------------- the run (the @spaces.GPU unit)
 
 
-def snapshot(result: RunResult, options: RunOptions, load_seconds: float) -> dict:
+def snapshot(result: RunResult, options: RunOptions, timings: dict[str, float]) -> dict:
     """Plain JSON-ready data of the run so far: results.json's layout plus what the page also shows."""
     report = result.to_json()
     tasks = {name: entry["tasks"] for name, entry in report["variants"].items() if "tasks" in entry}
-    report["timings"]["load model"] = round(load_seconds, 3)
+    report["timings"] = {stage: round(seconds, 3) for stage, seconds in timings.items()} | {
+        stage: seconds for stage, seconds in report["timings"].items() if stage not in timings}
     report["app"] = {
         "drift_corpus": options.eval_corpora[0] if options.eval_corpora else None,
         "drift_windows": options.drift_windows,
@@ -108,26 +123,39 @@ def snapshot(result: RunResult, options: RunOptions, load_seconds: float) -> dic
 
 
 @gpu
-def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None,
-            folder: str | None = None) -> Iterator[tuple[str, dict]]:
-    """Load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each stage.
+def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None, folder: str | None = None,
+            should_stop: StopCheck = None) -> Iterator[tuple[str, dict]]:
+    """(Convert →) load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each.
 
-    Refuses bad input before loading any weights. Yields only plain data (a saved model is a
-    zip path in `folder`), so it can run in a ZeroGPU worker process.
+    Refuses bad input before loading any weights. A first use of an embedded model whose GGUF
+    was not converted at setup converts it as its own stage. `should_stop` is polled between
+    batches and stages (`RunStopped`). Yields only plain data (a saved model is a zip path in
+    `folder`), so it can run in a ZeroGPU worker process.
     """
     check_options(options)
+    timings: dict[str, float] = {}
+    if needs_conversion(options.model):
+        start = time.perf_counter()
+        MODELS.convert(options.model)  # outside any lock that other users wait on
+        timings["convert model"] = time.perf_counter() - start
+        yield "convert model", {"model": options.model, "timings": {k: round(v, 3) for k, v in timings.items()},
+                                "variants": {}}
+    check_stop(should_stop, "load model")
     start = time.perf_counter()
     loaded = MODELS.get(options.model)
-    load_seconds = time.perf_counter() - start
+    timings["load model"] = time.perf_counter() - start
     if quick.enabled and quick.tasks:
         options = replace(options, tasks=quick.tasks, task_limit=quick.limit)
     result = None
-    for stage, result in run_stages(options, loaded):
-        yield stage, snapshot(result, options, load_seconds)
+    for stage, result in run_stages(options, loaded, should_stop):
+        yield stage, snapshot(result, options, timings)
     if save_variant and folder and result is not None:
+        check_stop(should_stop, "save model")
+        start = time.perf_counter()
         path = archive_recovered(result.models[save_variant], result.tokenizer,
                                  Path(folder) / f"{safe_name(options.model)}-{save_variant}.zip")
-        report = snapshot(result, options, load_seconds)
+        result.timings["save model"] = time.perf_counter() - start
+        report = snapshot(result, options, timings)
         report["app"]["saved_model"] = str(path)
         yield "save model", report
 
@@ -135,4 +163,3 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
 def safe_name(model: str) -> str:
     """A model id or folder as a file-name stem ('org/name' → 'org-name')."""
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in model.strip("/")).strip("-.") or "model"
-

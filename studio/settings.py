@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ghosted_core.models import DEFAULT_MODEL
+from ghosted_core.advice import default_depth
+from ghosted_core.models import DEFAULT_MODEL, EMBEDDED
 from ghosted_core.operators import OPERATORS
 from ghosted_core.pipeline import SEQUENTIAL_SUFFIX
 
@@ -22,7 +23,7 @@ class Defaults:
 
     model: str = DEFAULT_MODEL
     criterion: str = "streamline"
-    depth: int = 7  # blocks removed
+    depth: int = default_depth(EMBEDDED[DEFAULT_MODEL].num_layers)  # blocks removed: a quarter of them (7 of 30)
     operators: tuple[str, ...] = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
     calibration: str = "mix"  # broad stand-in for C4
     samples: int = 12  # calibration sequences (the paper: 128); 3072 tokens, over 5× the width of SmolLM2
@@ -43,6 +44,7 @@ CACHE_SIZE = int(os.environ.get("GHOSTED_APP_CACHE_MODELS", "2"))  # models held
 RUN_CONCURRENCY = int(os.environ.get("GHOSTED_APP_CONCURRENCY", "1"))  # runs computing at once
 QUEUE_SIZE = int(os.environ.get("GHOSTED_APP_QUEUE", "16"))  # runs waiting at most
 GPU_SECONDS = int(os.environ.get("GHOSTED_APP_GPU_SECONDS", "120"))  # ZeroGPU time asked per run
+STOP_WAIT_SECONDS = 30  # Stop waits this long for a run to reach its next batch before answering
 
 OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]
 CRITERION_HELP = {  # short dropdown labels; the registry's paper names are longer

