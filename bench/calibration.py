@@ -11,7 +11,8 @@ Both fit the paper's ghost operator for one boundary of SmolLM2 on the same PTB 
   copy, and the normal equations (XᵀX + 1e-6 I) M = XᵀΔ.
 Each (method, size) runs in its own subprocess, so peak resident memory (ru_maxrss) is
 measured alone; "extra" is the peak minus the resident size after loading the model.
-Writes bench/results/calibration.json and prints the table with time and memory ratios.
+Writes bench/results/calibration.json (calibration_quick.json with --quick) and prints the table with time
+and memory ratios.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the script's folder)
 
 SEQLEN = 512
 
@@ -98,10 +101,11 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=12, help="first removed block (streamline's choice for n=7)")
     parser.add_argument("--end", type=int, default=19, help="first surviving block after the run")
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/calibration.json"))
+    parser.add_argument("--out", default=None, help=out_help("calibration"))
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "TOKENS"), help=argparse.SUPPRESS)
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.out = str(result_path("calibration", args.quick, args.out))
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.start, args.end, args.batch_size, args.worker_out)
         return

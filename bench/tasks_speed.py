@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the script's folder)
+
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
@@ -32,8 +34,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "bench/results/tasks_speed.json"))
+    parser.add_argument("--out", default=None, help=out_help("tasks_speed"))
     args = parser.parse_args()
+    args.out = str(result_path("tasks_speed", args.quick, args.out))
     tasks = [t for t in PAPER_TASKS if t in TASKS]
     if args.quick:
         tasks, args.limit = ["copa", "arc_easy", "piqa"], 20

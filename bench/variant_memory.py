@@ -21,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_paths import result_path  # noqa: E402  (bench/ is the script's folder)
+
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
@@ -42,8 +44,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--removed", default="20,21,22,23,24,25,26", help="blocks to remove")
-    parser.add_argument("--out", default="bench/results/variant_memory.json")
+    parser.add_argument("--out", default=None, help="results file (default: bench/results/variant_memory.json)")
     args = parser.parse_args()
+    args.out = str(result_path("variant_memory", out=args.out))
 
     loaded = load_model(args.model)
     dense = loaded.model

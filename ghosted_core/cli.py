@@ -1,7 +1,8 @@
 """Command line: `python -m ghosted_core` with the seed repository's flags.
 
-Parses, builds `RunOptions`, calls `pipeline.run`, writes OUTDIR/results.json and prints
-a summary table. Holds no method logic. Bad input: one line on stderr, exit code 2.
+Parses, builds `RunOptions`, calls `pipeline.run` (or `sweep.run_sweep` for a depth range
+`--total_num_prune START:STOP:STEP`), writes OUTDIR/results.json and prints a summary table.
+Holds no method logic. Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from pathlib import Path
 
 from ghosted_core import data
 from ghosted_core.calibration import CalibrationOptions
+from ghosted_core.calibration_pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
-from ghosted_core.export import save_recovered
-from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names
-from ghosted_core.operators import OPERATORS, FitOptions
+from ghosted_core.export import EXPORT_MODES, check_export, export_variant
+from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names, parse_max_memory
+from ghosted_core.operators import HELDOUT_FLAG, OPERATORS, FitOptions
 from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
 from ghosted_core.selection import COSINE_AXES, CRITERIA, parse_layers
+from ghosted_core.sweep import SweepResult, parse_depths, run_sweep
 from ghosted_core.tasks import parse_tasks
+from ghosted_core.user_text import USER_CORPUS, canonical, from_file
 
 log = logging.getLogger("ghosted_core")
 
@@ -44,17 +48,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"embedded model ({', '.join(embedded_names())}), local folder, or Hub id")
     p.add_argument("--pruning_method", default="streamline", choices=list(CRITERIA), help="how blocks are chosen")
     p.add_argument("--layers", default="", help="blocks to remove for --pruning_method manual, e.g. 20,21,25-27")
-    p.add_argument("--total_num_prune", type=int, default=7, help="number of blocks to remove")
+    p.add_argument("--total_num_prune", default="7",
+                   help="number of blocks to remove, or a depth sweep START:STOP:STEP with STOP included "
+                        "(2:10:2 = 2, 4, 6, 8, 10) from one scoring and one calibration pass")
     p.add_argument("--cosine", default="hidden", choices=COSINE_AXES,
                    help="hidden: per-token cosine (papers); token-axis: the reference repos' variant")
     p.add_argument("--insert_type", default=",".join(DEFAULT_VARIANTS),
                    help=f"recovery operator(s), comma list of {', '.join(OPERATORS)}; "
                         f"append {SEQUENTIAL_SUFFIX} for the sequential fit (e.g. ghost{SEQUENTIAL_SUFFIX})")
-    p.add_argument("--calibration_data", default="mix", help="calibration corpus: " + ", ".join(data.corpus_names()))
-    p.add_argument("--train_size", type=int, default=64, help="calibration sequences (paper: 128)")
+    p.add_argument("--calibration_data", default="mix",
+                   help="calibration corpus: " + ", ".join(data.corpus_names()) + ", or yours (with --user_text)")
+    p.add_argument("--user_text", default=None, metavar="FILE",
+                   help="your own text (.txt, or .jsonl with a \"text\" field per line; at most 5 MB), used where "
+                        "--calibration_data or --eval_ppl names yours; kept in memory only")
+    p.add_argument("--train_size", type=int, default=None,
+                   help="calibration sequences (paper: 128); default: enough for at least 4·C fit tokens, at least 64 "
+                        "(C = hidden size; e.g. 32 at --seqlen 512 for C = 4096); fewer than C tokens make the "
+                        "least-squares fits rank-deficient (a relative ridge then decides them, with a warning)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (paper: 2048)")
     p.add_argument("--heldout_size", type=int, default=None, help="held-out calibration sequences (default train_size/8)")
-    p.add_argument("--eval_ppl", default="ptb,wiki", help="comma list of perplexity corpora ('none' to skip)")
+    p.add_argument("--eval_ppl", default="ptb,wiki",
+                   help="comma list of perplexity corpora ('none' to skip; yours = --user_text)")
     p.add_argument("--eval_seqlen", type=int, default=None, help="perplexity window length (default: --seqlen)")
     p.add_argument("--eval_max_tokens", type=int, default=8192,
                    help="perplexity token cap per corpus for quick runs; 0 = the whole split")
@@ -72,32 +86,77 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epsilon", type=float, default=FitOptions.epsilon, help="absolute ridge ε")
     p.add_argument("--ridge_lambda", type=float, default=FitOptions.ridge_lambda, help="relative ridge λ")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per calibration forward pass")
+    p.add_argument("--calibration_pipeline", default="auto", choices=["auto", *CALIBRATION_PIPELINES],
+                   help="full: one forward per batch; blocks: hidden states on the CPU, one block at a time on the "
+                        "compute device (models larger than the GPU); auto: the memory plan chooses")
+    p.add_argument("--stats_device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where calibration statistics are summed (float64): auto = on the GPU when the memory plan "
+                        "has room, else on the CPU")
+    p.add_argument("--fp32_products", action="store_true",
+                   help="per-batch statistics products in fp32, summed in float64 (GPUs with slow FP64)")
+    p.add_argument("--sink_capacity", type=int, default=None,
+                   help="attention-sink token rows kept per boundary (default 4 per calibration sequence, at least 64); "
+                        "more spill into C×C moments with a warning")
     p.add_argument("--outdir", default="out", help="folder for results.json")
     p.add_argument("--save_model", default=None, metavar="DIR",
-                   help="save each recovered variant to DIR/<variant> (load with ghosted_core.export.load_recovered)")
+                   help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
+    p.add_argument("--export", default="auto", choices=EXPORT_MODES,
+                   help="format of --save_model: stock (plain transformers and serving engines; none and the "
+                        "replaceme family), remote_code (needs trust_remote_code=True; every operator), auto (stock "
+                        "where the variant folds, remote_code otherwise)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, or map (accelerate offload)")
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda if present, else cpu), cpu, cuda, cuda:N, or map (accelerate: GPUs, then CPU, "
+                        "then disk); weights load straight onto it")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--max_memory", default=None, metavar="CAPS",
+                   help="with --device map: memory cap per device, e.g. 0=20GiB,cpu=60GiB (the rest goes to disk)")
+    p.add_argument("--offload_folder", default=None, metavar="DIR",
+                   help="with --device map: folder for weights that must be re-saved to be offloaded to disk "
+                        "(default: the cache folder's offload/<model>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
+def is_sweep(args: argparse.Namespace) -> bool:
+    """A depth range (START:STOP[:STEP]) asks for a sweep, even one that holds a single depth."""
+    return ":" in str(args.total_num_prune)
+
+
+def _depth(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise GhostedError(f"--total_num_prune {text!r}: write a number of blocks (7) or a sweep START:STOP:STEP "
+                           "(2:10:2)") from None
+
+
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     """Widget-free translation of the flags into the library's options."""
+    calibration = canonical(args.calibration_data)
+    eval_corpora = tuple(canonical(name) for name in _comma_list(args.eval_ppl))
+    user_text = None
+    if args.user_text:
+        if USER_CORPUS not in (calibration, *eval_corpora):
+            raise GhostedError("--user_text is given but not used: add --calibration_data yours and/or yours to "
+                               "--eval_ppl")
+        user_text = from_file(args.user_text)
     return RunOptions(
         model=args.model,
-        load=LoadOptions(device=args.device, dtype=args.dtype),
+        load=LoadOptions(device=args.device, dtype=args.dtype, max_memory=parse_max_memory(args.max_memory),
+                         offload_folder=args.offload_folder),
         criterion=args.pruning_method,
-        num_prune=args.total_num_prune,
+        num_prune=parse_depths(args.total_num_prune)[0] if is_sweep(args) else _depth(args.total_num_prune),
         layers=parse_layers(args.layers),
         cosine=args.cosine,
         variants=parse_variants(args.insert_type),
-        calibration=args.calibration_data,
+        calibration=calibration,
+        user_text=user_text,
         train_size=args.train_size,
         seqlen=args.seqlen,
         heldout_size=args.heldout_size,
         seed=args.seed,
-        eval_corpora=_comma_list(args.eval_ppl),
+        eval_corpora=eval_corpora,
         eval_seqlen=args.eval_seqlen,
         eval_max_tokens=args.eval_max_tokens or None,
         tasks=tuple(parse_tasks(args.eval_tasks)) if args.eval_tasks else (),
@@ -107,7 +166,9 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
         fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda),
         calibrate=CalibrationOptions(sink_rule=args.sink_rule, sink_ratio=args.sink_ratio, batch_size=args.batch_size,
-                                     quiet=args.quiet),
+                                     quiet=args.quiet, pipeline=args.calibration_pipeline,
+                                     stats_device=args.stats_device, sink_capacity=args.sink_capacity,
+                                     products="float32" if args.fp32_products else "float64"),
         quiet=args.quiet,
     )
 
@@ -116,26 +177,85 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}" if abs(value) < 1e4 else f"{value:.3g}"
 
 
+def _corpus_tag(report: dict, corpus: str) -> str:
+    """'ptb (exact)', 'wiki (stand-in)' or 'your text': the short form for column headers."""
+    info = report["corpora"].get(corpus, {})
+    if info.get("user"):
+        return corpus
+    return f"{corpus} ({'exact' if info.get('real') else 'stand-in'})"
+
+
+def _corpus_lines(report: dict, corpora: list[str]) -> list[str]:
+    """The calibration corpus and every evaluation corpus with its full label and size."""
+    lines = []
+    if report["calibration"]["label"]:
+        cal = report["calibration"]
+        lines.append(f"calibration: {cal['label']}, {cal['sequences']} x {cal['seqlen']} tokens (seed {cal['seed']})")
+    for name in corpora:
+        info = report["corpora"][name]
+        lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens")
+    return lines
+
+
+def _block_runs(blocks: list[int]) -> str:
+    """[3, 12, 13, 14] → '3,12-14'."""
+    runs: list[list[int]] = []
+    for b in blocks:
+        if runs and runs[-1][1] == b - 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def sweep_summary(result: SweepResult) -> str:
+    """Depth × operator: perplexity and damage recovered per corpus (labelled), held-out boundary error."""
+    report = result.to_json()
+    sweep = report["sweep"]
+    stats = sweep["statistics"]
+    corpora = list(result.dense)
+    lines = [f"sweep: {report['model']} ({report['num_layers']} blocks) | criterion: {report['criterion']} | "
+             f"depths: {', '.join(map(str, sweep['depths']))} | one calibration pass over "
+             f"{stats['distinct_boundaries']} distinct boundaries (statistics {stats['bytes'] / 2**20:.1f} MiB)"]
+    lines += _corpus_lines(report, corpora)
+    tags = {c: _corpus_tag(report, c) for c in corpora}
+    header = ["n", "removed", "variant", *(f"ppl {tags[c]}" for c in corpora), *(f"recovered {c}" for c in corpora),
+              "boundary err (held-out, all / ordinary)"]
+    rows = [["0", "-", "dense", *(_fmt(sweep["dense"]["ppl"][c], 2) for c in corpora), *("-" for _ in corpora), "-"]]
+    for entry in sweep["results"]:
+        for name, variant in entry["variants"].items():
+            err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])} / {_fmt(e['heldout_ordinary'])}"
+                            for e in variant["boundary_error"]) or "-"
+            recovered = [variant["recovered"].get(c) for c in corpora]
+            rows.append([str(entry["n"]), _block_runs(entry["removed_layers"]), name,
+                         *(_fmt(variant["ppl"].get(c), 2) for c in corpora),
+                         *("-" if r is None else f"{100 * r:.0f}%" for r in recovered), err])
+    lines += _table(header, rows)
+    lines.append("recovered = (ppl_none - ppl_op) / (ppl_none - ppl_dense): 100% is the dense model, 0% plain pruning")
+    lines += [f"note: {note}" for note in report["notes"]]
+    return "\n".join(lines)
+
+
 def summary(result: RunResult) -> str:
     """A plain-text table of perplexity and boundary error per variant, with corpus labels."""
     report = result.to_json()
     lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {report['criterion']} | "
              f"removed: {report['removed_layers']} | boundaries: {report['boundaries']}"]
-    if report["calibration"]["label"]:
-        cal = report["calibration"]
-        lines.append(f"calibration: {cal['label']}, {cal['sequences']} x {cal['seqlen']} tokens (seed {cal['seed']})")
     corpora = list(result.perplexity)
-    for name in corpora:
-        info = report["corpora"][name]
-        lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens")
+    lines += _corpus_lines(report, corpora)
     header = ["variant", *(f"ppl {c}" for c in corpora), "boundary err (held-out, all / ordinary)", "antisym"]
     rows = []
+    flagged = False
     for name, entry in report["variants"].items():
         errors = entry.get("boundary_error", [])
-        err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])} / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
+        flagged = flagged or any(e.get("heldout_worse_than_pruning") for e in errors)
+        err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])}{' !' if e.get('heldout_worse_than_pruning') else ''}"
+                        f" / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
         anti = ", ".join(_fmt(a, 2) for a in entry.get("antisym_fraction", [])) or "-"
         rows.append([name, *(_fmt(entry["ppl"].get(c), 2) for c in corpora), err, anti])
     lines += _table(header, rows)
+    if flagged:
+        lines.append(f"  ! = {HELDOUT_FLAG} (held-out boundary error above 1)")
     if result.tasks:
         lines += _task_table(result)
     lines += [f"note: {note}" for note in report["notes"]]
@@ -151,8 +271,10 @@ def _task_table(result: RunResult) -> list[str]:
     """Zero-shot accuracy per variant and task, with where the data came from."""
     first = next(iter(result.tasks.values()))
     names = [s.task for s in first.scores]
-    lines = [f"zero-shot acc (lm-eval; {first.source} data, {first.limit or 'all'} examples per task, seed {first.seed}):"]
-    rows = [[variant, *(f"{r.score(t).acc:.3f}" for t in names), _fmt(r.mean_acc)] for variant, r in result.tasks.items()]
+    lines = [f"zero-shot acc ± standard error (lm-eval's acc and acc_stderr; {first.source} data, "
+             f"{first.limit or 'all'} examples per task, seed {first.seed}):"]
+    rows = [[variant, *(f"{r.score(t).acc:.3f} ± {r.score(t).acc_stderr:.3f}" for t in names),
+             f"{_fmt(r.mean_acc)} ± {_fmt(r.mean_acc_stderr)}"] for variant, r in result.tasks.items()]
     lines += _table(["variant", *names, "mean"], rows)
     lines.append(f"  chance level (mean over tasks): {_fmt(first.mean_chance)}")
     lines += [f"  {u.task}: unavailable ({u.reason})" for u in first.unavailable]
@@ -171,17 +293,40 @@ def main(argv: list[str] | None = None) -> int:
         transformers.utils.logging.disable_progress_bar()
     try:
         options = options_from_args(args)
-        result = run(options)
+        if is_sweep(args) and args.save_model:
+            raise GhostedError("--save_model saves the variants of one depth; run a single --total_num_prune to save")
+        if args.save_model:
+            check_export([v.operator for v in options.variants], args.export)
+        result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     outdir = Path(args.outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    (outdir / "results.json").write_text(json.dumps(result.to_json(), indent=2))
+    report = result.to_json()
+    (outdir / "results.json").write_text(json.dumps(report, indent=2))
+    if isinstance(result, SweepResult):
+        print(sweep_summary(result))
+        print(f"results: {outdir / 'results.json'}")
+        return 0
     print(summary(result))
     if args.save_model:
-        for name, model in result.models.items():
-            if name != "dense":
-                print(f"saved {name}: {save_recovered(model, result.tokenizer, Path(args.save_model) / name)}")
+        try:
+            report["exports"] = save_variants(result, Path(args.save_model), args.export)
+        except GhostedError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        (outdir / "results.json").write_text(json.dumps(report, indent=2))
     print(f"results: {outdir / 'results.json'}")
     return 0
+
+
+def save_variants(result: RunResult, folder: Path, mode: str) -> dict[str, dict]:
+    """Export every pruned variant to folder/<variant>, saying in which format and why."""
+    exports = {}
+    for name, model in result.models.items():
+        if name != "dense":
+            done = export_variant(model, result.tokenizer, folder / name, mode)
+            exports[name] = done.to_json()
+            print(f"saved {name} as {done.mode} ({done.reason}): {done.folder}")
+    return exports

@@ -51,6 +51,7 @@ class Corpus:
     real: bool  # True only for the paper's own datasets (ptb, wikitext2, c4)
     split: str  # "calibration" or "evaluation"
     text: str  # the whole text of that split
+    cacheable: bool = True  # False for a user's text: its tokens are never written to the on-disk cache
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,11 @@ def mix_documents(split: str) -> list[str]:
 
 
 def tokenize_corpus(tokenizer, corpus: Corpus) -> torch.LongTensor:
-    """The whole text as one 1-D id stream without special tokens, cached on disk as .npy."""
+    """The whole text as one 1-D id stream without special tokens, cached on disk as .npy
+    (built-in corpora only: a user's text is tokenized in memory and kept nowhere)."""
+    if not corpus.cacheable:
+        ids = tokenizer(corpus.text, add_special_tokens=False, verbose=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.int64)
     probe = tokenizer("Ghosted layers, 2048 tokens:\n\n Done.", add_special_tokens=False)["input_ids"]
     key = hashlib.sha256(f"{tokenizer.name_or_path}\0{len(tokenizer)}\0{probe}\0".encode())
     key.update(corpus.text.encode())
@@ -293,35 +298,48 @@ def _windows(tokens: torch.Tensor, seqlen: int) -> torch.Tensor:
     return tokens[: count * seqlen].view(count, seqlen)  # (count, seqlen)
 
 
+def get_corpus(source: str | Corpus, split: str) -> Corpus:
+    """A registered corpus's split by name, or a `Corpus` given as is (a user's text)."""
+    if isinstance(source, Corpus):
+        if source.split != _check_split(split):
+            raise ValueError(f"corpus {source.name!r} is its {source.split} part, not {split}")
+        return source
+    return load_corpus(source, split)
+
+
 def calibration_windows(
-    tokenizer, name: str, n: int, seqlen: int, seed: int, heldout: int = 0
+    tokenizer, name: str | Corpus, n: int, seqlen: int, seed: int, heldout: int = 0
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """`n` fit windows and `heldout` held-out windows from the calibration split, disjoint.
 
     Drawn without replacement from the non-overlapping windows with a seeded CPU generator,
     so the same seed gives the same windows in every run and process.
     """
-    windows = _windows(tokenize_corpus(tokenizer, load_corpus(name, "calibration")), seqlen)  # (W, seqlen)
+    corpus = get_corpus(name, "calibration")
+    tokens = tokenize_corpus(tokenizer, corpus)
+    windows = _windows(tokens, seqlen)  # (W, seqlen)
     if n < 1 or heldout < 0 or n + heldout > len(windows):
         raise GhostedError(
-            f"corpus {name!r} has {len(windows)} calibration windows of {seqlen} tokens, "
-            f"asked for {n} fit + {heldout} held-out; lower the number of samples, the held-out "
-            "count or the sequence length, or pick a corpus with more text"
+            f"{corpus.label} has {tokens.numel():,} calibration tokens ({len(windows)} windows of {seqlen}); "
+            f"{n} fit + {heldout} held-out windows need {(n + heldout) * seqlen:,}: lower the number of samples, "
+            "the held-out count or the sequence length, or give more text"
         )
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))
     return windows[order[:n]], windows[order[n : n + heldout]]  # (n, seqlen), (heldout, seqlen)
 
 
-def evaluation_windows(tokenizer, name: str, seqlen: int, max_tokens: int | None = None) -> torch.LongTensor:
+def evaluation_windows(tokenizer, name: str | Corpus, seqlen: int, max_tokens: int | None = None) -> torch.LongTensor:
     """The paper's perplexity windows: the evaluation split cut into non-overlapping windows, in order.
 
     `max_tokens` keeps the first `max_tokens // seqlen` windows (at least one).
     """
-    windows = _windows(tokenize_corpus(tokenizer, load_corpus(name, "evaluation")), seqlen)  # (W, seqlen)
+    corpus = get_corpus(name, "evaluation")
+    tokens = tokenize_corpus(tokenizer, corpus)
+    windows = _windows(tokens, seqlen)  # (W, seqlen)
     if len(windows) == 0:
         raise GhostedError(
-            f"the evaluation split of {name!r} is shorter than one window of {seqlen} tokens; "
-            "lower the sequence length"
+            f"the evaluation part of {corpus.label} has {tokens.numel():,} tokens, fewer than one window of "
+            f"{seqlen}; lower the sequence length or give more text"
         )
     if max_tokens is not None:
         windows = windows[: max(1, max_tokens // seqlen)]

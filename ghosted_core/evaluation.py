@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ from ghosted_core.surgery import slice_view
 
 log = logging.getLogger(__name__)
 
-LOGITS_BUDGET = 2**28  # bytes of float32 logits materialized at once by the chunked LM head
+LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once
 
 
 def shared_prefix(dense: PreTrainedModel, variant: PreTrainedModel) -> int:
@@ -44,12 +44,17 @@ def _input_device(model: PreTrainedModel) -> torch.device:
 
 
 def _token_nll(model: PreTrainedModel, hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
-    """Summed next-token NLL of the windows from the final hidden states, LM head in chunks."""
+    """Summed next-token NLL of the windows from the final hidden states, LM head in chunks.
+
+    The head runs in the model's dtype; its logits are cast to fp32 before the log-softmax,
+    and the sum is accumulated in fp32 per chunk, then in a Python float.
+    """
     head = model.lm_head
     batch, length, _ = hidden.shape
     vocab = model.config.vocab_size
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    chunk = max(1, LOGITS_BUDGET // (4 * vocab * batch))
+    per_logit = 4 + (hidden.element_size() if hidden.dtype != torch.float32 else 0)  # fp32 copy + the head's own output
+    chunk = max(1, LOGITS_BUDGET // (per_logit * vocab * batch))  # memory: chunk·batch·vocab·per_logit ≤ LOGITS_BUDGET
     labels = input_ids[:, 1:].to(hidden.device)  # (B, T-1)
     total = 0.0
     for lo in range(0, length - 1, chunk):
@@ -82,12 +87,84 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
             check_stop(should_stop, "perplexity")
             ids = ids.to(device)
             h = prefix.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C) entering block prefix_len
-            for name, suffix in suffixes.items():
-                check_stop(should_stop, "perplexity")  # a batch runs every variant: stop between them too
-                out = suffix.model(inputs_embeds=h, use_cache=False).last_hidden_state  # (B, T, C) after final norm
-                total, tokens = _token_nll(variants[name], out, ids)
-                nll[name] += total
+            count += _add_suffix_nll(nll, suffixes, variants, h, ids, should_stop)
+    return {name: math.exp(value / count) for name, value in nll.items()}
+
+
+def _add_suffix_nll(nll: dict[str, float], suffixes: Mapping[str, PreTrainedModel],
+                    variants: Mapping[str, PreTrainedModel], h: torch.Tensor, ids: torch.Tensor,
+                    should_stop: StopCheck = None) -> int:
+    """Add each variant's summed NLL of one batch, its suffix fed the shared prefix output h; returns the token count."""
+    tokens = 0
+    for name, suffix in suffixes.items():
+        check_stop(should_stop, "perplexity")  # a batch runs every variant: stop between them too
+        out = suffix.model(inputs_embeds=h, use_cache=False).last_hidden_state  # (B, T, C) after final norm
+        total, tokens = _token_nll(variants[name], out, ids)
+        nll[name] += total
+    return tokens
+
+
+@dataclass
+class PrefixStates:
+    """The dense model's residual stream entering some blocks, for every batch of evaluation windows.
+
+    Several groups of variants (the depths of a sweep) that differ from the dense model only
+    after different blocks can then each run only their own suffix, and the dense model runs
+    once. Memory: tokens × C × dtype bytes per kept index (8192 tokens at C = 4096 in bf16:
+    64 MiB per index), on the model's device.
+    """
+
+    windows: torch.Tensor  # (N, T) evaluation windows
+    batch_size: int
+    states: dict[int, list[torch.Tensor]]  # dense block index → per batch (B, T, C) residual entering it
+    dense_perplexity: float
+    tokens: int  # next-token predictions the perplexities rest on: N × (T − 1)
+
+    def drop(self, index: int) -> None:
+        """Free the states at one index once no variant needs them."""
+        self.states.pop(index, None)
+
+
+def dense_prefix_states(dense: PreTrainedModel, windows: torch.Tensor, indices: Iterable[int], batch_size: int = 4,
+                        quiet: bool = False, desc: str = "perplexity dense") -> PrefixStates:
+    """One dense pass over the windows: its perplexity, and the residual entering each block in `indices`."""
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise GhostedError("perplexity needs windows of at least 2 tokens")
+    num_layers = len(dense.model.layers)
+    wanted = sorted({int(j) for j in indices if 0 <= j < num_layers})
+    states: dict[int, list[torch.Tensor]] = {j: [] for j in wanted}
+    nll, count = 0.0, 0
+    device = _input_device(dense)
+    with torch.no_grad():
+        for ids in tqdm(windows.split(batch_size), desc=desc, disable=quiet, leave=False):
+            ids = ids.to(device)
+            with capture(dense, [*wanted, num_layers]) as seen:  # stops at the final norm's input
+                run_forward(dense, ids)
+            for j in wanted:
+                states[j].append(seen[("residual", j)])  # (B, T, C)
+            out = dense.model.norm(seen[("residual", num_layers)])  # (B, T, C) as the full forward ends
+            total, tokens = _token_nll(dense, out, ids)
+            nll += total
             count += tokens
+    return PrefixStates(windows, batch_size, states, math.exp(nll / count), count)
+
+
+def perplexity_from_states(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], cached: PrefixStates,
+                           quiet: bool = False, desc: str = "perplexity", should_stop: StopCheck = None) -> dict[str, float]:
+    """`perplexity` of variants that share the dense prefix up to a cached index: only their suffixes run."""
+    prefix_len = min((shared_prefix(dense, v) for v in variants.values()), default=0)
+    start = max((j for j in cached.states if j <= prefix_len), default=None)
+    if start is None:
+        raise ValueError(f"no cached dense state at or before block {prefix_len}")
+    suffixes = {name: slice_view(model, dense, start) for name, model in variants.items()}
+    nll = dict.fromkeys(variants, 0.0)
+    count = 0
+    device = _input_device(dense)
+    with torch.no_grad():
+        batches = zip(cached.windows.split(cached.batch_size), cached.states[start])
+        for ids, h in tqdm(list(batches), desc=desc, disable=quiet, leave=False):
+            check_stop(should_stop, "perplexity")
+            count += _add_suffix_nll(nll, suffixes, variants, h, ids.to(device), should_stop)
     return {name: math.exp(value / count) for name, value in nll.items()}
 
 

@@ -7,22 +7,27 @@ dequantizes the GGUF to fp32 (~20-40 s) and caches a safetensors copy under
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
-import os
+import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from accelerate.utils import convert_file_size_to_int
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from ghosted_core.assets import cache_dir
 from ghosted_core.errors import GhostedError
 from ghosted_core.hub import hub_reachable
+from ghosted_core.memory import check_fits, estimate_parameters  # noqa: F401  (moved to memory.py; kept importable here)
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +72,16 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to place a model: one device, or an accelerate device map with offload."""
+    """How to place a model: straight onto one device, or an accelerate device map with offload.
+
+    Weights go from the checkpoint to their target without a staging copy on the CPU:
+    `from_pretrained(device_map=...)` materializes each tensor where it will live.
+    """
 
     device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", "cuda:N", or "map" (accelerate device_map="auto")
     dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16", "float16"
-    max_memory: dict | None = None  # accelerate max_memory for device="map", e.g. {0: "20GiB", "cpu": "60GiB"}
-    offload_folder: str | None = None  # where device="map" offloads to disk
+    max_memory: dict | None = None  # device="map": cap per device, e.g. {0: "20GiB", "cpu": "60GiB"}; the rest goes to disk
+    offload_folder: str | None = None  # device="map": where weights that must be re-saved for disk offload go
 
 
 @dataclass(frozen=True)
@@ -136,39 +145,50 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def estimate_parameters(config: PretrainedConfig) -> int:
-    """Parameter count of a decoder-only LM from its config (to refuse what cannot fit before loading)."""
-    c = config.hidden_size
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or c // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attention = c * head_dim * (2 * heads + 2 * kv_heads)
-    mlp = 3 * c * config.intermediate_size
-    embeddings = config.vocab_size * c * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-    return int(layers * (attention + mlp + 2 * c) + embeddings)
+def parse_max_memory(text: str | None) -> dict | None:
+    """'0=20GiB,cpu=60GiB' → {0: 21474836480, "cpu": 64424509440} (accelerate's max_memory, in bytes).
+
+    Keys: a GPU index, `cpu` or `disk`; sizes: bytes, or a number with KB/MB/GB or KiB/MiB/GiB.
+    None or '' → None (accelerate's own defaults).
+    """
+    if not text or not text.strip():
+        return None
+    caps: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, size = (s.strip() for s in part.partition("="))
+        try:
+            if not sep or not (key.isdigit() or key.lower() in {"cpu", "disk"}):
+                raise ValueError(part)
+            value = int(size) if size.isdigit() else convert_file_size_to_int(size)
+            if value <= 0:
+                raise ValueError(part)
+        except ValueError:
+            raise GhostedError(f"cannot read --max_memory {text!r}: write DEVICE=SIZE pairs such as 0=20GiB,cpu=60GiB "
+                               "(DEVICE: a GPU index, cpu or disk)") from None
+        caps[int(key) if key.isdigit() else key.lower()] = value
+    return caps
 
 
-def _available_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        index = int(device.split(":")[1]) if ":" in device else torch.cuda.current_device()
-        free, _total = torch.cuda.mem_get_info(index)
-        return int(free)
-    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 1 << 62
+def default_offload_folder(name: str) -> Path:
+    """`cache_dir()/offload/<model>`: used only for weights that cannot be read from their safetensors file."""
+    return cache_dir() / "offload" / re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
-def check_fits(config: PretrainedConfig, device: str, dtype: torch.dtype, name: str) -> None:
-    """Refuse a model whose weights would not fit on `device` (device="map" may offload, so it passes)."""
-    if device == "map":
-        return
-    needed = estimate_parameters(config) * torch.tensor([], dtype=dtype).element_size()
-    available = _available_bytes(device)
-    if needed > 0.9 * available:
-        raise GhostedError(
-            f"{name} needs about {needed / 2**30:.1f} GiB of weights in {str(dtype).removeprefix('torch.')} "
-            f"but {device} has about {available / 2**30:.1f} GiB free; use --device map to offload, or a smaller model"
-        )
+def placement(name: str, options: LoadOptions) -> dict:
+    """Keyword arguments of `from_pretrained` that put the weights where `options` says, in one step.
+
+    One device: `device_map=<device>` loads each tensor straight onto it (no whole-model copy
+    on the CPU first). `map`: accelerate's `device_map="auto"` fills GPUs, then the CPU, up to
+    `max_memory`, and leaves the rest on disk, read block by block during each forward pass.
+    """
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    if device != "map":
+        if options.max_memory or options.offload_folder:
+            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
+        return {"dtype": dtype, "device_map": device}
+    folder = Path(options.offload_folder) if options.offload_folder else default_offload_folder(name)
+    return {"dtype": dtype, "device_map": "auto", "max_memory": options.max_memory, "offload_folder": str(folder)}
 
 
 def _gguf_path(spec: EmbeddedModel) -> Path:
@@ -252,32 +272,68 @@ def _locate(name: str) -> tuple[str, str, str]:
     )
 
 
-def peek_config(name: str) -> PretrainedConfig:
-    """The config of `name` without loading its weights, checked to be a supported architecture."""
-    _source, where, _description = _locate(name)
-    config = AutoConfig.from_pretrained(where)
+@contextlib.contextmanager
+def _readable(name: str) -> Iterator[None]:
+    """Turn what transformers raises for an unusable model (missing, gated, custom code, unreadable) into one line."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        cause, text = err.__cause__, str(err)
+        if isinstance(cause, GatedRepoError) or isinstance(err, GatedRepoError):
+            raise GhostedError(f"{name} is a gated model on the Hugging Face Hub: request access at "
+                               f"https://huggingface.co/{name} and log in (hf auth login or HF_TOKEN)") from None
+        if isinstance(cause, RepositoryNotFoundError) or isinstance(err, RepositoryNotFoundError):
+            raise GhostedError(f"{name} is not a model on the Hugging Face Hub (or it is private and you are not "
+                               "logged in); check the id, or use a local folder or an embedded model") from None
+        if "trust_remote_code" in text or "custom code" in text:
+            families = ", ".join(sorted(set(SUPPORTED_MODEL_TYPES.values())))
+            raise GhostedError(f"{name} needs its own modelling code (trust_remote_code), which Ghosted Layers does "
+                               f"not run; use a {families} checkpoint") from None
+        if "does not recognize this architecture" in text:
+            raise GhostedError(f"unsupported architecture in {name}: this transformers version does not know it") from None
+        if isinstance(err, OSError):
+            first = next((line for line in text.splitlines() if line.strip()), type(err).__name__)
+            raise GhostedError(f"cannot read {name}: {first}") from None
+        raise
+
+
+def _read_config(name: str, where: str) -> PretrainedConfig:
+    with _readable(name):
+        config = AutoConfig.from_pretrained(where, trust_remote_code=False)  # never run a repository's own code
     check_supported(config)
     return config
 
 
+def peek_config(name: str) -> PretrainedConfig:
+    """The config of `name` without loading its weights, checked to be a supported architecture."""
+    _source, where, _description = _locate(name)
+    return _read_config(name, where)
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's position embeddings cover (None: no limit stated)."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
 def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) -> LoadedModel:
-    """Load `name` (alias, local folder or Hub id) for inference, checked to be a supported architecture."""
+    """Load `name` (alias, local folder or Hub id) for inference, checked to be a supported architecture.
+
+    The weights go straight to where they will compute (see `placement`): bf16 on a GPU, fp32
+    on the CPU unless `options.dtype` says otherwise.
+    """
     device = resolve_device(options.device)
-    dtype = resolve_dtype(options.dtype, device)
+    kwargs = placement(name, options)
     source, where, description = _locate(name)
-    config = AutoConfig.from_pretrained(where)
-    check_supported(config)
+    config = _read_config(name, where)
     if source == "hub":
-        check_fits(config, device, dtype, name)
-    kwargs: dict = {"dtype": dtype}
-    if device == "map":
-        kwargs.update(device_map="auto", max_memory=options.max_memory, offload_folder=options.offload_folder)
-    model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-    if device != "map":
-        model.to(device)
+        check_fits(config, device, kwargs["dtype"], name)
+    with _readable(name):
+        model = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=False, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
     model.eval()
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(where)
+    where_to = f"device map {getattr(model, 'hf_device_map', {})}" if device == "map" else device
     log.info("loaded %s (%s, %d blocks, hidden %d, %s on %s)", name, source, config.num_hidden_layers,
-             config.hidden_size, str(dtype).removeprefix("torch."), device)
+             config.hidden_size, str(kwargs["dtype"]).removeprefix("torch."), where_to)
     return LoadedModel(name=name, source=source, description=description, model=model, tokenizer=tokenizer)

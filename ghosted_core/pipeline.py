@@ -6,6 +6,7 @@ so far, so the app can fill its page while later stages run; `run` just drains i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -16,16 +17,21 @@ from transformers import PreTrainedModel
 
 from ghosted_core import data
 from ghosted_core.calibration import BoundaryStats, CalibrationOptions, collect_boundary_stats, collect_stats, make_batches
+from ghosted_core.heldout import measure_errors
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
-from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, peek_config
-from ghosted_core.operators import Fit, FitOptions, FitReport, assess, branch_replacement, get_operator, module_device, \
-    residual_module
+from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
+from ghosted_core.model_card import run_record
+from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
+    peek_config, resolve_device, resolve_dtype
+from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, \
+    choose_by_heldout, get_operator, module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
 from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.surgery import build_variant, patch_site
 from ghosted_core.tasks import TaskResults, evaluate_tasks, parse_tasks
+from ghosted_core.user_text import USER_CORPUS, UserText
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +73,7 @@ class RunOptions:
     cosine: str = "hidden"  # "hidden" (papers) or "token-axis" (reference repos)
     variants: tuple[VariantSpec, ...] = parse_variants(DEFAULT_VARIANTS)
     calibration: str = "mix"  # calibration corpus
-    train_size: int = 64  # calibration sequences (the paper: 128)
+    train_size: int | None = None  # calibration sequences (None: enough for 4·C fit tokens, at least 64; the paper: 128)
     seqlen: int = 512  # calibration sequence length (the paper: 2048)
     heldout_size: int | None = None  # held-out calibration sequences for boundary errors (None: train_size // 8, at least 1)
     seed: int = 0
@@ -83,11 +89,23 @@ class RunOptions:
     generation: GenerationOptions = GenerationOptions()
     fit: FitOptions = FitOptions()
     calibrate: CalibrationOptions = CalibrationOptions()
+    user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
     quiet: bool = False
 
     @property
     def heldout(self) -> int:
-        return self.heldout_size if self.heldout_size is not None else max(1, self.train_size // 8)
+        return self.heldout_size if self.heldout_size is not None else max(1, (self.train_size or 64) // 8)
+
+    def corpus(self, name: str, split: str) -> str | data.Corpus:
+        """What the data functions read for corpus `name`: its registered name, or the user's text
+        (disjoint calibration and evaluation parts when this run uses it for both)."""
+        if name != USER_CORPUS:
+            return name
+        if self.user_text is None:
+            raise GhostedError(f"the corpus {USER_CORPUS!r} needs your text: paste or upload it "
+                               "(command line: --user_text FILE.txt or FILE.jsonl)")
+        shared = self.calibration == USER_CORPUS and USER_CORPUS in self.eval_corpora
+        return self.user_text.corpus(split, shared)
 
 
 @dataclass
@@ -110,6 +128,7 @@ class RunResult:
     tasks: dict[str, TaskResults] = field(default_factory=dict)  # variant → zero-shot task scores
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    memory_plan: MemoryPlan | None = None
     models: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)  # dense + variants (not serialized)
     tokenizer: object = field(default=None, repr=False)
 
@@ -123,12 +142,7 @@ class RunResult:
         for name in self.variant_names:
             entry: dict = {"ppl": {corpus: table[name] for corpus, table in self.perplexity.items() if name in table}}
             if name in self.fits:
-                reports = self.fits[name]
-                entry["boundary_error"] = [
-                    {"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
-                     "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary} for r in reports]
-                entry["antisym_fraction"] = [r.antisym_fraction for r in reports]
-                entry["fits"] = [r.to_json() for r in reports]
+                entry |= fit_json(self.fits[name])
             if name in self.drift:
                 entry["drift"] = self.drift[name].to_json()
             if name in self.generations:
@@ -151,7 +165,10 @@ class RunResult:
                 "corpus": opts.calibration, "label": self.calibration_label, "sequences": opts.train_size,
                 "heldout_sequences": opts.heldout, "seqlen": opts.seqlen, "tokens": self.calibration_tokens,
                 "seed": opts.seed, "sink_rule": opts.calibrate.sink_rule, "sink_ratio": opts.calibrate.sink_ratio,
+                "pipeline": opts.calibrate.pipeline, "stats_device": opts.calibrate.stats_device,
+                "products": opts.calibrate.products,
             },
+            "memory_plan": self.memory_plan.to_json() if self.memory_plan else None,
             "evaluation": {"seqlen": opts.eval_seqlen or opts.seqlen, "max_tokens": opts.eval_max_tokens},
             "corpora": self.corpora,
             "prompt": opts.prompt,
@@ -161,18 +178,42 @@ class RunResult:
         }
 
 
-def validate(options: RunOptions, num_layers: int | None = None) -> None:
-    """Refuse bad input before any expensive step."""
+def fit_json(reports: Sequence[FitReport]) -> dict:
+    """A variant's boundary errors, anti-symmetric shares and full fit reports, one per boundary (results.json)."""
+    return {
+        "boundary_error": [{"boundary": r.boundary, "fit": r.fit_error, "fit_ordinary": r.fit_error_ordinary,
+                            "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
+                            "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
+                           for r in reports],
+        "antisym_fraction": [r.antisym_fraction for r in reports],
+        "fits": [r.to_json() for r in reports],
+    }
+
+
+def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
+    """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
     for name in (options.calibration, *options.eval_corpora):
-        if name not in data.corpus_names():
-            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}")
+        if name == USER_CORPUS:
+            options.corpus(name, "evaluation")  # refuses "your text" without the text
+        elif name not in data.corpus_names():
+            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(data.corpus_names())}, "
+                               f"or {USER_CORPUS!r} with your own text")
     if options.tasks:
         parse_tasks(",".join(options.tasks))  # unknown task names fail before any work
         if options.task_limit is not None and options.task_limit < 1:
             raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
-    if options.train_size < 1 or options.seqlen < 2:
+    if options.train_size is not None and options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
+    sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
+             "--task_batch_size": options.task_batch_size}
+    for flag, size in sizes.items():
+        if size < 1:
+            raise GhostedError(f"{flag} must be at least 1 (got {size})")
+    longest = max(options.seqlen, options.eval_seqlen or 0)
+    if max_positions is not None and longest > max_positions:
+        raise GhostedError(f"sequences of {longest} tokens exceed the model's {max_positions} positions "
+                           f"(max_position_embeddings); use --seqlen/--eval_seqlen of at most {max_positions}")
     if num_layers is not None:
         check_request(options.criterion, _request(options, num_layers))
 
@@ -198,33 +239,182 @@ def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> tuple[dict[int, nn.
     return patches, replacements
 
 
+def _record(plan: PruningPlan, variant: VariantSpec) -> dict:
+    return {"dense_layers": plan.num_layers, "removed_layers": list(plan.removed),
+            "boundaries": [[b.start, b.end] for b in plan.boundaries], "operator": variant.operator,
+            "sequential": variant.sequential}
+
+
 def build_recovered(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, fits: Sequence[Fit]) -> PreTrainedModel:
     """The pruned model with a variant's fitted operators, sharing the dense weights."""
     patches, replacements = _realize(dense, fits)
-    record = {"removed_layers": list(plan.removed), "boundaries": [[b.start, b.end] for b in plan.boundaries],
-              "operator": variant.operator, "sequential": variant.sequential}
-    return build_variant(dense, plan.removed, patches, replacements, record)
+    return build_variant(dense, plan.removed, patches, replacements, _record(plan, variant))
+
+
+def _upstream(plan: PruningPlan, k: int) -> PruningPlan:
+    """The plan that removes only the runs before boundary k (the sequential fit's source model)."""
+    removed = tuple(i for b in plan.boundaries[:k] for i in b.blocks)
+    return PruningPlan(plan.num_layers, removed, plan.criterion)
+
+
+def _sequential_stats(dense: PreTrainedModel, plan: PruningPlan, k: int, view: PreTrainedModel, batches,
+                      options: RunOptions, operator: str) -> tuple[BoundaryStats, int]:
+    """Boundary k's statistics with x_pre from the upstream-recovered `view` (and where it reads them)."""
+    boundary = plan.boundaries[k]
+    source_start = boundary.start - len(_upstream(plan, k).removed)
+    stats = collect_boundary_stats(view, source_start, dense, boundary, batches, options.calibrate, needs_of([operator]))
+    return stats, source_start
+
+
+def _with_heldout(report: FitReport, errors) -> FitReport:
+    return report if errors is None else dataclasses.replace(
+        report, heldout_error=errors.relative, heldout_error_ordinary=errors.relative_ordinary,
+        heldout_worse_than_pruning=errors.relative is not None and errors.relative > 1.0)
+
+
+def choose_fit(dense: PreTrainedModel, fit: Fit, batches, options: RunOptions, source: PreTrainedModel | None = None,
+               source_start: int | None = None) -> Fit:
+    """A fit that carries candidates (replaceme_keepsink: one per number of sink directions) becomes the
+    candidate with the lowest held-out boundary error. Time: one held-out pass up to the boundary for
+    all candidates (one per candidate for a sequential fit); memory: the candidates' C×C updates."""
+    if not fit.candidates:
+        return fit
+    if source is None:
+        errors = measure_errors(dense, list(fit.candidates), batches, options.calibrate)
+    else:
+        errors = [measure_errors(dense, [c], batches, options.calibrate, source, source_start)[0] for c in fit.candidates]
+    return choose_by_heldout(fit, errors)
 
 
 def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, stats: Sequence[BoundaryStats],
                 batches, options: RunOptions) -> tuple[list[Fit], list[FitReport]]:
-    """Fit a variant's operator at every boundary, independently or sequentially."""
+    """Fit a variant's operator at every boundary, independently or sequentially, with held-out errors.
+
+    Keeps every float64 fit (C×C per boundary); `fit_variants` is the memory-lean path for many variants.
+    """
     spec = get_operator(variant.operator)
     fits: list[Fit] = []
     reports: list[FitReport] = []
+    held: list = []
     for k, boundary_stats in enumerate(stats):
+        source, source_start = None, None
         if variant.sequential and k > 0:
-            upstream = [b for b in plan.boundaries[:k]]
-            removed = [i for b in upstream for i in b.blocks]
-            partial = PruningPlan(plan.num_layers, tuple(removed), plan.criterion)
-            view = build_recovered(dense, partial, variant, fits)
-            boundary = boundary_stats.boundary
-            source_start = boundary.start - len(removed)
-            boundary_stats = collect_boundary_stats(view, source_start, dense, boundary, batches, options.calibrate)
-        fit = spec.fit(boundary_stats, options.fit)
+            source = build_recovered(dense, _upstream(plan, k), variant, fits)
+            boundary_stats, source_start = _sequential_stats(dense, plan, k, source, batches, options, variant.operator)
+        fit = choose_fit(dense, spec.fit(boundary_stats, options.fit), batches, options, source, source_start)
         fits.append(fit)
         reports.append(assess(fit, boundary_stats))
+        if source is not None:
+            held.append(measure_errors(dense, [fit], batches, options.calibrate, source, source_start)[0])
+    independent = [k for k in range(len(fits)) if not (variant.sequential and k > 0)]
+    for k, errors in zip(independent, measure_errors(dense, [fits[k] for k in independent], batches, options.calibrate)):
+        reports[k] = _with_heldout(reports[k], errors)
+    for k, errors in zip([k for k in range(len(fits)) if k not in independent], held):
+        reports[k] = _with_heldout(reports[k], errors)
     return fits, reports
+
+
+@dataclass
+class VariantBuild:
+    """A variant being fitted: its boundary modules so far, what applies each fit, its reports."""
+
+    spec: VariantSpec
+    patches: dict[int, nn.Module] = field(default_factory=dict)
+    replacements: dict[int, dict[str, nn.Module]] = field(default_factory=dict)
+    maps: list[BoundaryMap] = field(default_factory=list)
+    reports: list[FitReport] = field(default_factory=list)
+
+    def add(self, dense: PreTrainedModel, fit: Fit, stats: BoundaryStats) -> None:
+        """Realize, assess and compact one fit; the float64 update is not kept."""
+        patches, replacements = _realize(dense, [fit])
+        self.patches.update(patches)
+        self.replacements.update(replacements)
+        self.reports.append(assess(fit, stats))
+        self.maps.append(BoundaryMap.of(fit))
+
+
+def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[VariantSpec],
+                 stats: list[BoundaryStats | None], batches,
+                 options: RunOptions) -> tuple[dict[str, list[FitReport]], dict[str, PreTrainedModel]]:
+    """Fit every variant at every boundary, build the variants, then measure held-out errors in one pass.
+
+    Memory: boundary by boundary, every fit that reads a boundary's statistics is made, realized
+    as its module and compacted (`BoundaryMap`), then that entry of `stats` is set to None (the
+    caller's list: statistics are freed as soon as the fits exist). Boundary 0's statistics wait
+    for the sequential variants. Time: one C×C solve per least-squares fit and one held-out pass
+    for all independent fits, plus two forwards per batch per later boundary of a sequential variant.
+    """
+    builds = {v.name: VariantBuild(v) for v in variants}
+    sequential = [v for v in variants if v.sequential]
+    for k in range(len(stats)):
+        for variant in variants:
+            if not variant.sequential or k == 0:
+                fit = choose_fit(dense, get_operator(variant.operator).fit(stats[k], options.fit), batches, options)
+                builds[variant.name].add(dense, fit, stats[k])
+                del fit
+        if k > 0 or not sequential:
+            stats[k] = None
+    if stats:
+        stats[0] = None
+    independent = [(b, k) for b in builds.values() for k in range(len(b.maps))]
+    for variant in sequential:
+        build = builds[variant.name]
+        for k in range(1, len(plan.boundaries)):
+            upstream = _upstream(plan, k)
+            view = build_variant(dense, upstream.removed, build.patches, build.replacements, _record(upstream, variant))
+            boundary_stats, source_start = _sequential_stats(dense, plan, k, view, batches, options, variant.operator)
+            fit = get_operator(variant.operator).fit(boundary_stats, options.fit)
+            fit = choose_fit(dense, fit, batches, options, view, source_start)
+            build.add(dense, fit, boundary_stats)
+            del boundary_stats
+            errors = measure_errors(dense, [build.maps[k]], batches, options.calibrate, view, source_start)[0]
+            build.reports[k] = _with_heldout(build.reports[k], errors)
+    measured = measure_errors(dense, [b.maps[k] for b, k in independent], batches, options.calibrate)
+    for (build, k), errors in zip(independent, measured):
+        build.reports[k] = _with_heldout(build.reports[k], errors)
+    reports = {name: b.reports for name, b in builds.items()}
+    models = {name: build_variant(dense, plan.removed, b.patches, b.replacements, _record(plan, b.spec))
+              for name, b in builds.items()}
+    return reports, models
+
+
+def sized(options: RunOptions, width: int) -> RunOptions:
+    """Options with the calibration size resolved: enough sequences for 4·C fit tokens, at least 64."""
+    if options.train_size is not None:
+        return options
+    return dataclasses.replace(options, train_size=min_calibration_sequences(width, options.seqlen))
+
+
+def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None,
+                boundaries: int | None = None) -> MemoryPlan:
+    """The run's memory plan from the config (before loading: device and dtype as the load options say)."""
+    device = device or resolve_device(options.load.device)
+    dtype = dtype or resolve_dtype(options.load.dtype, device)
+    if boundaries is None:
+        boundaries = max_boundaries(options.criterion, config.num_hidden_layers, options.num_prune, options.layers)
+    sequences = options.train_size or min_calibration_sequences(config.hidden_size, options.seqlen)
+    cal = options.calibrate
+    return plan_memory(config, options.model, device, dtype, needs_of(v.operator for v in options.variants),
+                       boundaries, sequences, options.seqlen, cal.batch_size, cal.capacity(sequences),
+                       options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
+
+
+def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
+    """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
+    cal = options.calibrate
+    stats_device = plan.stats_device if cal.stats_device == "auto" and plan.device != "cpu" else cal.stats_device
+    compute = cal.compute_device
+    if plan.pipeline == "blocks" and compute is None and plan.device.startswith("cuda"):
+        compute = plan.device
+    return dataclasses.replace(options, calibrate=dataclasses.replace(cal, pipeline=plan.pipeline,
+                                                                      stats_device=stats_device, compute_device=compute))
+
+
+def _loaded_placement(model: PreTrainedModel) -> tuple[str, object]:
+    """(device, dtype) of an already loaded model, as the memory plan names them."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "map", model.dtype
+    return str(module_device(model.model.embed_tokens)), model.dtype
 
 
 def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
@@ -247,15 +437,26 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
         clock = now
         return stage, result
 
+    if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
+        config = peek_config(options.model)
+        validate(options, config.num_hidden_layers, max_positions(config))
+        options = sized(options, config.hidden_size)
+        plan = memory_plan(options, config)
+    else:
+        options = sized(options, loaded.hidden_size)
+        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model))
+    plan.check()
+    log.info(plan.summary())
+    options = _placed(plan, options)
+    result.options, result.memory_plan = options, plan
     if loaded is None:
-        validate(options, peek_config(options.model).num_hidden_layers)  # refuse bad depths before loading weights
         loaded = load_model(options.model, options.load)
     dense, tokenizer = loaded.model, loaded.tokenizer
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     result.tokenizer = tokenizer
     result.models["dense"] = dense
-    validate(options, loaded.num_layers)
+    validate(options, loaded.num_layers, max_positions(dense.config))
     yield done("load model")
 
     check_stop(should_stop, "score blocks")
@@ -263,37 +464,42 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
     needs_data = spec.needs_similarity or options.criterion != "none"
     batches = []
     if needs_data:
-        fit_ids, heldout_ids = data.calibration_windows(tokenizer, options.calibration, options.train_size,
-                                                        options.seqlen, options.seed, options.heldout)
-        batches = make_batches(fit_ids, heldout_ids, options.calibrate.batch_size)
-        result.calibration_label = data.load_corpus(options.calibration, "calibration").label
-        result.calibration_tokens = int(fit_ids.numel())
-        result.corpora[options.calibration] = _corpus_entry(options.calibration, "calibration")
+        batches, result.calibration_tokens = calibration_batches(tokenizer, options)
+        result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
+        result.calibration_label = result.corpora[options.calibration]["label"]
+        result.notes += calibration_size_notes(result.calibration_tokens, loaded.hidden_size, options)
     plan, sim = select_blocks(dense, options.criterion, _request(options, loaded.num_layers), batches, options.quiet)
     result.plan, result.similarity = plan, sim
     yield done("score blocks")
 
     if plan.removed:
         check_stop(should_stop, "calibrate")
-        stats = collect_stats(dense, plan.boundaries, batches, options.calibrate)
+        result.memory_plan = memory_plan(options, dense.config, *_loaded_placement(dense), len(plan.boundaries))
+        needs = needs_of(v.operator for v in options.variants)
+        stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
         yield done("calibrate")
+        check_stop(should_stop, "fit operators")
+        reports, models = fit_variants(dense, plan, options.variants, stats, batches, options)
+        del stats  # every entry was released as soon as its fits existed
         for variant in options.variants:
-            check_stop(should_stop, "fit operators")
-            fits, reports = fit_variant(dense, plan, variant, stats, batches, options)
-            result.fits[variant.name] = reports
-            result.notes += [f"{variant.name}, boundary {r.boundary}: {note}" for r in reports for note in r.notes]
-            result.models[variant.name] = build_recovered(dense, plan, variant, fits)
+            result.fits[variant.name] = reports[variant.name]
+            result.notes += [f"{variant.name}, boundary {r.boundary}: {note}"
+                             for r in reports[variant.name] for note in r.notes]
+            result.models[variant.name] = models[variant.name]
         yield done("fit operators")
 
     eval_seqlen = options.eval_seqlen or options.seqlen
     first_windows = None
     for corpus in options.eval_corpora:
-        windows = data.evaluation_windows(tokenizer, corpus, eval_seqlen, options.eval_max_tokens)
+        windows = data.evaluation_windows(tokenizer, options.corpus(corpus, "evaluation"), eval_seqlen,
+                                          options.eval_max_tokens)
         first_windows = windows if first_windows is None else first_windows
-        result.corpora[corpus] = _corpus_entry(corpus, "evaluation") | {"windows": len(windows), "tokens": int(windows.numel())}
+        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | {"windows": len(windows),
+                                                                                 "tokens": int(windows.numel())}
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
                                                desc=f"perplexity {corpus}", should_stop=should_stop)
         yield done("perplexity")
+    _record_run(result)
 
     if plan.removed and first_windows is not None and options.drift_windows > 0:
         pruned = {name: model for name, model in result.models.items() if name != "dense"}
@@ -312,9 +518,39 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
         yield done("tasks")
 
 
-def _corpus_entry(name: str, split: str) -> dict:
-    corpus = data.load_corpus(name, split)
-    return {"label": corpus.label, "real": corpus.real}
+def calibration_size_notes(tokens: int, width: int, options: RunOptions) -> list[str]:
+    """A warning (logged and returned for the result) when a least-squares fit gets fewer than 4·C tokens."""
+    needs = needs_of(v.operator for v in options.variants)
+    if not (needs.residual or needs.branch) or tokens >= 4 * width:
+        return []
+    wanted = min_calibration_sequences(width, options.seqlen, floor=1)
+    note = (f"calibration has {tokens} tokens, fewer than 4·C = {4 * width} for a {width}-wide model: the least-squares "
+            f"fits are poorly determined{' (rank-deficient: a relative ridge decides them)' if tokens < width else ''}; "
+            f"use --train_size {wanted} or more at --seqlen {options.seqlen}")
+    log.warning(note)
+    return [note]
+
+
+def _record_run(result: RunResult) -> None:
+    """Add the run's facts (base model, calibration, perplexities) to each variant's `ghosted` record,
+    so that an export of the variant can state them in its model card."""
+    report = result.to_json()
+    for name, model in result.models.items():
+        if name != "dense" and getattr(model.config, "ghosted", None) is not None:
+            model.config.ghosted.update(run_record(report, name))
+
+
+def calibration_batches(tokenizer, options: RunOptions) -> tuple[list, int]:
+    """The seeded calibration windows of a run as forward-pass batches (fit, then held-out), and the fit token count."""
+    fit_ids, heldout_ids = data.calibration_windows(tokenizer, options.corpus(options.calibration, "calibration"),
+                                                    options.train_size, options.seqlen, options.seed, options.heldout)
+    return make_batches(fit_ids, heldout_ids, options.calibrate.batch_size), int(fit_ids.numel())
+
+
+def corpus_entry(options: RunOptions, name: str, split: str) -> dict:
+    """The results.json record of a corpus: its label, whether it is the paper's own data, whether it is the user's."""
+    corpus = data.get_corpus(options.corpus(name, split), split)
+    return {"label": corpus.label, "real": corpus.real, "user": name == USER_CORPUS}
 
 
 def run(options: RunOptions, loaded: LoadedModel | None = None) -> RunResult:

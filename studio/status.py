@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ghosted_core.advice import Advice, calibration_advice, cut_advice, disagreements, worse_than_pruning
-from studio.tables import context_line, held_out_error
+from ghosted_core.advice import Advice, calibration_advice, cut_advice, disagreements
+from studio.tables import context_line, held_out_error, worse_boundaries
 
 NOTHING_SHOWN = {"context": "", "state": "", "stages": []}  # the page before any run
 
@@ -58,7 +58,7 @@ def report_advice(report: dict) -> list[Advice]:
     if width and cal.get("tokens") and removed:
         advice += calibration_advice(cal["tokens"], width, operators)
     for name, entry in variants.items():
-        worse = [e["boundary"] for e in entry.get("boundary_error", []) if worse_than_pruning(e.get("heldout"))]
+        worse = worse_boundaries(entry)
         if name != "none" and worse:
             advice.append(Advice(f"{name} is worse than plain pruning on held-out calibration text "
                                  f"(boundary error above 1 at blocks {', '.join(worse)})"))

@@ -131,13 +131,21 @@ HELD_OUT_COLUMN = "held-out boundary error"
 WORSE_MARK = "⚠ worse than pruning"  # an operator whose held-out boundary error is above 1
 
 
+def worse_boundaries(entry: dict) -> list[str]:
+    """Boundaries where a variant's held-out boundary error is above 1 (the fit reports' flag, else the error itself)."""
+    fits = entry.get("fits") or []
+    if fits and "heldout_worse_than_pruning" in fits[0]:
+        return [f["boundary"] for f in fits if f["heldout_worse_than_pruning"]]
+    return [e["boundary"] for e in entry.get("boundary_error", []) if worse_than_pruning(e.get("heldout"))]
+
+
 def boundary_cell(entry: dict) -> str:
     """Held-out boundary error per boundary ('0.58', '0.59, 0.64'), marked when any is above 1."""
     errors = [held_out_error(e, "") for e in entry.get("boundary_error", [])]
     if not errors:
         return "–"
     text = ", ".join(fmt(e, 3) for e in errors)
-    return f"{text} {WORSE_MARK}" if any(worse_than_pruning(e) for e in errors) else text
+    return f"{text} {WORSE_MARK}" if worse_boundaries(entry) else text
 
 
 def perplexity_table(report: dict) -> pd.DataFrame:

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub, and say so quickly
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,13 +20,17 @@ TINY_WIDTH = 36  # a Paley Hadamard order, so rotate works too
 TINY_VOCAB = 97
 
 
-def _tiny_config(family: str):
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=TINY_WIDTH, intermediate_size=72, num_hidden_layers=TINY_LAYERS,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+def _tiny_config(family: str, vocab_size: int = TINY_VOCAB, **overrides):
+    common = dict(vocab_size=vocab_size, hidden_size=TINY_WIDTH, intermediate_size=72, num_hidden_layers=TINY_LAYERS,
+                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256) | overrides
     if family == "llama":
         return LlamaForCausalLM, LlamaConfig(**common)
+    if family == "mistral":  # a short sliding window, so that windows of 32 tokens exercise it
+        return MistralForCausalLM, MistralConfig(**common, sliding_window=8)
     if family == "qwen2":
         return Qwen2ForCausalLM, Qwen2Config(**common)
+    if family == "qwen3":  # per-head q/k norms and an explicit head_dim
+        return Qwen3ForCausalLM, Qwen3Config(**common, head_dim=6)
     if family == "gemma3":
         return Gemma3ForCausalLM, Gemma3TextConfig(
             **common, head_dim=6, sliding_window=8,
@@ -34,14 +38,14 @@ def _tiny_config(family: str):
     raise ValueError(family)
 
 
-def make_tiny_model(family: str, seed: int = 0):
+def make_tiny_model(family: str, seed: int = 0, **config_overrides):
     """A random decoder-only LM with 6 blocks of width 36 (seeded, eval mode, fp32).
 
     Random init leaves the residual stream small; scaling the embeddings up makes the blocks'
     contributions comparable to it, as in a trained model.
     """
     torch.manual_seed(seed)
-    cls, config = _tiny_config(family)
+    cls, config = _tiny_config(family, **config_overrides)
     model = cls(config).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(20)
@@ -49,7 +53,8 @@ def make_tiny_model(family: str, seed: int = 0):
     return model
 
 
-FAMILIES = ["llama", "qwen2", "gemma3"]
+FAMILIES = ["llama", "qwen2", "gemma3"]  # the unit tests' fixtures (kept to three for time)
+ALL_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]  # every family the README claims, run end to end
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
@@ -103,16 +108,42 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_folder(tmp_path_factory, smollm2_tokenizer):
+def tiny_folder(tmp_path_factory, smollm2_tokenizer):
+    """`tiny_folder(family)`: a tiny random model of that family with the real SmolLM2 tokenizer, saved once
+    per session as a local model folder (what `--model` accepts)."""
+    folders = {}
+
+    def make(family: str = "llama"):
+        if family not in folders:
+            model = make_tiny_model(family, vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                                    tie_word_embeddings=True)
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            model.save_pretrained(folder)
+            smollm2_tokenizer.save_pretrained(folder)
+            folders[family] = folder
+        return folders[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tiny_folder):
     """A tiny random Llama with the real SmolLM2 tokenizer, saved as a local model folder."""
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=TINY_WIDTH, intermediate_size=72,
-                         num_hidden_layers=TINY_LAYERS, num_attention_heads=6, num_key_value_heads=2,
-                         max_position_embeddings=512, tie_word_embeddings=True)
-    model = LlamaForCausalLM(config)
+    return tiny_folder("llama")
+
+
+def run_blocks(model, hidden: torch.Tensor, blocks) -> torch.Tensor:
+    """The residual stream after calling `blocks` one by one on `hidden` (B, T, C), written out by hand.
+
+    An independent reference for hook-based captures: an explicit causal mask, positions 0…T-1,
+    no cache (Llama-style blocks with one rotary embedding).
+    """
+    batch, length, _ = hidden.shape
+    positions = torch.arange(length).expand(batch, -1)  # (B, T)
+    rotary = model.model.rotary_emb(hidden, positions)
+    mask = torch.full((length, length), float("-inf")).triu(1).expand(batch, 1, -1, -1)  # (B, 1, T, T) additive
     with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(20)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(folder)
-    smollm2_tokenizer.save_pretrained(folder)
-    return folder
+        for block in blocks:
+            out = block(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            hidden = out[0] if isinstance(out, tuple) else out
+    return hidden

@@ -82,6 +82,16 @@ def test_perplexity_table_has_every_variant_corpus_label_share_and_marks_worse_t
     assert list(tables.empty_perplexity_table().columns)[0] == "variant"  # named columns before a run, not "1 2 3"
 
 
+def test_the_fit_reports_flag_decides_the_worse_than_pruning_mark_where_it_exists():
+    report = synthetic_report()
+    flagged = report["variants"]["ghost"]
+    flagged["fits"] = [flagged["fits"][0] | {"heldout_worse_than_pruning": True}]  # as results.json writes it
+    rows = tables.perplexity_table(report).set_index("variant")
+    assert rows.loc["ghost", tables.HELD_OUT_COLUMN].endswith(tables.WORSE_MARK)
+    assert "ghost is worse than plain pruning on held-out calibration text" in status.complete_status(
+        1.0, report, status.report_advice(report))
+
+
 def test_generations_are_escaped_cards_side_by_side():
     page = tables.generations_html(synthetic_report())
     assert re.findall(r"data-variant='([^']+)'", page) == ["dense", "none", "rotate", "ghost"]
@@ -459,9 +469,9 @@ def test_model_change_bounds_the_depth_and_explains_unknown_models(client):
     assert "unknown model" in note
     start = time.perf_counter()
     note, depth, blocks = client.predict("gemma3-270m", api_name="/model_info")
-    assert "18 decoder blocks" in note and depth == 4
+    assert "18 decoder blocks" in note and (depth["maximum"], depth["value"]) == (18, 4)
     note, depth, blocks = client.predict("smollm2-135m", api_name="/model_info")
-    assert "30 decoder blocks" in note and depth == 7
+    assert "30 decoder blocks" in note and (depth["maximum"], depth["value"]) == (30, 7)
     assert time.perf_counter() - start < 10  # no weights loaded, nothing converted
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -12,9 +14,17 @@ from ghosted_core.cli import main
 from ghosted_core.hub import hub_reachable
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ghosted_core", *args], capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def one_error_line(done: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a refused run (exit code 2, no traceback, nothing else logged)."""
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    return lines[0]
 
 
 def test_whole_run_writes_results(tiny_model_folder, tmp_path, capsys):
@@ -51,22 +61,77 @@ def test_whole_run_writes_results(tiny_model_folder, tmp_path, capsys):
     (["--insert_type", "ghost,magic"], "unknown operator 'magic'"),
     (["--calibration_data", "nowhere"], "unknown corpus"),
     (["--pruning_method", "manual", "--layers", "3,99"], "out of range"),
+    (["--pruning_method", "manual", "--layers", "5-3"], "reversed block range '5-3'"),
     (["--pruning_method", "random"], "invalid choice"),
+    (["--seqlen", "9000"], "exceed the model's 8192 positions"),  # SmolLM2: max_position_embeddings 8192
+    (["--eval_seqlen", "8193"], "exceed the model's 8192 positions"),
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+    (["--task_batch_size", "-1", "--eval_tasks", "copa"], "--task_batch_size must be at least 1"),
+    (["--device", "map", "--max_memory", "cpu:3GB"], "cannot read --max_memory"),
+    (["--max_memory", "cpu=3GB"], "apply to --device map only"),
 ])
 def test_bad_input_gives_one_line_and_exit_code_2(args, message):
     hub_reachable.cache_clear()
     done = run_cli(*args, "--eval_ppl", "none")  # not --quiet: the default log level must not add lines
-    assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], done.stderr
-    assert lines[0].startswith("error: ")
+    assert message in one_error_line(done)
+
+
+# Runs the CLI as if huggingface.co answered: `hub_reachable` says yes, and the Hub's replies come
+# from `setup` (a patched download that raises what huggingface_hub raises, or a prepared cache).
+HUB_CLI = """
+import sys
+import ghosted_core.models
+ghosted_core.models.hub_reachable = lambda timeout=3.0: True
+{setup}
+from ghosted_core.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+HUB_REPLY = """
+import huggingface_hub.errors, transformers.utils.hub
+http = __import__(huggingface_hub.errors.HfHubHTTPError.__mro__[1].__module__.split(".")[0])  # huggingface_hub's httpx
+
+def reply(repo_id, filename, **kwargs):
+    url = f"https://huggingface.co/{{repo_id}}/resolve/main/{{filename}}"
+    raise huggingface_hub.errors.{error}("{status} Client Error", response=http.Response({status}, request=http.Request("GET", url)))
+
+transformers.utils.hub.hf_hub_download = reply
+"""
+
+
+def run_hub_cli(model: str, setup: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(HUB_CLI).format(setup=setup)
+    return subprocess.run([sys.executable, "-c", code, "--model", model, "--eval_ppl", "none"], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("error, status, message", [
+    ("RepositoryNotFoundError", 404, "is not a model on the Hugging Face Hub"),
+    ("GatedRepoError", 403, "is a gated model on the Hugging Face Hub: request access at https://huggingface.co/"),
+])
+def test_hub_model_missing_or_gated_is_one_line(error, status, message):
+    done = run_hub_cli("some-org/some-model", HUB_REPLY.format(error=error, status=status))
+    line = one_error_line(done)
+    assert "some-org/some-model" in line and message in line
+
+
+def test_hub_model_needing_remote_code_is_one_line_and_never_runs_it(tmp_path):
+    """A cached Hub repository whose config asks for its own code: refused before anything from it runs."""
+    snapshot = tmp_path / "hub" / "models--some-org--custom-model" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    (snapshot / "config.json").write_text(json.dumps({
+        "model_type": "custom_lm", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
+    (snapshot / "configuration_custom.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
+    done = run_hub_cli("some-org/custom-model", "", env={"HF_HOME": str(tmp_path)})
+    assert "needs its own modelling code (trust_remote_code)" in one_error_line(done)
+    assert not (tmp_path / "ran").exists()
 
 
 def test_unknown_task_is_one_line_and_exit_code_2():
     done = run_cli("--eval_tasks", "arc_easy,hellaswagg", "--quiet", "--eval_ppl", "none")
-    assert done.returncode == 2
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "unknown task(s): hellaswagg" in lines[0]
+    assert "unknown task(s): hellaswagg" in one_error_line(done)
 
 
 def test_tasks_stage_runs_lm_eval_for_every_variant(tiny_model_folder, tmp_path):
@@ -82,3 +147,87 @@ def test_tasks_stage_runs_lm_eval_for_every_variant(tiny_model_folder, tmp_path)
         assert copa["task"] == "copa" and copa["n"] == 6 and 0 <= copa["acc"] <= 1
         assert tasks["unavailable"][0]["task"] == "race"
         assert copa["example_ids"] == results["variants"]["dense"]["tasks"]["scores"][0]["example_ids"]
+
+
+@pytest.mark.parametrize("depths, message", [
+    ("2:10:0", "step must be at least 1"),
+    ("10:2:2", "starts above its stop"),
+    ("2:40:2", "leaves none"),
+    ("2:x:2", "cannot read"),
+    ("seven", "write a number of blocks"),
+])
+def test_bad_depth_ranges_give_one_line_and_exit_code_2(depths, message):
+    done = run_cli("--total_num_prune", depths, "--eval_ppl", "none")
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("error: "), done.stderr
+
+
+def test_sweep_prints_a_depth_by_operator_table_with_corpus_labels(tiny_model_folder, tmp_path, capsys):
+    code = main(["--model", str(tiny_model_folder), "--total_num_prune", "1:3:2", "--insert_type", "none,ghost",
+                 "--calibration_data", "ptb", "--train_size", "4", "--seqlen", "32", "--eval_ppl", "ptb,wiki",
+                 "--eval_max_tokens", "64", "--outdir", str(tmp_path), "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["sweep"]["depths"] == [1, 3]
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("n "))
+    assert "ppl ptb (exact)" in header and "ppl wiki (stand-in)" in header and "recovered ptb" in header
+    assert "PTB (valid split, exact)" in out and "stand-in for WikiText-2" in out
+    rows = [line.split() for line in lines[lines.index(header) + 1:] if line[:1].isdigit()]
+    assert [(r[0], r[2]) for r in rows] == [("0", "dense"), ("1", "none"), ("1", "ghost"), ("3", "none"), ("3", "ghost")]
+    for row, depth in zip(rows[1:], [1, 1, 3, 3]):
+        entry = results["sweep"]["results"][0 if depth == 1 else 1]
+        assert float(row[3]) == pytest.approx(entry["variants"][row[2]]["ppl"]["ptb"], rel=2e-3, abs=0.006)
+
+
+def test_sweep_refuses_save_model_in_one_line(tmp_path):
+    done = run_cli("--total_num_prune", "2:4:2", "--save_model", str(tmp_path), "--eval_ppl", "none")
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error: --save_model saves the variants of one depth")
+
+
+def test_your_text_from_a_file_calibrates_and_evaluates(tiny_model_folder, tmp_path, capsys):
+    text = "\n\n".join(f"Paragraph {i}. " + "The river keeps its own counsel when the water rises. " * 8
+                       for i in range(80))
+    path = tmp_path / "mine.txt"
+    path.write_text(text)
+    code = main(["--model", str(tiny_model_folder), "--total_num_prune", "2", "--insert_type", "none,ghost",
+                 "--calibration_data", "yours", "--user_text", str(path), "--train_size", "4", "--seqlen", "32",
+                 "--eval_ppl", "yours,ptb", "--eval_max_tokens", "64", "--outdir", str(tmp_path / "out"), "--quiet"])
+    assert code == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["calibration"]["corpus"] == "your text" and "mine.txt" in results["calibration"]["label"]
+    assert set(results["variants"]["ghost"]["ppl"]) == {"your text", "ptb"}
+    assert "your text (mine.txt" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, message", [(b"", "is empty"), (b"\x00\x01\x02binary", "not UTF-8 text")])
+def test_bad_user_text_file_is_one_line_and_exit_code_2(tmp_path, content, message):
+    path = tmp_path / "upload.txt"
+    path.write_bytes(content)
+    done = run_cli("--calibration_data", "yours", "--user_text", str(path), "--eval_ppl", "none")
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], done.stderr
+
+
+@pytest.mark.slow
+def test_sweep_of_smollm2_from_the_command_line(tmp_path):
+    """Acceptance: n = 2, 4, 6, 8, 10 on the embedded SmolLM2, default operators, the app's default calibration
+    (mix, 12 × 256 tokens), perplexity capped at one 256-token window per corpus to keep it short."""
+    done = run_cli("--total_num_prune", "2:10:2", "--train_size", "12", "--seqlen", "256", "--eval_max_tokens", "256",
+                   "--outdir", str(tmp_path), "--quiet")
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    sweep = results["sweep"]
+    assert sweep["depths"] == [2, 4, 6, 8, 10] and sweep["statistics"]["calibration_passes"] == 1
+    assert [len(entry["removed_layers"]) for entry in sweep["results"]] == [2, 4, 6, 8, 10]
+    assert sweep["variants"] == ["none", "diag", "rotate", "ghost", "ghost_capped", "replaceme"]
+    rows = [line.split() for line in done.stdout.splitlines() if line[:1].isdigit()]
+    assert len(rows) == 1 + 5 * 6  # dense, then depth × operator
+    for entry in sweep["results"]:
+        none = entry["variants"]["none"]["ppl"]
+        assert all(none[c] > sweep["dense"]["ppl"][c] for c in none)  # pruning hurts at every depth
+    assert "stand-in for C4" in done.stdout and "ppl wiki (stand-in)" in done.stdout

@@ -136,7 +136,8 @@ def test_too_many_calibration_windows_says_what_to_lower(tokenizer):
     with pytest.raises(GhostedError) as err:
         data.calibration_windows(tokenizer, "wiki", n=available, seqlen=2048, seed=0, heldout=1)
     message = str(err.value)
-    assert f"{available} calibration windows of 2048 tokens" in message
+    assert f"{stream.numel():,} calibration tokens ({available} windows of 2048)" in message
+    assert f"need {(available + 1) * 2048:,}" in message
     assert "lower" in message and "wiki" in message
 
 
@@ -148,7 +149,7 @@ def test_evaluation_windows_are_in_order_and_capped(tokenizer):
     assert torch.equal(windows.flatten(), stream[: windows.numel()])
     assert data.evaluation_windows(tokenizer, "wiki", seqlen=256, max_tokens=1000).shape == (3, 256)
     assert data.evaluation_windows(tokenizer, "wiki", seqlen=256, max_tokens=10).shape == (1, 256)
-    with pytest.raises(GhostedError, match="shorter than one window"):
+    with pytest.raises(GhostedError, match="fewer than one window"):
         data.evaluation_windows(tokenizer, "wiki", seqlen=10**8)
 
 

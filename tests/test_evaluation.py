@@ -6,12 +6,11 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_LAYERS, random_tokens
-from ghosted_core.calibration import CalibrationOptions, capture, run_forward
+from conftest import TINY_LAYERS, random_tokens, run_blocks
+from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions, block_drift, generate, perplexity, shared_prefix
 from ghosted_core.plan import PruningPlan
@@ -53,22 +52,40 @@ def test_perplexity_needs_two_tokens(tiny_llama):
 
 
 def test_block_drift_against_direct_computation(tiny_llama):
+    """Every block's drift, all tokens and ordinary tokens, from residual streams computed by hand."""
     plan = PruningPlan(TINY_LAYERS, (2, 3), "manual")
     pruned = build_variant(tiny_llama, plan.removed)
-    ids = random_tokens(2, 10)
-    drift = block_drift(tiny_llama, {"none": pruned}, plan, ids, CalibrationOptions(sink_rule="none"))["none"]
-    assert drift.blocks == (4, 5, 6)
-    with capture(tiny_llama, [2, 4]) as seen:
-        run_forward(tiny_llama, ids)
-    h_start, h_end = seen[("residual", 2)].double(), seen[("residual", 4)].double()
-    assert drift.error[0] == pytest.approx(float((h_start - h_end).norm() / h_end.norm()), rel=1e-6)
-    assert drift.error == drift.error_ordinary  # no sinks flagged with sink_rule="none"
-    same = block_drift(tiny_llama, {"dense": tiny_llama}, plan, ids)["dense"]
-    assert np.allclose(same.error, 0.0)
+    ids = random_tokens(3, 10)
+    options = CalibrationOptions(sink_rule="position", sink_positions=1)  # position 0 counts as a sink
+    drift = block_drift(tiny_llama, {"none": pruned}, plan, ids, options)["none"]
+    assert drift.blocks == (4, 5, 6)  # dense indices after the cut; 6 = the final norm's input
+    blocks = list(tiny_llama.model.layers)
+    with torch.no_grad():
+        h = [tiny_llama.model.embed_tokens(ids)]  # h[j]: the dense stream entering block j
+    for block in blocks:
+        h.append(run_blocks(tiny_llama, h[-1], [block]))
+    mine = h[2]  # the pruned model feeds h_2 where the dense one fed h_4
+    for k, j in enumerate(drift.blocks):
+        diff, ref = (mine - h[j]).double(), h[j].double()
+        assert drift.error[k] == pytest.approx(float(diff.norm() / ref.norm()), rel=1e-5), j
+        ordinary = float(diff[:, 1:].norm() / ref[:, 1:].norm())
+        assert drift.error_ordinary[k] == pytest.approx(ordinary, rel=1e-5), j
+        assert abs(drift.error_ordinary[k] - drift.error[k]) > 1e-6  # the sink position really was left out
+        if j < TINY_LAYERS:
+            mine = run_blocks(tiny_llama, mine, [blocks[j]])
+
+
+def greedy_by_hand(model, prompt: torch.Tensor, steps: int) -> list[int]:
+    """Greedy continuation from cache-free full forwards: argmax of the last position, appended, repeated."""
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, prompt.shape[1]:].tolist()
 
 
 class DigitTokenizer:
-    """The smallest tokenizer generate() needs: space-separated digits as token ids."""
+    """The smallest tokenizer generate() needs: space-separated token ids."""
 
     pad_token_id, eos_token_id = 0, 0
 
@@ -80,19 +97,27 @@ class DigitTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def test_generation_is_seeded_and_matches_transformers(tiny_llama):
-    tokenizer = DigitTokenizer()
+def test_greedy_generation_follows_the_argmax_of_full_forwards(tiny_llama):
     models = {"dense": tiny_llama, "none": build_variant(tiny_llama, (2, 3))}
-    greedy = generate(models, tokenizer, "5 17 23 4", GenerationOptions(max_new_tokens=6))
-    with torch.no_grad():
-        reference = tiny_llama.generate(torch.tensor([[5, 17, 23, 4]]), max_new_tokens=6, do_sample=False,
-                                        pad_token_id=0)
-    assert greedy["dense"] == tokenizer.decode(reference[0, 4:])
+    texts = generate(models, DigitTokenizer(), "5 17 23 4", GenerationOptions(max_new_tokens=6))
+    prompt = torch.tensor([[5, 17, 23, 4]])
+    for name, model in models.items():
+        assert texts[name] == " ".join(map(str, greedy_by_hand(model, prompt, 6))), name
+
+
+def test_sampled_generation_is_seeded_and_leaves_the_global_generator_alone(tiny_llama):
+    models = {"dense": tiny_llama}
     sampled = GenerationOptions(max_new_tokens=8, do_sample=True, seed=3, temperature=1.0, top_p=1.0)
-    first = generate(models, tokenizer, "5 17 23 4", sampled)
-    assert first == generate(models, tokenizer, "5 17 23 4", sampled)
+    torch.manual_seed(123)
+    first = generate(models, DigitTokenizer(), "5 17 23 4", sampled)
+    after = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(4), after)  # generation forked the RNG instead of consuming it
+    assert generate(models, DigitTokenizer(), "5 17 23 4", sampled) == first
+    others = {generate(models, DigitTokenizer(), "5 17 23 4", replace(sampled, seed=s))["dense"] for s in (4, 5, 6)}
+    assert others - {first["dense"]}  # the seed decides the sample
     with pytest.raises(GhostedError):
-        generate(models, tokenizer, "   ")
+        generate(models, DigitTokenizer(), "   ")
 
 
 def test_sampling_draws_from_its_own_generator_not_the_global_rng(tiny_llama):

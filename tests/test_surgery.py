@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -141,3 +143,44 @@ def test_accelerate_offloaded_model(tmp_path):
             torch.testing.assert_close(variants[name](ids).logits, expected[name](ids).logits, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         torch.testing.assert_close(dispatched(ids).logits, reference, rtol=1e-5, atol=1e-5)  # dense unchanged
+
+
+@pytest.mark.parametrize("removed, kept_type", [((2, 5), "sliding_attention"), ((0, 1, 3, 4), "full_attention")],
+                         ids=["all-global-removed", "all-sliding-removed"])
+def test_gemma3_plan_removing_every_layer_of_one_attention_type(tiny_gemma, removed, kept_type):
+    """The variant's layer_types holds only the other type; it equals a stock Gemma3 built with that config, and
+    generation with the KV cache (windows longer than the sliding window) matches cache-free logits."""
+    from transformers import Gemma3ForCausalLM
+
+    plan = PruningPlan(TINY_LAYERS, removed, "manual")
+    _plan, variants = recovered_variants(tiny_gemma, removed)
+    pruned = build_variant(tiny_gemma, removed)
+    config = copy.deepcopy(tiny_gemma.config)
+    config.num_hidden_layers, config.layer_types = len(plan.kept), [kept_type] * len(plan.kept)
+    stock = Gemma3ForCausalLM(config).eval()  # an independent model of the pruned shape, dense weights copied in
+    state = {k: v for k, v in tiny_gemma.state_dict().items() if not k.startswith("model.layers.")}
+    for i, j in enumerate(plan.kept):
+        prefix = f"model.layers.{j}."
+        state |= {f"model.layers.{i}." + k[len(prefix):]: v for k, v in tiny_gemma.state_dict().items()
+                  if k.startswith(prefix)}
+    stock.load_state_dict(state)
+    ids = random_tokens(2, 20, seed=6)  # 20 tokens > sliding_window 8
+    assert pruned.config.layer_types == stock.config.layer_types
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+    for name, variant in [("none", pruned), *variants.items()]:
+        assert variant.config.layer_types == [kept_type] * len(plan.kept), name
+        assert variant.config.num_hidden_layers == len(variant.model.layers) == len(plan.kept)
+        assert [unwrap(b).self_attn.layer_type for b in variant.model.layers] == variant.config.layer_types, name
+        with torch.no_grad():
+            full = variant(ids, use_cache=False).logits
+            out = variant(ids[:, :10], use_cache=True)
+            steps, cache = [out.logits], out.past_key_values
+            for t in range(10, ids.shape[1]):
+                out = variant(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                steps.append(out.logits)
+                cache = out.past_key_values
+            torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4, msg=name)
+            generated = variant.generate(ids[:1, :6], max_new_tokens=14, do_sample=False, pad_token_id=0)
+            greedy = variant(generated, use_cache=False).logits[0, 5:-1].argmax(-1)
+        assert generated[0, 6:].tolist() == greedy.tolist(), name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -210,6 +211,10 @@ def test_tiny_model_through_lm_eval(tiny_llama, tokenizer) -> None:  # noqa: ANN
     assert first.score("copa").chance == 0.5 and first.score("copa").acc_norm is None
     assert first.score("arc_easy").acc_norm is not None and 0.2 < first.score("arc_easy").chance <= 0.34
     assert first.mean_acc == pytest.approx((first.scores[0].acc + first.scores[1].acc) / 2)
+    for score in first.scores:  # lm-eval's stderr of a mean of 0/1 outcomes: the sample std (n − 1) over √n
+        assert score.acc_stderr == pytest.approx(math.sqrt(score.acc * (1 - score.acc) / (score.n - 1)))
+    se = [s.acc_stderr for s in first.scores]
+    assert first.mean_acc_stderr == pytest.approx(math.sqrt(se[0] ** 2 + se[1] ** 2) / 2)
     js = first.to_json()
     assert js["unavailable"][0]["task"] == "race" and isinstance(js["scores"][0]["example_ids"], list)
     assert tiny_llama.training == was_training  # lm-eval's eval() is undone

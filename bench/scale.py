@@ -1,0 +1,337 @@
+"""Calibration at real widths: peak extra memory, statistics bytes against the memory plan, and time.
+
+    flock /tmp/ghosted-heavy.lock .venv/bin/python bench/scale.py     # C = 2048 and 4096, 1/2/4 boundaries
+    .venv/bin/python bench/scale.py --quick                           # C = 2048, 1 and 4 boundaries (scale_quick.json)
+    python bench/scale.py --device cuda                               # a GPU machine: the full 32-block 8B shape, bf16
+
+CPU mode builds random Llama models from configs, fp32, with 4 blocks: C = 2048 with
+Llama-3.2-1B's shapes and C = 4096 with Llama-3-8B's (intermediate 14336, 32 heads, 8 KV
+heads, vocabulary 128256; the LM head is tied to the embeddings, which calibration never runs,
+to spare 2 GB of a shared machine's memory). Boundaries (0,1), (1,2), (2,3), (3,4): the first
+1, 2 or 4 of them, each fitted on its own, as a depth sweep asks. For each configuration, in a
+fresh subprocess so peaks do not mask each other:
+- ours: `collect_stats` with the statistics that none, diag, rotate, ghost and ghost_capped
+  need, then every fit per boundary (realized as its module and compacted; statistics freed
+  boundary by boundary, as the pipeline does), then the held-out errors in one direct pass;
+- store-all (the official code's way): keep every x_pre and x_post in fp32, concatenate, float64
+  normal equations, ghost only, at the same tokens.
+Peak extra memory is the peak resident size (VmHWM, reset after the model is built) minus the
+resident size before calibration. "stats" is what the accumulators allocated; "plan" is
+`memory.plan_memory`'s count from the config. A float32-products line gives ghost's relative
+difference in M against pure float64 sums. Writes bench/results/scale.json (--quick:
+scale_quick.json; --device cuda: scale_cuda.json), or --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {  # published configs (Llama-3.2-1B, Llama-3-8B); num_hidden_layers set per mode
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=64, vocab_size=128256, rope_theta=500000.0),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                       vocab_size=128256, rope_theta=500000.0),
+}
+OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped")
+SEQLEN = 512
+GIB = 2**30
+
+
+def status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """Linux: writing 5 to clear_refs resets the peak resident size (VmHWM) to the current one."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def build_model(shape: str, layers: int, device: str = "cpu", dtype: str = "float32"):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**SHAPES[shape], num_hidden_layers=layers, tie_word_embeddings=device == "cpu",
+                         max_position_embeddings=8192)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # built in the target dtype: no fp32 staging copy
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    model.requires_grad_(False)
+    return model
+
+
+def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0):
+    import torch
+
+    from ghosted_core.calibration import make_batches
+
+    generator = torch.Generator().manual_seed(seed)
+    fit = torch.randint(0, vocab, (tokens // SEQLEN, SEQLEN), generator=generator)
+    held = torch.randint(0, vocab, (max(1, tokens // SEQLEN // 8), SEQLEN), generator=generator)
+    return make_batches(fit, held, batch_size)
+
+
+def fit_ours(model, boundaries, batches, options, quiet: bool = True) -> dict:
+    """The pipeline's calibration stage for OPERATORS at independent boundaries: stats, fits, held-out pass."""
+    from ghosted_core.calibration import collect_stats
+    from ghosted_core.heldout import measure_errors
+    from ghosted_core.operators import get_operator, needs_of
+    from ghosted_core.pipeline import RunOptions, VariantBuild, parse_variants
+
+    needs = needs_of(OPERATORS)
+    live: list = []
+    clock = time.perf_counter()
+    stats = collect_stats(model, boundaries, batches, options, needs, live)
+    stats_bytes = [acc.nbytes() for acc in live]
+    del live
+    calibrate = time.perf_counter() - clock
+    run_options = RunOptions(calibrate=options, quiet=quiet)
+    builds = [VariantBuild(spec) for spec in parse_variants(OPERATORS)]
+    for k in range(len(stats)):
+        for build in builds:
+            build.add(model, get_operator(build.spec.operator).fit(stats[k], run_options.fit), stats[k])
+        stats[k] = None  # freed as soon as its fits exist
+    fit = time.perf_counter() - clock - calibrate
+    maps = [m for build in builds for m in build.maps]
+    errors = measure_errors(model, maps, batches, options)
+    heldout = time.perf_counter() - clock - calibrate - fit
+    ghost = next(b for b in builds if b.spec.name == "ghost")
+    return {"stats_bytes": stats_bytes, "seconds": {"calibrate": calibrate, "fit": fit, "heldout": heldout},
+            "heldout_error": {b.spec.name: [e.relative for e in errors[i * len(boundaries):(i + 1) * len(boundaries)]]
+                              for i, b in enumerate(builds)},
+            "ghost_update_norm": [float(m.update.norm()) for m in ghost.maps]}
+
+
+def fit_store_all(model, boundaries, batches) -> dict:
+    """Keep every activation (fp32, CPU), concatenate, float64 normal equations: ghost per boundary."""
+    import torch
+
+    from ghosted_core.capture import capture, run_forward
+
+    kept = {b: ([], []) for b in boundaries}
+    clock = time.perf_counter()
+    residuals = {j for b in boundaries for j in (b.start, b.end)}
+    for batch in [b for b in batches if not b.heldout]:
+        with capture(model, residuals) as seen:
+            run_forward(model, batch.input_ids)
+        for b in boundaries:
+            kept[b][0].append(seen[("residual", b.start)].float().cpu().reshape(-1, seen[("residual", b.start)].shape[-1]))
+            kept[b][1].append(seen[("residual", b.end)].float().cpu().reshape(-1, seen[("residual", b.end)].shape[-1]))
+    calibrate = time.perf_counter() - clock
+    for b in boundaries:
+        x_pre = torch.cat(kept[b][0]).double()  # (T, C)
+        x_post = torch.cat(kept[b][1]).double()  # (T, C)
+        delta = x_post - x_pre
+        eye = torch.eye(x_pre.shape[1], dtype=torch.float64)
+        torch.linalg.solve(x_pre.T @ x_pre + 1e-6 * eye, x_pre.T @ delta)
+        del x_pre, x_post, delta
+    return {"seconds": {"calibrate": calibrate, "fit": time.perf_counter() - clock - calibrate}}
+
+
+def products_difference(model, boundaries, batches, options) -> dict:
+    """ghost and ghost_capped M from fp32 per-batch products summed in float64, against pure float64."""
+    import dataclasses
+
+    from ghosted_core.calibration import collect_stats
+    from ghosted_core.operators import FitOptions, get_operator, needs_of
+
+    needs = needs_of(["ghost"])
+    exact = collect_stats(model, boundaries, batches, options, needs)
+    fast = collect_stats(model, boundaries, batches, dataclasses.replace(options, products="float32"), needs)
+    out = {}
+    for name in ("ghost", "ghost_capped"):
+        diffs = []
+        for a, b in zip(exact, fast):
+            ma, mb = get_operator(name).fit(a, FitOptions()).update, get_operator(name).fit(b, FitOptions()).update
+            diffs.append(float((ma - mb).norm() / ma.norm()))
+        out[name] = diffs
+    return out
+
+
+def worker(args) -> None:
+    """One measurement in this (fresh) process; prints one JSON line."""
+    import ghosted_core  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads
+    import torch
+
+    from ghosted_core.calibration import CalibrationOptions
+    from ghosted_core.memory import plan_memory
+    from ghosted_core.operators import needs_of
+    from ghosted_core.plan import Boundary
+
+    model = build_model(args.shape, 4)
+    boundaries = [Boundary(j, j + 1) for j in range(args.boundaries)]
+    batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
+    options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full")
+    gc.collect()
+    base = status_kib("VmRSS")
+    reset_peak()
+    clock = time.perf_counter()
+    if args.method == "ours":
+        result = fit_ours(model, boundaries, batches, options)
+    elif args.method == "store-all":
+        result = fit_store_all(model, boundaries, batches)
+    else:
+        result = {"relative_difference": products_difference(model, boundaries, batches, options)}
+    wall = time.perf_counter() - clock
+    peak = status_kib("VmHWM")
+    sequences = sum(len(b.input_ids) for b in batches if not b.heldout)
+    plan = plan_memory(model.config, args.shape, "cpu", torch.float32, needs_of(OPERATORS), len(boundaries), sequences,
+                       SEQLEN, args.batch_size, options.capacity(sequences))
+    print(json.dumps({"shape": args.shape, "width": model.config.hidden_size, "boundaries": args.boundaries,
+                      "method": args.method, "tokens": sequences * SEQLEN, "batch_size": args.batch_size,
+                      "model_rss_gib": base / GIB, "peak_extra_gib": (peak - base) / GIB, "wall_s": wall,
+                      "plan_stats_bytes_per_boundary": plan.stats_bytes_per_boundary,
+                      "plan_activation_gib": plan.activation_bytes / GIB, **result}))
+
+
+def run_one(shape: str, boundaries: int, method: str, tokens: int, batch_size: int) -> dict:
+    command = [sys.executable, __file__, "--worker", "--shape", shape, "--boundaries", str(boundaries),
+               "--method", method, "--tokens", str(tokens), "--batch_size", str(batch_size)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| C | boundaries | method | tokens | peak extra (GiB) | stats / boundary (MiB) | plan (MiB) | time (s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["method"] == "fp32-products":
+            continue
+        stats = r.get("stats_bytes")
+        shown = f"{stats[0] / 2**20:.1f}" if stats else "-"
+        plan = f"{r['plan_stats_bytes_per_boundary'] / 2**20:.1f}" if stats else "-"
+        lines.append(f"| {r['width']} | {r['boundaries']} | {r['method']} | {r['tokens']} | {r['peak_extra_gib']:.2f} | "
+                     f"{shown} | {plan} | {r['wall_s']:.0f} |")
+    return lines
+
+
+def cpu_main(args) -> None:
+    shapes = ["llama-3.2-1b"] if args.quick else ["llama-3.2-1b", "llama-3-8b"]
+    counts = [1, 4] if args.quick else [1, 2, 4]
+    rows = []
+    for shape in shapes:
+        for count in counts:
+            for method in ("ours", "store-all"):
+                row = run_one(shape, count, method, args.tokens, args.batch_size)
+                rows.append(row)
+                print(f"{shape} {count} boundaries {method}: peak extra {row['peak_extra_gib']:.2f} GiB, "
+                      f"{row['wall_s']:.0f} s", flush=True)
+    rows.append(run_one("llama-3.2-1b", 1, "fp32-products", args.tokens, args.batch_size))
+    print("fp32 products vs float64, relative difference in M:", rows[-1]["relative_difference"])
+    for row in rows:
+        if row["method"] == "ours":
+            row["stats_equal_plan"] = all(b == row["plan_stats_bytes_per_boundary"] for b in row["stats_bytes"])
+    write(args, {"mode": "cpu", "seqlen": SEQLEN, "operators": list(OPERATORS), "rows": rows}, table(rows))
+
+
+def cuda_main(args) -> None:
+    """The full 32-block Llama-3-8B shape in bf16 on the GPU: the pipeline's stages and the GPU peak."""
+    import ghosted_core  # noqa: F401
+    import torch
+
+    from ghosted_core.calibration import CalibrationOptions
+    from ghosted_core.plan import Boundary, boundaries_of
+
+    report: dict = {"mode": "cuda", "device": torch.cuda.get_device_name(0), "seqlen": SEQLEN, "runs": []}
+    clock = time.perf_counter()
+    model = build_model("llama-3-8b", 32, "cuda", "bfloat16")
+    torch.cuda.synchronize()
+    report["build_s"] = time.perf_counter() - clock
+    report["weights_gib"] = torch.cuda.memory_allocated() / GIB
+    batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
+    plans = {"streamline n=7 (1 boundary)": [Boundary(22, 29)],
+             "shortgpt-like (4 boundaries)": list(boundaries_of([5, 11, 12, 19, 24, 25, 26]))}
+    for label, boundaries in plans.items():
+        for products in ("float64", "float32"):
+            options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full", stats_device="cuda",
+                                         products=products)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            result = fit_ours(model, boundaries, batches, options)
+            torch.cuda.synchronize()
+            result.update(label=label, products=products, boundaries=[str(b) for b in boundaries],
+                          peak_extra_gib=(torch.cuda.max_memory_allocated() - before) / GIB,
+                          max_memory_allocated_gib=torch.cuda.max_memory_allocated() / GIB)
+            report["runs"].append(result)
+            print(json.dumps(result), flush=True)
+    rows = report["runs"]
+    for i in range(0, len(rows), 2):
+        a, b = rows[i], rows[i + 1]
+        b["ghost_norm_relative_difference_vs_float64"] = [abs(x - y) / x for x, y in
+                                                          zip(a["ghost_update_norm"], b["ghost_update_norm"])]
+    report["products_difference"] = products_difference(
+        model, plans["streamline n=7 (1 boundary)"], batches,
+        CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full", stats_device="cuda"))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    # blocks: weights on the CPU, one block at a time on the GPU
+    cpu_model = build_model("llama-3-8b", 32, "cpu", "bfloat16")
+    options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="blocks", stats_device="cuda",
+                                 compute_device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    result = fit_ours(cpu_model, plans["streamline n=7 (1 boundary)"], batches, options)
+    result.update(label="blocks pipeline, weights on the CPU", max_memory_allocated_gib=torch.cuda.max_memory_allocated() / GIB)
+    report["runs"].append(result)
+    print(json.dumps(result), flush=True)
+    lines = ["| run | products | calibrate (s) | fit (s) | held-out (s) | GPU max allocated (GiB) |", "|---|---|---|---|---|---|"]
+    for r in report["runs"]:
+        s = r["seconds"]
+        lines.append(f"| {r['label']} | {r.get('products', 'float64')} | {s['calibrate']:.1f} | {s['fit']:.1f} | "
+                     f"{s['heldout']:.1f} | {r['max_memory_allocated_gib']:.1f} |")
+    write(args, report, lines)
+
+
+def write(args, report: dict, lines: list[str]) -> None:
+    name = {"cpu": "scale_quick.json" if args.quick else "scale.json", "cuda": "scale_cuda.json"}[report["mode"]]
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
+    report["load_average"] = os.getloadavg()
+    out.write_text(json.dumps(report, indent=2))
+    print("\n".join(lines))
+    print(f"written: {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="C = 2048 only, 1 and 4 boundaries")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--tokens", type=int, default=8192, help="fit tokens per configuration (plus 1/8 held out)")
+    parser.add_argument("--batch_size", type=int, default=4, help="sequences of 512 tokens per forward")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default="llama-3.2-1b", help=argparse.SUPPRESS)
+    parser.add_argument("--boundaries", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--method", default="ours", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+    elif args.device == "cuda":
+        cuda_main(args)
+    else:
+        cpu_main(args)
+
+
+if __name__ == "__main__":
+    main()

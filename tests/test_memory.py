@@ -1,0 +1,135 @@
+"""The memory plan: counted from the config before loading, equal to what is allocated, refusing what cannot fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from conftest import TINY_WIDTH, random_tokens
+from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.errors import GhostedError
+from ghosted_core.memory import (MemoryPlan, block_parameters, estimate_parameters, max_boundaries,
+                                 min_calibration_sequences, plan_memory)
+from ghosted_core.operators import needs_of
+from ghosted_core.pipeline import RunOptions, memory_plan, parse_variants, run
+from ghosted_core.plan import Boundary
+from ghosted_core.statistics import StatNeeds
+
+GIB = 2**30
+LLAMA_3_8B = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+LLAMA_3_70B = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+LEAN = needs_of(["none", "diag", "rotate", "ghost", "ghost_capped"])
+
+
+def test_parameter_counts_match_the_published_sizes():
+    assert estimate_parameters(LLAMA_3_8B) == pytest.approx(8.03e9, rel=0.01)
+    assert estimate_parameters(LLAMA_3_70B) == pytest.approx(70.6e9, rel=0.01)
+    assert block_parameters(LLAMA_3_8B) == 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336 + 2 * 4096
+
+
+def test_plan_statistics_equal_what_the_accumulators_allocate(tiny_llama):
+    """The plan's per-boundary bytes (from the config) are what collect_stats allocated, boundary by boundary."""
+    for operators in (["none", "diag", "rotate", "ghost", "ghost_capped"], ["replaceme", "ghost_nosink"]):
+        options = CalibrationOptions(quiet=True)
+        needs = needs_of(operators)
+        ids = random_tokens(6, 12)
+        live = []
+        collect_stats(tiny_llama, [Boundary(1, 2), Boundary(3, 5)], make_batches(ids, None, 3), options, needs, live)
+        plan = plan_memory(tiny_llama.config, "tiny", "cpu", torch.float32, needs, boundaries=2, sequences=6, seqlen=12,
+                           batch_size=3, sink_capacity=options.capacity(6))
+        assert [acc.nbytes() for acc in live] == [plan.stats_bytes_per_boundary] * 2
+        assert plan.stats_bytes == 2 * plan.stats_bytes_per_boundary
+
+
+def test_the_issue_target_at_c_4096():
+    """none, diag, rotate, ghost, ghost_capped at one boundary: 2·C²·8 B plus O(C × kept rows)."""
+    plan = plan_memory(LLAMA_3_8B, "8B", "cpu", torch.float32, LEAN, boundaries=1, sequences=32, seqlen=512,
+                       batch_size=8, sink_capacity=128, host_available=1 << 50)
+    matrices = 2 * 4096**2 * 8
+    assert matrices <= plan.stats_bytes_per_boundary <= matrices + 128 * (2 * 4096 + 1) * 8 + 20 * 4096 * 8 + 16
+    assert plan.stats_bytes_per_boundary / 2**20 < 280
+
+
+def test_plan_refuses_a_model_bigger_than_the_gpu_and_names_the_way_out():
+    plan = plan_memory(LLAMA_3_8B, "llama-8b", "cuda", torch.bfloat16, LEAN, boundaries=4, sequences=32, seqlen=512,
+                       batch_size=8, sink_capacity=128, pipeline="full", device_available=12 * GIB,
+                       host_available=64 * GIB)
+    assert not plan.fits
+    with pytest.raises(GhostedError) as err:
+        plan.check()
+    message = str(err.value)
+    assert "\n" not in message
+    for way_out in ("--device map", "--stats_device cpu", "--batch_size", "--calibration_pipeline blocks"):
+        assert way_out in message
+
+
+def test_auto_placement_follows_the_room_on_the_gpu():
+    def plan(free_gib: float, **kwargs) -> MemoryPlan:
+        return plan_memory(LLAMA_3_8B, "llama-8b", "cuda", torch.bfloat16, LEAN, boundaries=4, sequences=32,
+                           seqlen=512, batch_size=8, sink_capacity=128, device_available=int(free_gib * GIB),
+                           host_available=64 * GIB, **kwargs)
+    roomy = plan(80)
+    assert (roomy.pipeline, roomy.stats_device) == ("full", "cuda") and roomy.fits
+    tight = plan(20)  # 16 GB of weights fit, 4 boundaries of statistics next to them do not
+    assert (tight.pipeline, tight.stats_device) == ("full", "cpu") and tight.fits
+    small = plan(6)  # not even the weights: one block at a time
+    assert small.pipeline == "blocks" and small.fits and small.hidden_cache_bytes > 0
+    assert small.device_bytes < 6 * GIB < small.weights_bytes
+    assert plan(80, stats_device="cpu").stats_device == "cpu"
+
+
+def test_seventy_b_calibrates_block_by_block_on_one_80_gb_gpu():
+    plan = plan_memory(LLAMA_3_70B, "llama-70b", "cuda", torch.bfloat16, LEAN, boundaries=1, sequences=128,
+                       seqlen=2048, batch_size=4, sink_capacity=512, device_available=80 * GIB,
+                       host_available=512 * GIB)
+    assert plan.pipeline == "blocks" and plan.fits
+    assert plan.weights_bytes > 80 * GIB > plan.device_bytes
+
+
+def test_boundary_bounds_and_calibration_size():
+    assert max_boundaries("streamline", 32, 7) == 1
+    assert max_boundaries("shortgpt", 32, 7) == 7
+    assert max_boundaries("shortgpt", 8, 6) == 3
+    assert max_boundaries("manual", 32, 0, (3, 4, 9)) == 2
+    assert min_calibration_sequences(4096, 512) == 64
+    assert min_calibration_sequences(4096, 512, floor=1) == 32
+    assert min_calibration_sequences(8192, 256) == 128
+
+
+def test_run_records_the_plan_and_its_choices(tiny_model_folder):
+    options = RunOptions(model=str(tiny_model_folder), num_prune=2, variants=parse_variants("none,ghost"),
+                         calibration="ptb", train_size=4, seqlen=32, eval_corpora=(), quiet=True,
+                         calibrate=CalibrationOptions(quiet=True))
+    result = run(options)
+    report = result.to_json()
+    plan = report["memory_plan"]
+    assert plan["fits"] and plan["pipeline"] == "full" and plan["boundaries"] == 1
+    assert plan["stats_needs"] == StatNeeds(residual=True).describe()
+    assert report["calibration"]["pipeline"] == "full"
+    assert json.loads(json.dumps(report))["memory_plan"]["weights_bytes"] == plan["weights_bytes"]
+    assert result.memory_plan.summary().startswith("memory plan: weights")
+    assert memory_plan(options, result.models["dense"].config).boundaries == 1
+
+
+def test_cli_refuses_a_too_big_model_before_loading_it(tmp_path):
+    """A folder holding only a config: the plan refuses it, so no weight is ever looked for."""
+    LLAMA_3_70B.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    done = subprocess.run([sys.executable, "-m", "ghosted_core", "--model", str(tmp_path), "--device", "cpu",
+                           "--eval_ppl", "none"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "does not fit in memory" in lines[0] and "--device map" in lines[0], lines
+
+
+def test_tiny_widths_stay_tiny():
+    assert plan_memory(LlamaConfig(hidden_size=TINY_WIDTH, intermediate_size=72, num_hidden_layers=6,
+                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=97), "tiny", "cpu",
+                       torch.float32, LEAN, 1, 4, 12, 2, 64).stats_bytes_per_boundary < 2**20
