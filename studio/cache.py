@@ -7,6 +7,7 @@ import threading
 from collections import OrderedDict
 
 from ghosted_core.models import EMBEDDED, LoadedModel, convert_embedded, load_model, needs_conversion, peek_config
+from studio.presets_view import find_preset
 from studio.settings import CACHE_SIZE
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ MODELS = ModelCache(CACHE_SIZE)
 
 
 def model_shape(name: str) -> tuple[int, int]:
-    """(decoder blocks, hidden width) of `name`: from the cache, the embedded models' table or its config.
+    """(decoder blocks, hidden width) of `name`: from the cache, the embedded models' table, a preset or its config.
 
     Never loads weights or converts a GGUF, so the page can call it on every model change.
     """
@@ -107,6 +108,9 @@ def model_shape(name: str) -> tuple[int, int]:
         return cached.num_layers, cached.hidden_size
     if name in EMBEDDED:
         return EMBEDDED[name].num_layers, EMBEDDED[name].hidden_size
+    preset = find_preset(name)
+    if preset is not None:  # written-down numbers: no Hub request
+        return preset.num_layers, preset.hidden_size
     config = peek_config(name)
     return int(config.num_hidden_layers), int(config.hidden_size)
 

@@ -60,6 +60,8 @@ def plural(count: int, noun: str) -> str:
 def cut_text(report: dict) -> str:
     """What the run removes: the blocks once chosen, never 'removed 0 blocks: none' before they are scored."""
     removed, criterion = report.get("removed_layers", []), report.get("criterion", "")
+    if "sweep" in report:
+        return f"{criterion} sweep over n = **{', '.join(map(str, report['sweep'].get('depths', [])))}** blocks"
     if removed:
         return f"{criterion} removed **{plural(len(removed), 'block')}: {blocks_text(removed)}**"
     if criterion == "none":

@@ -18,7 +18,9 @@ import pytest
 
 import app
 from ghosted_core.errors import GhostedError
-from studio import cache, callbacks, charts, layout, runner, runs, settings, speed, status, tables
+from studio import cache, callbacks, charts, layout, presets_view, runner, runs, settings, speed, status, \
+    sweep_view, tables, user_input
+from studio import history as history_mod
 
 SMALL = dict(samples=8, seqlen=128, eval_tokens=256, new_tokens=8)  # the defaults otherwise
 
@@ -283,6 +285,121 @@ def test_stop_asks_only_the_sessions_own_runs(monkeypatch):
     registry.end(mine)
     registry.end(mine)  # twice is harmless
     assert mine.ended.is_set() and registry.active() == 1 and registry.stop("me") == []
+
+
+def synthetic_sweep() -> dict:
+    """A sweep's results.json (as ghosted_core.sweep writes it) with two depths, two corpora and three operators."""
+    def depth(n: int, start: int, none: float, ghost: float, heldout: float) -> dict:
+        errors = lambda e: {"boundary_error": [{"boundary": f"{start}-{start + n - 1}", "heldout": e}]}  # noqa: E731
+        return {"n": n, "removed_layers": list(range(start, start + n)), "variants": {
+            "none": {"ppl": {"ptb": none, "wiki": none / 2}, "recovered": {"ptb": 0.0, "wiki": 0.0}} | errors(1.0),
+            "ghost": {"ppl": {"ptb": ghost, "wiki": ghost / 2}, "recovered": {"ptb": 0.5, "wiki": 0.5}} | errors(heldout),
+            "diag": {"ppl": {"ptb": none * 0.9, "wiki": none * 0.45}, "recovered": {"ptb": 0.1, "wiki": 0.1}}
+            | errors(0.95)}}
+    return {"model": "smollm2-135m", "num_layers": 30, "criterion": "streamline",
+            "calibration": {"label": "mix (…; stand-in for C4)", "sequences": 12, "seqlen": 256},
+            "corpora": {"ptb": {"label": "PTB (valid split, exact)", "real": True, "tokens": 1024},
+                        "wiki": {"label": "wiki (BoolQ passages; stand-in for WikiText-2)", "real": False, "tokens": 1024}},
+            "timings": {"load model": 0.1, "depth 2": 3.0},
+            "sweep": {"depths": [2, 4, 6], "variants": ["none", "ghost", "diag"], "dense": {"ppl": {"ptb": 10.0, "wiki": 5.0}},
+                      "results": [depth(2, 20, 30.0, 20.0, 0.5), depth(4, 18, 90.0, 50.0, 1.2)]}}
+
+
+def test_the_sweep_curve_has_a_line_per_operator_and_corpus_and_dense_as_reference():
+    report = synthetic_sweep()
+    curve = sweep_view.curve_figure(report)
+    names = [trace.name for trace in curve.data]
+    assert "dense · ptb (exact), 1024 tokens" in names and "ghost · wiki (stand-in), 1024 tokens" in names
+    assert len(names) == 2 * (1 + 3)  # per corpus: dense + every operator
+    ghost = next(tr for tr in curve.data if tr.name.startswith("ghost · ptb"))
+    assert list(ghost.x) == [2, 4] and list(ghost.y) == [20.0, 50.0] and curve.layout.yaxis.type == "log"
+    recovered = sweep_view.recovered_figure(report)
+    assert {tr.name.split(" · ")[0] for tr in recovered.data} == {"ghost", "diag"}  # plain pruning is the 0% line
+    table = sweep_view.sweep_table(report)
+    assert list(table["blocks removed"]) == [2, 2, 2, 4, 4, 4] and list(table["which"])[:1] == ["20–21"]
+    assert table.set_index(["blocks removed", "operator"]).loc[(4, "ghost"), "held-out boundary error"].endswith("⚠")
+    caption = sweep_view.sweep_caption(report)
+    assert "depths done: 2, 4; still to come: 6" in caption and "1024 tokens" in caption and "stand-in" in caption
+
+
+def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_as_csv():
+    settings_a = {"model": "smollm2-135m", "depth": 7, "operators": ["none", "ghost"], "mode": "single depth"}
+    history = history_mod.add_run([], settings_a, synthetic_report(), "complete")
+    history = history_mod.add_run(history, {"model": "smollm2-135m", "mode": "sweep", "depths": "2:4:2"},
+                                  synthetic_sweep(), "stopped during depth 6")
+    table = history_mod.history_table(history)
+    assert list(table["run"]) == [1] * 4 + [2] * 6 and {"ptb (exact)", "wiki (stand-in)"} <= set(table.columns)
+    assert table.iloc[0]["operator"] == "dense" and table.iloc[4]["blocks"] == "2: 20–21"
+    assert history_mod.settings_of(history, 2) == settings_a and history_mod.settings_of(history, 5)["depths"] == "2:4:2"
+    assert history_mod.settings_of(history, 99) is None
+    csv_text = Path(history_mod.history_csv(history)).read_text()
+    assert csv_text.splitlines()[0].startswith("run,model,criterion,state,blocks,operator") and "stopped during depth 6" in csv_text
+    updates = callbacks.on_history_select(history, type("Select", (), {"index": [0, 3]})())
+    restored = dict(zip(callbacks.SETTING_NAMES, updates))
+    assert restored["depth"]["value"] == 7 and restored["operators"]["value"] == ["none", "ghost"]
+    assert "your_text" not in callbacks.SETTING_NAMES  # your text is never kept beyond its run
+
+
+@pytest.mark.parametrize("content, name, message", [
+    (b"", "empty.txt", "is empty"),
+    (bytes(range(256)) * 40, "binary.txt", "not UTF-8 text"),
+    (b"a" * (5 * 2**20 + 1), "huge.txt", "more than the 5 MB"),
+    (b'{"title": "no text field"}\n', "notes.jsonl", "text"),
+])
+def test_bad_uploads_are_refused_with_a_message_and_deleted(tmp_path, content, name, message):
+    upload = tmp_path / name
+    upload.write_bytes(content)
+    with pytest.raises(GhostedError, match=message):
+        user_input.read_user_text("", str(upload))
+    assert not upload.exists()  # an upload never outlives the run that read it
+    with pytest.raises(GhostedError, match="gone"):
+        user_input.read_user_text("", str(upload))
+
+
+def test_your_text_takes_the_roles_asked_for():
+    text = user_input.read_user_text("Some text of mine. " * 50, None)
+    assert text.source == "pasted text" and user_input.read_user_text("", None) is None
+    with pytest.raises(GhostedError, match="empty"):
+        user_input.read_user_text("   ", None)
+    assert user_input.corpora_with_text("calibration", "mix", ("ptb",)) == ("your text", ("ptb",))
+    assert user_input.corpora_with_text("evaluation", "mix", ("ptb",)) == ("mix", ("ptb", "your text"))
+    assert user_input.corpora_with_text("both", "mix", ("ptb",)) == ("your text", ("ptb", "your text"))
+
+
+def test_hub_presets_are_listed_with_their_cost_and_say_why_they_cannot_run_offline():
+    values = [value for _, value in presets_view.model_choices()]
+    assert values[:2] == ["smollm2-135m", "gemma3-270m"] and "Qwen/Qwen2.5-7B" in values and "meta-llama/Llama-3.1-8B" in values
+    preset = presets_view.find_preset("Qwen/Qwen2.5-0.5B")
+    options = runner.build_options(preset.hub_id, "streamline", 6, "", ["none", "ghost"], "mix", 12, 256, 0, ["ptb"],
+                                   1024, "", 8)
+    note = presets_view.preset_note(preset, options)
+    assert "0.49B parameters" in note and "GiB at the peak" in note and "Unavailable here" in note and "Hub" in note
+    note, depth, _ = callbacks.on_model_change("Qwen/Qwen2.5-0.5B")  # no download: the preset's own numbers
+    assert depth["maximum"] == 24 and depth["value"] == 6 and "Unavailable here" in note
+    with pytest.raises(GhostedError, match="cannot be reached"):  # refused before anything downloads
+        runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", "single depth", "")
+
+
+def test_a_sweep_request_checks_its_depths_and_sets_aside_what_a_sweep_does_not_do():
+    options = runner.build_options("smollm2-135m", "streamline", 7, "", ["none", "ghost"], "mix", 12, 256, 0, ["ptb"],
+                                   1024, "Once upon a time", 8)
+    request = runner.build_request(options, runner.QuickTasks(), "ghost", "auto", settings.SWEEP, "2:10:2")
+    assert request.sweep and request.depths == (2, 4, 6, 8, 10) and request.options.prompt is None
+    assert any("prompt" in note for note in request.notes) and any("saves no model" in note for note in request.notes)
+    assert request.stages()[-5:] == ["depth 2", "depth 4", "depth 6", "depth 8", "depth 10"]
+    assert not request.advice()  # 10 of 30 blocks at the deepest: a third
+    deep = runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", settings.SWEEP, "6:14:4")
+    assert "14 of 30 blocks (47%)" in " ".join(a.message for a in deep.advice())
+    for bad, message in (("10:2:2", "starts above"), ("2:40:2", "leaves|remov"), ("x", "cannot read")):
+        with pytest.raises(GhostedError, match=message):
+            runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", settings.SWEEP, bad)
+
+
+def test_the_upload_control_is_off_offline_and_never_echoes_the_token(tmp_path):
+    on, note = callbacks.upload_available()
+    assert not on and "off" in note and "cannot be reached" in note  # HF_HUB_OFFLINE=1 in the tests
+    message, token = callbacks.on_upload(None, "me/model", "hf_secret123")
+    assert "save a model first" in message and token == "" and "hf_secret123" not in message
 
 
 # ---------------------------------------------------------------- slow: the served app on SmolLM2
