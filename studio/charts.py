@@ -165,15 +165,18 @@ def structure_figure(report: dict) -> go.Figure:
 def tasks_figure(report: dict) -> go.Figure:
     """Zero-shot accuracy per task and mean, bars per variant, with the chance level."""
     tasks = report.get("tasks", {})
-    fig = base_figure("Quick zero-shot tasks (lm-eval acc)", [*short_context(report), "seeded example subsets"])
+    fig = base_figure("Quick zero-shot tasks (lm-eval acc)",
+                      [*short_context(report), "seeded example subsets", "error bars: ± one standard error"])
     colors = variant_colors(list(tasks))
     chance: dict[str, float] = {}
     for name, result in tasks.items():
         xs = [s["task"] for s in result["scores"]] + ["mean"]
         ys = [s["acc"] for s in result["scores"]] + [result["mean_acc"]]
+        errors = [s.get("acc_stderr") or 0.0 for s in result["scores"]] + [result.get("mean_acc_stderr") or 0.0]
         chance = {s["task"]: s["chance"] for s in result["scores"]} | {"mean": result["mean_chance"]}
         fig.add_bar(x=xs, y=ys, name=name, marker_color=colors[name],
-                    hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}}<extra></extra>")
+                    error_y=dict(type="data", array=errors, visible=True, thickness=1.2, width=3),
+                    hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}} ± %{{error_y.array:.1%}}<extra></extra>")
     if chance:
         fig.add_scatter(x=list(chance), y=list(chance.values()), mode="markers", name="chance",
                         marker=dict(symbol="line-ew-open", size=28, color="#0f172a", line=dict(width=2)))

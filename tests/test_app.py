@@ -70,8 +70,8 @@ def test_recovered_share_is_the_fraction_of_pruning_damage_undone():
 def test_perplexity_table_has_every_variant_corpus_label_share_and_marks_worse_than_pruning():
     table = tables.perplexity_table(synthetic_report())
     assert list(table["variant"]) == ["dense", "none", "rotate", "ghost"]
-    assert list(table.columns) == ["variant", "ptb (exact) ppl", "ptb (exact) recovered", "wiki (stand-in) ppl",
-                                   "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN]
+    assert list(table.columns) == ["variant", "ptb (exact) ppl (254 tokens)", "ptb (exact) recovered",
+                                   "wiki (stand-in) ppl (254 tokens)", "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN]
     rows = table.set_index("variant")
     assert rows.loc["ghost", "ptb (exact) recovered"] == "75%" and rows.loc["ghost", "wiki (stand-in) recovered"] == "-25%"
     assert rows.loc["ghost", tables.HELD_OUT_COLUMN] == "0.700"
@@ -154,6 +154,18 @@ def test_task_captions_say_what_the_data_is_and_how_it_is_scored():
     caption = tables.tasks_caption(report)
     assert "5shot" not in caption and "ARC-Easy" in caption and "zero-shot" in caption
     assert "20 of 2376 examples of the test split" in caption and "not used" in caption
+
+
+def test_task_accuracies_carry_their_standard_error_in_the_table_and_as_error_bars():
+    score = {"task": "copa", "acc": 0.55, "acc_stderr": 0.114, "chance": 0.5, "n": 20, "n_total": 100,
+             "split": "validation", "data": "offline"}
+    report = synthetic_report() | {"tasks": {"dense": {"scores": [score], "limit": 20, "mean_acc": 0.55,
+                                                       "mean_acc_stderr": 0.114, "mean_chance": 0.5, "unavailable": []}}}
+    table = tables.tasks_table(report)
+    assert list(table.columns) == ["variant", "copa acc % ± se", "mean acc % ± se"]
+    assert table.iloc[0].tolist() == ["dense", "55.0 ± 11.4", "55.0 ± 11.4"]
+    bars = [trace for trace in charts.tasks_figure(report).data if trace.type == "bar"]
+    assert list(bars[0].error_y.array) == [0.114, 0.114] and bars[0].error_y.visible
 
 
 def test_build_options_refuses_what_no_run_could_use():
@@ -462,7 +474,7 @@ def test_default_run_streams_and_fills_every_output(client, all_threads):
     assert "Stage times" in outputs["status"] and "Queued" not in outputs["status"]
     table = outputs["ppl_table"]
     assert [row[0] for row in table["data"]] == variants
-    assert table["headers"][1:] == ["ptb (exact) ppl", "ptb (exact) recovered", "wiki (stand-in) ppl",
+    assert table["headers"][1:] == ["ptb (exact) ppl (254 tokens)", "ptb (exact) recovered", "wiki (stand-in) ppl (254 tokens)",
                                     "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN]
     assert all(float(row[1]) > 1 and float(row[3]) > 1 for row in table["data"])
     for text in ("PTB (valid split, exact)", "stand-in for WikiText-2", "smollm2-135m", "removed"):
@@ -521,12 +533,10 @@ def test_stop_during_perplexity_says_where_it_stopped_and_the_next_run_succeeds(
     assert "Running" not in final[0]
 
     outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
-        api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt="",
-                                      save_variant="ghost_capped"))))
+        api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt=""))))
     assert "Run complete" in outputs["status"]
     assert [row[0] for row in outputs["ppl_table"]["data"]] == ["dense", "none", "ghost_capped"]
     assert "generation skipped" in outputs["generations"]
-    assert_saved_model_loads(Path(outputs["model_file"]), removed=settings.DEFAULTS.depth, operator="ghost_capped")
 
 
 @pytest.mark.slow
@@ -545,24 +555,110 @@ def test_too_small_calibration_and_a_cut_through_the_last_block_are_flagged(clie
     assert "512 calibration tokens is fewer than 2·C = 1152" in outputs["status"]
 
 
-def assert_saved_model_loads(archive: Path, removed: int, operator: str) -> None:
-    """The downloaded zip unpacks to a model that `load_recovered` reads and that predicts text."""
-    import tempfile
+# Loads an exported folder in a process that cannot import ghosted_core (the cwd is the folder's parent).
+LOAD_EXPORT = """
+import importlib.util, json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+assert importlib.util.find_spec("ghosted_core") is None
+folder, remote = sys.argv[1], sys.argv[2] == "remote_code"
+if remote:
+    try:
+        AutoModelForCausalLM.from_pretrained(folder)
+        raise SystemExit("a remote_code folder loaded without trust_remote_code")
+    except (ValueError, KeyError, OSError) as err:
+        refused = type(err).__name__
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote, dtype=torch.float32).eval()
+tokenizer = AutoTokenizer.from_pretrained(folder)
+ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+with torch.no_grad():
+    logits = model(ids).logits
+    new = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+print(json.dumps({"layers": model.config.num_hidden_layers, "finite": bool(torch.isfinite(logits).all()),
+                  "class": type(model).__name__, "new_tokens": len(new)}))
+"""
+
+
+def load_in_fresh_process(archive: Path, mode: str, where: Path) -> dict:
+    """Unzip the app's download and load it with plain transformers in a new process without ghosted_core."""
+    import subprocess
+    import sys
     import zipfile
 
-    import torch
+    with zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(where)
+    folder = where / archive.stem
+    done = subprocess.run([sys.executable, "-c", LOAD_EXPORT, str(folder), mode], cwd=where, capture_output=True,
+                          text=True, timeout=600, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(where)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
-    from ghosted_core.export import load_recovered
 
-    assert archive.name == f"smollm2-135m-{operator}.zip"
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(archive) as zipped:
-        zipped.extractall(tmp)
-        model, tokenizer = load_recovered(Path(tmp) / archive.stem)
-        assert model.config.num_hidden_layers == 30 - removed
-        assert model.config.ghosted["operator"] == operator
-        ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
-        with torch.no_grad():
-            assert torch.isfinite(model(ids).logits).all()
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, mode", [("replaceme", "stock"), ("ghost_capped", "remote_code")])
+def test_the_saved_model_loads_in_plain_transformers_as_stock_or_with_remote_code(client, tmp_path, variant, mode,
+                                                                                    all_threads):
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(operators=["none", variant], eval_corpora=["ptb"], prompt="", save_variant=variant))))
+    assert "Run complete" in outputs["status"] and f"**{mode}**" in outputs["save_note"]
+    archive = Path(outputs["model_file"])
+    assert archive.name == f"smollm2-135m-{variant}.zip"
+    loaded = load_in_fresh_process(archive, mode, tmp_path)
+    assert loaded == {"layers": 30 - settings.DEFAULTS.depth, "finite": True, "new_tokens": 6,
+                      "class": "LlamaForCausalLM" if mode == "stock" else loaded["class"]}
+    assert mode == "stock" or loaded["class"].startswith("Ghosted")
+
+
+@pytest.mark.slow
+def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads):
+    job = client.submit(api_name="/run", **run_kwargs(mode="sweep", depths="2:10:2", samples=settings.DEFAULTS.samples,
+                                                      seqlen=settings.DEFAULTS.seqlen, eval_corpora=["ptb"],
+                                                      eval_tokens=512))  # default operators and calibration
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, job.result(timeout=1800)))
+    assert "Run complete" in outputs["status"]
+    operators = list(settings.DEFAULTS.operators)
+    curve = plot_traces(outputs["curve"])
+    lines = {t["name"].split(" · ")[0]: t for t in curve}
+    assert set(lines) == {"dense", *operators}
+    assert all(lines[name]["x"] == [2, 4, 6, 8, 10] and all(y > 1 for y in lines[name]["y"]) for name in operators)
+    assert json.loads(outputs["curve"]["plot"])["layout"]["yaxis"]["type"] == "log"
+    assert {t["name"].split(" · ")[0] for t in plot_traces(outputs["recovered"])} == set(operators) - {"none"}
+    rows = outputs["sweep_table"]["data"]
+    assert [(row[0], row[2]) for row in rows] == [(n, name) for n in (2, 4, 6, 8, 10) for name in operators]
+    points = [len(json.loads(update[callbacks.OUTPUT_NAMES.index("curve")]["plot"])["data"][1].get("x", []))
+              for update in job.outputs() if isinstance(update[callbacks.OUTPUT_NAMES.index("curve")], dict)
+              and json.loads(update[callbacks.OUTPUT_NAMES.index("curve")]["plot"])["data"]]
+    assert points[:5] == [1, 2, 3, 4, 5]  # the curve grew depth by depth
+    report = json.loads(Path(outputs["results_file"]).read_text())
+    assert report["sweep"]["statistics"]["calibration_passes"] == 1 and len(report["sweep"]["results"]) == 5
+
+
+@pytest.mark.slow
+def test_four_bad_uploads_each_get_a_message_and_then_your_text_calibrates_and_evaluates(client, tmp_path, all_threads):
+    from gradio_client import handle_file
+    from gradio_client.exceptions import AppError
+
+    from ghosted_core import data
+
+    bad = {"empty.txt": (b"", "is empty"), "binary.txt": (bytes(range(256)) * 64, "not UTF-8 text"),
+           "short.txt": (b"Far too short to calibrate on.", "your text"),
+           "huge.txt": (b"word " * (1_100_000), "more than the 5 MB")}
+    for name, (content, message) in bad.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(AppError, match=message):
+            client.predict(api_name="/run", **run_kwargs(your_file=handle_file(str(path)), text_use="both",
+                                                         eval_corpora=["ptb"], prompt=""))
+    good = tmp_path / "mine.txt"
+    good.write_text(data.load_corpus("books", "evaluation").text[:60_000])
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(your_file=handle_file(str(good)), text_use="both", operators=["none", "ghost"],
+                                      eval_corpora=["ptb"], prompt=""))))
+    assert "Run complete" in outputs["status"]
+    assert any(header.startswith("your text ppl (") for header in outputs["ppl_table"]["headers"])
+    report = json.loads(Path(outputs["results_file"]).read_text())
+    assert report["calibration"]["corpus"] == "your text" and "your text" in report["variants"]["ghost"]["ppl"]
+    assert "disjoint" in report["corpora"]["your text"]["label"] and "mine.txt" in report["corpora"]["your text"]["label"]
 
 
 @pytest.mark.slow

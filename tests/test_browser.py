@@ -3,8 +3,9 @@
 A newcomer's paths, each saving a screenshot to tests/artifacts/ (gitignored) for a human to look at:
 switching to Gemma-3 and back (the depth slider follows within seconds, nothing converts), bad
 input (a message in the page, the app keeps serving), Stop during perplexity (the status says
-where the run stopped; the next run completes and fills every panel), and a run on a 390 px phone
-screen (nothing wider than the screen, the status in view after Run, no overlapping titles).
+where the run stopped; the next run completes and fills every panel), a run on a 390 px phone
+screen (nothing wider than the screen, the status in view after Run, no overlapping titles), and
+a small depth sweep whose curve chart has data.
 """
 
 from __future__ import annotations
@@ -216,8 +217,8 @@ def test_stop_during_perplexity_says_so_and_the_next_run_fills_every_panel(serve
     texts = page.locator("#generations .gen-text").all_inner_texts()
     assert len(texts) == len(variants) and all(text.strip() for text in texts)
     table = page.locator("#ppl-table")
-    for text in ("ptb (exact) ppl", "wiki (stand-in) ppl", *variants):
-        assert table.get_by_text(text, exact=True).count() >= 1, text
+    for text in ("ptb (exact) ppl (1,020 tokens)", "wiki (stand-in) ppl (1,020 tokens)", *variants):
+        assert table.get_by_text(text, exact=True).count() >= 1, text  # 4 windows of 256 tokens: 4 × 255 predicted
     caption = page.locator("#ppl-table").locator("xpath=preceding::*[contains(@class,'caption')][1]").inner_text()
     assert "stand-in for WikiText-2" in caption and "smollm2-135m" in caption
     plotted = page.evaluate(PLOTS_WITH_DATA)
@@ -244,4 +245,23 @@ def test_a_run_at_phone_width_fits_the_screen_and_keeps_the_status_in_view(serve
     assert page.evaluate(OVERLAPS) == []
     assert len(page.evaluate(PLOTS_WITH_DATA)) >= 3
     page.screenshot(path=str(ARTIFACTS / "app-phone.png"), full_page=True)
+    page.close()
+
+
+def test_a_small_sweep_draws_the_curve(server_url, browser):
+    page = open_page(browser, server_url, DESKTOP)
+    page.locator("#mode").get_by_text("sweep", exact=True).click()
+    depths = page.locator("#depths textarea, #depths input").first
+    depths.wait_for(state="visible", timeout=10_000)
+    depths.fill("2:4:2")
+    press_run(page)
+    wait_for_status(page, "Run complete")
+    page.wait_for_timeout(1500)
+    curve = page.evaluate("""() => (document.querySelector('#plot-curve .js-plotly-plot')?.data || [])
+        .filter(trace => !trace.name.startsWith('dense')).map(trace => trace.x)""")
+    assert curve and all(list(x) == [2, 4] for x in curve), curve  # one line per operator and corpus, both depths
+    assert {"plot-curve", "plot-recovered"} <= set(page.evaluate(PLOTS_WITH_DATA))
+    assert page.locator("#sweep-table").get_by_text("ghost_capped", exact=True).count() == 2
+    page.locator("#plot-curve").screenshot(path=str(ARTIFACTS / "app-sweep-curve.png"))
+    page.screenshot(path=str(ARTIFACTS / "app-sweep.png"), full_page=True)
     page.close()
