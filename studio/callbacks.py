@@ -118,8 +118,9 @@ def save_note(app: dict) -> str:
     return f"`{app.get('saved_variant', '')}` saved as {how}. Why this format: {app.get('saved_reason', '')}."
 
 
-def history_outputs(history: list[dict]) -> dict:
-    return {"history": history, "history_table": history_table(history), "history_file": history_csv(history)}
+def history_outputs(history: list[dict], folder: str) -> dict:
+    """The session's history, its table and its CSV (written in `folder`, which must outlive the yield)."""
+    return {"history": history, "history_table": history_table(history), "history_file": history_csv(history, folder)}
 
 
 def write_results(report: dict, folder: str) -> str:
@@ -178,6 +179,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         yield as_outputs({"status": refused_status(page_message(err), shown)})
         raise gr.Error(page_message(err), duration=None) from err
     run = RUNS.start(request.session_hash if request else "", stages)
+    run.settings = settings
     report: dict = {}
     try:
         progress(0.0, desc=f"{stages[0]}…")
@@ -198,14 +200,16 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                 values = (render_sweep if job.sweep else render)(report, status, write_results(report, folder))
                 values["shown"] = shown_state(report, "in progress" if following else "complete")
                 if following is None:
-                    values |= history_outputs(add_run(history, settings, report, "complete"))
+                    values |= history_outputs(add_run(history, settings, report, "complete"), folder)
                 yield as_outputs(values)
     except RunStopped as stop:  # Stop pressed: the library stopped at its next batch
         run.stopped_at = stop.where
         RUNS.end(run)
         state = f"stopped during {stop.where}"
-        yield as_outputs({"status": stopped_status(stop.where, time.perf_counter() - start, report, stages),
-                          "shown": shown_state(report, state)} | history_outputs(add_run(history, settings, report, state)))
+        with tempfile.TemporaryDirectory(prefix="ghosted-stopped-") as folder:
+            yield as_outputs({"status": stopped_status(stop.where, time.perf_counter() - start, report, stages),
+                              "shown": shown_state(report, state)}
+                             | history_outputs(add_run(history, settings, report, state), folder))
     except GhostedError as err:
         message = page_message(err)
         yield as_outputs({"status": failed_status(message, run.current, report),
@@ -221,15 +225,22 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         RUNS.end(run)
 
 
-def on_stop(shown: dict | None = None, request: gr.Request | None = None) -> tuple[str, dict]:
-    """Stop button: the session's runs stop at their next batch; the status says where, and what the page shows."""
+def on_stop(shown: dict | None = None, history: list[dict] | None = None,
+            request: gr.Request | None = None) -> Iterator[tuple]:
+    """Stop button: the session's runs stop at their next batch; the status says where and what the page shows, and
+    the stopped run joins the session history."""
     runs = RUNS.stop(request.session_hash if request else "")
     if not runs:
-        return stopped_before_start(shown), gr.skip()
+        yield stopped_before_start(shown), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return
     run = runs[-1]
     for each in runs:
         each.ended.wait(STOP_WAIT_SECONDS)
-    return stop_message(run), shown_state(run.report or {}, f"stopped during {run.stopped_at or run.current}")
+    state = f"stopped during {run.stopped_at or run.current}"
+    with tempfile.TemporaryDirectory(prefix="ghosted-stopped-") as folder:  # the CSV must outlive the yield only
+        kept = history_outputs(add_run(history, run.settings, run.report or {}, state), folder)
+        yield (stop_message(run), shown_state(run.report or {}, state), kept["history"], kept["history_table"],
+               kept["history_file"])
 
 
 def stop_message(run: ActiveRun) -> str:

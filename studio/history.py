@@ -3,13 +3,12 @@
 The history lives in the session's `gr.State` (one list per browser tab, gone with it): each
 entry holds the widget values the run was started with (so one click restores them) and one
 row per variant with its perplexity per corpus and the run's timings. Nothing of it is written
-to disk except the CSV a user asks to download.
+to disk except the CSV offered for download, written in the run's temporary folder.
 """
 
 from __future__ import annotations
 
 import csv
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,13 +58,12 @@ def history_table(history: Sequence[dict] | None) -> pd.DataFrame:
     return table.map(lambda v: round(v, 3) if isinstance(v, float) else v)
 
 
-def history_csv(history: Sequence[dict] | None) -> str | None:
-    """The history table as a CSV file for download (in a temporary folder Gradio serves and later deletes)."""
+def history_csv(history: Sequence[dict] | None, folder: str | Path) -> str | None:
+    """The history table as a CSV file in `folder` (the run's own temporary folder: Gradio copies it when shown)."""
     table = history_table(history)
     if table.empty:
         return None
-    folder = Path(tempfile.mkdtemp(prefix="ghosted-history-"))
-    path = folder / "ghosted-runs.csv"
+    path = Path(folder) / "ghosted-runs.csv"
     table.to_csv(path, index=False, quoting=csv.QUOTE_MINIMAL)
     return str(path)
 

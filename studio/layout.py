@@ -197,8 +197,8 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                                api_visibility="private")
         run_event = submit.then(on_run, [*inputs, submitted, shown, history], outputs, api_name="run",
                                 concurrency_limit=concurrency, concurrency_id="run", show_progress_on=[status])
-        stop_btn.click(on_stop, [shown], [status, shown], cancels=[run_event], api_name="stop", concurrency_limit=None,
-                       show_progress="hidden")
+        stop_btn.click(on_stop, [shown, history], [status, shown, history, history_df, history_file],
+                       cancels=[run_event], api_name="stop", concurrency_limit=None, show_progress="hidden")
         model.change(on_model_change, [model], [model_info, depth, manual_blocks], api_name="model_info",
                      concurrency_limit=None)
         criterion.change(on_criterion_change, [criterion, mode], [depth, manual_blocks], api_visibility="private",

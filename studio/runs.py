@@ -25,6 +25,7 @@ class ActiveRun:
     done: int = 0  # stages finished
     report: dict | None = None  # the snapshot yielded last (what the page shows of this run)
     stopped_at: str | None = None  # the stage the library stopped in, once it has
+    settings: dict = field(default_factory=dict)  # the widget values it was started with (for the session history)
 
     @property
     def current(self) -> str:

@@ -334,7 +334,7 @@ def test_the_sweep_curve_has_a_line_per_operator_and_corpus_and_dense_as_referen
     assert "depths done: 2, 4; still to come: 6" in caption and "1024 tokens" in caption and "stand-in" in caption
 
 
-def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_as_csv():
+def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_as_csv(tmp_path):
     settings_a = {"model": "smollm2-135m", "depth": 7, "operators": ["none", "ghost"], "mode": "single depth"}
     history = history_mod.add_run([], settings_a, synthetic_report(), "complete")
     history = history_mod.add_run(history, {"model": "smollm2-135m", "mode": "sweep", "depths": "2:4:2"},
@@ -344,7 +344,7 @@ def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_
     assert table.iloc[0]["operator"] == "dense" and table.iloc[4]["blocks"] == "2: 20–21"
     assert history_mod.settings_of(history, 2) == settings_a and history_mod.settings_of(history, 5)["depths"] == "2:4:2"
     assert history_mod.settings_of(history, 99) is None
-    csv_text = Path(history_mod.history_csv(history)).read_text()
+    csv_text = Path(history_mod.history_csv(history, tmp_path)).read_text()
     assert csv_text.splitlines()[0].startswith("run,model,criterion,state,blocks,operator") and "stopped during depth 6" in csv_text
     updates = callbacks.on_history_select(history, type("Select", (), {"index": [0, 3]})())
     restored = dict(zip(callbacks.SETTING_NAMES, updates))
@@ -525,7 +525,8 @@ def test_stop_during_perplexity_says_where_it_stopped_and_the_next_run_succeeds(
     job = client.submit(api_name="/run", **run_kwargs(eval_tokens=2048))  # 4 batches of perplexity per corpus
     wait_for_status(job, "**Running:** perplexity")
     start = time.perf_counter()
-    stopped = client.predict(api_name="/stop")  # waits up to STOP_WAIT_SECONDS for the run to stop
+    stopped, history, _csv = client.predict(api_name="/stop")  # waits up to STOP_WAIT_SECONDS for the run to stop
+    assert any(str(row[3]).startswith("stopped during perplexity") for row in history["data"])  # in the session history
     assert "Run stopped** during perplexity" in stopped and "not computed: perplexity, drift, generate" in stopped
     final = job.result(timeout=120)
     assert time.perf_counter() - start < settings.STOP_WAIT_SECONDS  # at the next variant, not the stage's end
