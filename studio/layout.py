@@ -22,6 +22,7 @@ from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, MODES, NO_SAVE, OP
 from studio.user_input import USES
 from studio.speed import default_run_note
 from studio.status import NOTHING_SHOWN
+from studio.sweep_view import sweep_table
 from studio.tables import empty_perplexity_table
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,8 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                                                    elem_classes="caption")
                     curve_plot = gr.Plot(show_label=False, elem_id="plot-curve")
                     recovered_plot = gr.Plot(show_label=False, elem_id="plot-recovered")
-                    sweep_table_df = gr.Dataframe(interactive=False, show_label=False, elem_id="sweep-table", wrap=True)
+                    sweep_table_df = gr.Dataframe(sweep_table({}), interactive=False, show_label=False,
+                                                  elem_id="sweep-table", wrap=True)
                 results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
                 with gr.Accordion("Runs in this session", open=False, elem_id="history-box"):
                     gr.Markdown("Every run of this browser tab (gone when you close it). Click a row to put that "
