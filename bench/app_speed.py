@@ -8,6 +8,9 @@ reads the corpora from disk; later runs do not, like a server that has served on
     .venv/bin/python bench/app_speed.py            # two runs
     .venv/bin/python bench/app_speed.py --runs 3 --json bench/results/app_speed.json
 
+The JSON records the machine (cores, CPU model, GPU): the app quotes it as "a default run takes
+about N s on this machine" where the machine matches, and as a scaled estimate elsewhere.
+
 The machine's load average is printed before and after: on a shared machine a busy
 neighbour slows every stage, so quote the figure together with it.
 """
@@ -46,6 +49,7 @@ def main() -> int:
     from studio.cache import MODELS
     from studio.callbacks import OUTPUT_NAMES
     from studio.settings import DEFAULTS
+    from studio.speed import machine
 
     start = time.perf_counter()
     MODELS.get(DEFAULTS.model)
@@ -78,7 +82,7 @@ def main() -> int:
 
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"defaults": d.__dict__, "cores": os.cpu_count(),
+        Path(args.json).write_text(json.dumps({"defaults": d.__dict__, "cores": os.cpu_count(), "machine": machine(),
                                                "torch_threads": torch.get_num_threads(), "runs": runs}, indent=2))
         print(f"wrote {args.json}")
     return 0

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from ghosted_core.calibration import CalibrationOptions, capture, run_forward, sink_mask
 from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan
+from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.surgery import slice_view
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,12 @@ def _token_nll(model: PreTrainedModel, hidden: torch.Tensor, input_ids: torch.Te
 
 
 def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], windows: torch.Tensor,
-               batch_size: int = 4, quiet: bool = False, desc: str = "perplexity") -> dict[str, float]:
-    """exp(mean NLL) over non-overlapping windows (N, T) for every variant, sharing the dense prefix."""
+               batch_size: int = 4, quiet: bool = False, desc: str = "perplexity",
+               should_stop: StopCheck = None) -> dict[str, float]:
+    """exp(mean NLL) over non-overlapping windows (N, T) for every variant, sharing the dense prefix.
+
+    `should_stop` is polled before every batch and variant (`RunStopped` when it says so).
+    """
     if windows.ndim != 2 or windows.shape[1] < 2:
         raise GhostedError("perplexity needs windows of at least 2 tokens")
     prefix_len = min((shared_prefix(dense, v) for v in variants.values()), default=0)
@@ -79,17 +84,20 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
     device = _input_device(dense)
     with torch.no_grad():
         for ids in tqdm(windows.split(batch_size), desc=desc, disable=quiet, leave=False):
+            check_stop(should_stop, "perplexity")
             ids = ids.to(device)
             h = prefix.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C) entering block prefix_len
-            count += _add_suffix_nll(nll, suffixes, variants, h, ids)
+            count += _add_suffix_nll(nll, suffixes, variants, h, ids, should_stop)
     return {name: math.exp(value / count) for name, value in nll.items()}
 
 
 def _add_suffix_nll(nll: dict[str, float], suffixes: Mapping[str, PreTrainedModel],
-                    variants: Mapping[str, PreTrainedModel], h: torch.Tensor, ids: torch.Tensor) -> int:
+                    variants: Mapping[str, PreTrainedModel], h: torch.Tensor, ids: torch.Tensor,
+                    should_stop: StopCheck = None) -> int:
     """Add each variant's summed NLL of one batch, its suffix fed the shared prefix output h; returns the token count."""
     tokens = 0
     for name, suffix in suffixes.items():
+        check_stop(should_stop, "perplexity")  # a batch runs every variant: stop between them too
         out = suffix.model(inputs_embeds=h, use_cache=False).last_hidden_state  # (B, T, C) after final norm
         total, tokens = _token_nll(variants[name], out, ids)
         nll[name] += total
@@ -142,7 +150,7 @@ def dense_prefix_states(dense: PreTrainedModel, windows: torch.Tensor, indices: 
 
 
 def perplexity_from_states(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], cached: PrefixStates,
-                           quiet: bool = False, desc: str = "perplexity") -> dict[str, float]:
+                           quiet: bool = False, desc: str = "perplexity", should_stop: StopCheck = None) -> dict[str, float]:
     """`perplexity` of variants that share the dense prefix up to a cached index: only their suffixes run."""
     prefix_len = min((shared_prefix(dense, v) for v in variants.values()), default=0)
     start = max((j for j in cached.states if j <= prefix_len), default=None)
@@ -155,7 +163,8 @@ def perplexity_from_states(dense: PreTrainedModel, variants: Mapping[str, PreTra
     with torch.no_grad():
         batches = zip(cached.windows.split(cached.batch_size), cached.states[start])
         for ids, h in tqdm(list(batches), desc=desc, disable=quiet, leave=False):
-            count += _add_suffix_nll(nll, suffixes, variants, h, ids.to(device))
+            check_stop(should_stop, "perplexity")
+            count += _add_suffix_nll(nll, suffixes, variants, h, ids.to(device), should_stop)
     return {name: math.exp(value / count) for name, value in nll.items()}
 
 
@@ -172,7 +181,8 @@ class BlockDrift:
 
 
 def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], plan: PruningPlan,
-                windows: torch.Tensor, options: CalibrationOptions = CalibrationOptions()) -> dict[str, BlockDrift]:
+                windows: torch.Tensor, options: CalibrationOptions = CalibrationOptions(),
+                should_stop: StopCheck = None) -> dict[str, BlockDrift]:
     """Per-block drift downstream of the first boundary, for every variant (dense = 0 by definition)."""
     if not plan.boundaries:
         return {}
@@ -187,6 +197,7 @@ def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
     ref = torch.zeros(len(wanted), 2, dtype=torch.float64)
     with torch.no_grad():
         for ids in windows.split(1):
+            check_stop(should_stop, "drift")
             with capture(dense, [j for _, j in wanted]) as seen_dense:
                 run_forward(dense, ids)
             valid = torch.ones(ids.shape, dtype=torch.bool)
@@ -220,25 +231,52 @@ class GenerationOptions:
     seed: int = 0
 
 
+class SeededSampling(LogitsProcessor):
+    """Temperature and nucleus (top-p) sampling that draws from its own `torch.Generator`.
+
+    The drawn token keeps score 0 and every other token gets −inf, so greedy decoding emits
+    it. Runs in other threads neither change nor depend on what this one draws, as they
+    would through the global RNG that `generate(do_sample=True)` uses.
+    """
+
+    def __init__(self, temperature: float, top_p: float, seed: int):
+        self.temperature = temperature
+        self.top_p = top_p
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.generator is None:  # created on the logits' device at the first step
+            self.generator = torch.Generator(device=scores.device).manual_seed(self.seed)
+        probs = torch.softmax(scores.float() / max(self.temperature, 1e-6), dim=-1)  # (B, V)
+        ordered, order = probs.sort(dim=-1, descending=True)  # (B, V)
+        ordered[(ordered.cumsum(-1) - ordered) > self.top_p] = 0.0  # the most likely token always stays
+        drawn = order.gather(-1, torch.multinomial(ordered, 1, generator=self.generator))  # (B, 1)
+        return torch.full_like(scores, -math.inf).scatter_(-1, drawn, 0.0)
+
+
 def generate(variants: Mapping[str, PreTrainedModel], tokenizer, prompt: str,
-             options: GenerationOptions = GenerationOptions()) -> dict[str, str]:
-    """Continuation of `prompt` by every variant (KV cache on), decoded without the prompt."""
+             options: GenerationOptions = GenerationOptions(), should_stop: StopCheck = None) -> dict[str, str]:
+    """Continuation of `prompt` by every variant (KV cache on), decoded without the prompt.
+
+    Greedy, or sampled from a generator seeded per variant (never the global RNG).
+    `should_stop` is polled before each variant.
+    """
     if not prompt.strip():
         raise GhostedError("the prompt is empty; type some text to continue")
     encoded = tokenizer(prompt, return_tensors="pt")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     texts = {}
     for name, model in variants.items():
+        check_stop(should_stop, "generate")
         device = _input_device(model)
-        kwargs = dict(max_new_tokens=options.max_new_tokens, do_sample=options.do_sample, pad_token_id=pad)
+        kwargs = dict(max_new_tokens=options.max_new_tokens, do_sample=False, pad_token_id=pad, temperature=None,
+                      top_p=None, top_k=None)
         if options.do_sample:
-            kwargs.update(temperature=options.temperature, top_p=options.top_p)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(options.seed)
+            kwargs["logits_processor"] = LogitsProcessorList(
+                [SeededSampling(options.temperature, options.top_p, options.seed)])
+        with torch.no_grad():
             out = model.generate(input_ids=encoded.input_ids.to(device),
                                  attention_mask=encoded.attention_mask.to(device), **kwargs)
         texts[name] = tokenizer.decode(out[0, encoded.input_ids.shape[1]:], skip_special_tokens=True)
     return texts
-

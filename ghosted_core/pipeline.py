@@ -22,12 +22,13 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
 from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
 from ghosted_core.model_card import run_record
-from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
-    peek_config, resolve_device, resolve_dtype
+from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, check_load_options, decoder_blocks, load_model, \
+    max_positions, peek_config, resolve_device, resolve_dtype
 from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, \
     choose_by_heldout, get_operator, module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection import SelectionRequest, SimilarityStats, check_request, get_criterion, select_blocks
+from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.surgery import build_variant, patch_site
 from ghosted_core.tasks import TaskResults, evaluate_tasks, parse_tasks
 from ghosted_core.user_text import USER_CORPUS, UserText
@@ -192,6 +193,7 @@ def fit_json(reports: Sequence[FitReport]) -> dict:
 def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
     """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
+    check_load_options(options.load)
     for name in (options.calibration, *options.eval_corpora):
         if name == USER_CORPUS:
             options.corpus(name, "evaluation")  # refuses "your text" without the text
@@ -436,8 +438,15 @@ def _loaded_placement(model: PreTrainedModel) -> tuple[str, object]:
     return str(module_device(model.model.embed_tokens)), model.dtype
 
 
-def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterator[tuple[str, RunResult]]:
-    """Run everything `options` asks for, yielding (stage, result so far) after each stage."""
+def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
+               should_stop: StopCheck = None) -> Iterator[tuple[str, RunResult]]:
+    """Run everything `options` asks for, yielding (stage, result so far) after each stage.
+
+    `should_stop` (e.g. `threading.Event().is_set`) is polled before every stage and between the
+    batches of perplexity and drift and the variants of generation and tasks; when it returns
+    True the generator raises `stopping.RunStopped` naming the stage, and the result yielded last
+    holds every stage finished before it.
+    """
     validate(options)
     result = RunResult(options)
     clock = time.perf_counter()
@@ -464,6 +473,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     validate(options, loaded.num_layers, max_positions(dense.config))
     yield done("load model")
 
+    check_stop(should_stop, "score blocks")
     spec = get_criterion(options.criterion)
     needs_data = spec.needs_similarity or options.criterion != "none"
     batches = []
@@ -477,10 +487,12 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
     yield done("score blocks")
 
     if plan.removed:
+        check_stop(should_stop, "calibrate")
         result.memory_plan = memory_plan(options, dense.config, *_loaded_placement(dense), len(plan.boundaries))
         needs = needs_of(v.operator for v in options.variants)
         stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
         yield done("calibrate")
+        check_stop(should_stop, "fit operators")
         reports, models = fit_variants(dense, plan, options.variants, stats, batches, options)
         del stats  # every entry was released as soon as its fits existed
         for variant in options.variants:
@@ -499,20 +511,22 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None) -> Iterat
         result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | {"windows": len(windows),
                                                                                  "tokens": int(windows.numel())}
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
-                                               desc=f"perplexity {corpus}")
+                                               desc=f"perplexity {corpus}", should_stop=should_stop)
         yield done("perplexity")
     _record_run(result)
 
     if plan.removed and first_windows is not None and options.drift_windows > 0:
         pruned = {name: model for name, model in result.models.items() if name != "dense"}
-        result.drift = block_drift(dense, pruned, plan, first_windows[: options.drift_windows], options.calibrate)
+        result.drift = block_drift(dense, pruned, plan, first_windows[: options.drift_windows], options.calibrate,
+                                   should_stop=should_stop)
         yield done("drift")
 
     if options.prompt:
-        result.generations = generate(result.models, tokenizer, options.prompt, options.generation)
+        result.generations = generate(result.models, tokenizer, options.prompt, options.generation, should_stop)
         yield done("generate")
 
     for name, model in result.models.items() if options.tasks else ():
+        check_stop(should_stop, "tasks")
         result.tasks[name] = evaluate_tasks(model, tokenizer, options.tasks, options.task_limit, options.seed,
                                             options.task_batch_size, progress=not options.quiet)
         yield done("tasks")

@@ -49,6 +49,7 @@ from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.memory import MemoryPlan, max_boundaries
 from ghosted_core.pipeline import RunOptions, calibration_batches, corpus_entry, fit_json, fit_variants, planned, validate
 from ghosted_core.selection import SelectionRequest, get_criterion, select_blocks_depths
+from ghosted_core.stopping import StopCheck, check_stop
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +240,12 @@ def _first_changed_block(plan: PruningPlan) -> int:
 
 
 def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel | None = None,
-                 sweep: SweepOptions = SweepOptions()) -> Iterator[tuple[str, SweepResult]]:
-    """Run a depth sweep, yielding (stage, result so far) after each stage and after each depth."""
+                 sweep: SweepOptions = SweepOptions(), should_stop: StopCheck = None) -> Iterator[tuple[str, SweepResult]]:
+    """Run a depth sweep, yielding (stage, result so far) after each stage and after each depth.
+
+    `should_stop` is polled before every stage and depth and between perplexity batches
+    (`stopping.RunStopped`); the result yielded last holds every depth finished before it.
+    """
     chosen = check_sweep(options, depths)
     result = SweepResult(options, chosen)
     clock = _Clock(result.timings)
@@ -262,6 +267,7 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     clock.tick("load model")
     yield "load model", result
 
+    check_stop(should_stop, "score blocks")
     batches, result.calibration_tokens = calibration_batches(tokenizer, options)
     result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
     result.calibration_label = result.corpora[options.calibration]["label"]
@@ -277,6 +283,7 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     estimated = sum(statistics_bytes_per_boundary(result.hidden_size, options, b.start > 0) for b in boundaries)
     log.info("calibrating %d distinct boundaries for depths %s in one pass: statistics of about %.0f MiB",
              len(boundaries), list(chosen), estimated / 2**20)
+    check_stop(should_stop, "calibrate")
     needs = needs_of(v.operator for v in options.variants)
     live: list = []  # the accumulators, to read what they allocated
     stats: dict[Boundary, BoundaryStats] = dict(zip(boundaries, collect_stats(dense, boundaries, batches,
@@ -288,13 +295,15 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     clock.tick("calibrate")
     yield "calibrate", result
 
+    check_stop(should_stop, "perplexity dense")
     cached = _dense_evaluation(dense, tokenizer, options, result, sweep)
     clock.tick("perplexity dense")
     yield "perplexity dense", result
 
     starts = Counter(_first_changed_block(result.plans[n]) for n in chosen)
     for n in chosen:
-        depth = _run_depth(dense, options, result.plans[n], stats, batches, cached)
+        check_stop(should_stop, f"depth {n}")
+        depth = _run_depth(dense, options, result.plans[n], stats, batches, cached, should_stop)
         for b in depth.plan.boundaries:  # free what no later depth needs
             uses[b] -= 1
             if uses[b] == 0:
@@ -338,7 +347,7 @@ def _dense_evaluation(dense: PreTrainedModel, tokenizer, options: RunOptions, re
 
 
 def _run_depth(dense: PreTrainedModel, options: RunOptions, plan: PruningPlan, stats: dict[Boundary, BoundaryStats],
-               batches, cached: dict[str, PrefixStates]) -> DepthResult:
+               batches, cached: dict[str, PrefixStates], should_stop: StopCheck = None) -> DepthResult:
     """Fit every operator at one depth, evaluate the variants on the kept dense states, drop them."""
     depth = DepthResult(len(plan.removed), plan)
     clock = _Clock(depth.timings)
@@ -354,9 +363,10 @@ def _run_depth(dense: PreTrainedModel, options: RunOptions, plan: PruningPlan, s
     for corpus, states in cached.items():
         desc = f"perplexity {corpus}, n = {depth.n}"
         if _first_changed_block(plan) in states.states:
-            depth.perplexity[corpus] = perplexity_from_states(dense, models, states, options.quiet, desc)
+            depth.perplexity[corpus] = perplexity_from_states(dense, models, states, options.quiet, desc, should_stop)
         else:  # over the cache cap: the prefix runs again
-            depth.perplexity[corpus] = perplexity(dense, models, states.windows, states.batch_size, options.quiet, desc)
+            depth.perplexity[corpus] = perplexity(dense, models, states.windows, states.batch_size, options.quiet, desc,
+                                                  should_stop)
     clock.tick("perplexity")
     return depth
 

@@ -6,54 +6,115 @@ import logging
 import threading
 from collections import OrderedDict
 
-from ghosted_core.models import LoadedModel, load_model, peek_config
+from ghosted_core.models import EMBEDDED, LoadedModel, convert_embedded, load_model, needs_conversion, peek_config
+from studio.presets_view import find_preset
 from studio.settings import CACHE_SIZE
 
 log = logging.getLogger(__name__)
 
 
 class ModelCache:
-    """Loaded models shared by every run and user, keyed by model id; at most `capacity`, least recently used first out.
+    """Loaded models shared by every run and user, keyed by model id; least recently used out first.
 
-    One lock around lookups and loads: two users asking for the same model load it once, and
-    two different loads never compete for memory.
+    The lock guards only the bookkeeping, never a load: a user whose model is cached is not
+    held up while another user's model loads or converts. Two users asking for the same model
+    wait for one load. Models held plus loads in flight never exceed `capacity`: a load first
+    drops the least recently used model, and waits while every slot is loading. (A run that
+    still uses a dropped model keeps it alive until it ends.)
     """
 
     def __init__(self, capacity: int):
         self.capacity = max(1, capacity)
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
-        self._lock = threading.Lock()
+        self._loading: set[str] = set()
+        self._converting: set[str] = set()
+        self._changed = threading.Condition()
 
     def get(self, name: str) -> LoadedModel:
-        with self._lock:
-            if name in self._models:
-                self._models.move_to_end(name)
-                return self._models[name]
+        """The model `name`, loading it (outside the lock) if it is not held."""
+        with self._changed:
+            while True:
+                if name in self._models:
+                    self._models.move_to_end(name)
+                    return self._models[name]
+                if name not in self._loading and len(self._loading) < self.capacity:
+                    break
+                self._changed.wait()  # someone else loads this model, or every slot is loading
+            self._loading.add(name)
+            self._evict(keep=len(self._loading))
+        try:
             loaded = load_model(name)
+        except BaseException:
+            with self._changed:
+                self._loading.discard(name)
+                self._changed.notify_all()
+            raise
+        with self._changed:  # one step from "loading" to "held": a waiter never loads it twice
+            self._loading.discard(name)
             self._models[name] = loaded
-            while len(self._models) > self.capacity:
-                evicted, _ = self._models.popitem(last=False)
-                log.info("model cache full: dropped %s", evicted)
+            self._evict(keep=len(self._loading))
+            self._changed.notify_all()
             return loaded
 
+    def convert(self, name: str) -> bool:
+        """Convert the embedded model `name` from GGUF once (outside the lock); False if nothing was to do."""
+        with self._changed:
+            while name in self._converting:
+                self._changed.wait()
+            if not needs_conversion(name):
+                return False
+            self._converting.add(name)
+        try:
+            convert_embedded(name)
+        finally:
+            with self._changed:
+                self._converting.discard(name)
+                self._changed.notify_all()
+        return True
+
     def peek(self, name: str) -> LoadedModel | None:
-        with self._lock:
+        with self._changed:
             return self._models.get(name)
 
     def put(self, loaded: LoadedModel) -> None:
         """Hold an already loaded model (e.g. one a test session loaded) under its name."""
-        with self._lock:
+        with self._changed:
             self._models[loaded.name] = loaded
             self._models.move_to_end(loaded.name)
-            while len(self._models) > self.capacity:
-                self._models.popitem(last=False)
+            self._evict(keep=len(self._loading))
+
+    def held(self) -> int:
+        """Models held plus loads in flight: at most `capacity`."""
+        with self._changed:
+            return len(self._models) + len(self._loading)
+
+    def _evict(self, keep: int) -> None:
+        """Drop least recently used models until they fit beside `keep` slots (call with the lock held)."""
+        while self._models and len(self._models) + keep > self.capacity:
+            evicted, _ = self._models.popitem(last=False)
+            log.info("model cache full: dropped %s", evicted)
 
 
 MODELS = ModelCache(CACHE_SIZE)
 
 
-def num_blocks(name: str) -> int:
-    """Decoder blocks of `name`, from the cache or its config (no weights loaded)."""
-    cached = MODELS.peek(name)
-    return cached.num_layers if cached else int(peek_config(name).num_hidden_layers)
+def model_shape(name: str) -> tuple[int, int]:
+    """(decoder blocks, hidden width) of `name`: from the cache, the embedded models' table, a preset or its config.
 
+    Never loads weights or converts a GGUF, so the page can call it on every model change.
+    """
+    cached = MODELS.peek(name)
+    if cached:
+        return cached.num_layers, cached.hidden_size
+    if name in EMBEDDED:
+        return EMBEDDED[name].num_layers, EMBEDDED[name].hidden_size
+    preset = find_preset(name)
+    if preset is not None:  # written-down numbers: no Hub request
+        return preset.num_layers, preset.hidden_size
+    config = peek_config(name)
+    return int(config.num_hidden_layers), int(config.hidden_size)
+
+
+def num_blocks(name: str) -> int:
+    """Decoder blocks of `name` (see `model_shape`)."""
+    return model_shape(name)[0]

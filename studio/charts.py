@@ -7,17 +7,42 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from studio.tables import DENSE_COLOR, blocks_text, variant_colors
+from studio.tables import DENSE_COLOR, blocks_text, held_out_error, plural, variant_colors
 
 
-def base_figure(title: str, subtitle: str, rows: int = 1, cols: int = 1, subplot_titles: Sequence[str] = ()) -> go.Figure:
-    """A figure with the app's layout; `subtitle` carries the model, removed blocks and corpus label."""
-    fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(subplot_titles) or None, horizontal_spacing=0.12)
+TITLE_CHARS = 46  # characters per subtitle line: fits a 390 px phone screen at 11 px
+PANEL_HEIGHT = 300  # px per stacked panel
+
+
+def wrap_parts(parts: Sequence[str], width: int = TITLE_CHARS) -> list[str]:
+    """Join short phrases with ' · ' into lines of at most `width` characters (a longer phrase gets its own line)."""
+    lines: list[str] = []
+    for part in filter(None, parts):
+        if lines and len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += f" · {part}"
+        else:
+            lines.append(part)
+    return lines
+
+
+def base_figure(title: str, subtitle: Sequence[str], panels: Sequence[str] = ()) -> go.Figure:
+    """A figure with the app's layout, readable from a phone to a desktop.
+
+    `subtitle`: phrases (model, removed blocks, corpus labels, formula) wrapped into short lines.
+    `panels`: titles of panels stacked one above the other (never side by side, where their
+    titles would overlap on a narrow screen).
+    """
+    rows = max(1, len(panels))
+    lines = wrap_parts(subtitle)
+    top = 44 + 15 * len(lines)  # px for the title and its subtitle lines
+    fig = make_subplots(rows=rows, cols=1, subplot_titles=list(panels) or None, vertical_spacing=0.16 if rows > 1 else 0)
+    text = f"<b>{title}</b>" + "".join(f"<br><span style='font-size:11px;color:#64748b'>{line}</span>" for line in lines)
     fig.update_layout(
-        template="plotly_white", height=400, margin=dict(l=60, r=20, t=90, b=60),
-        title=dict(text=f"{title}<br><span style='font-size:11px;color:#64748b'>{subtitle}</span>", x=0.01, y=0.96,
+        template="plotly_white", height=top + PANEL_HEIGHT * rows + 70 * (rows - 1) + 90,
+        margin=dict(l=56, r=12, t=top, b=90),
+        title=dict(text=text, x=0.01, xanchor="left", y=1 - 8 / (top + PANEL_HEIGHT * rows), yanchor="top",
                    font=dict(size=14)),
-        legend=dict(orientation="h", yanchor="top", y=-0.2, x=0, font=dict(size=11)),
+        legend=dict(orientation="h", yanchor="top", y=-0.12 / rows, x=0, font=dict(size=11)),
         font=dict(family="system-ui, -apple-system, Segoe UI, sans-serif", size=12),
     )
     for annotation in fig.layout.annotations:
@@ -25,12 +50,12 @@ def base_figure(title: str, subtitle: str, rows: int = 1, cols: int = 1, subplot
     return fig
 
 
-def short_context(report: dict) -> str:
-    """One-line plot subtitle: model, removed blocks, calibration corpus."""
+def short_context(report: dict) -> list[str]:
+    """Plot subtitle phrases: model, removed blocks, calibration corpus."""
     removed = report.get("removed_layers", [])
     cal = report.get("calibration", {}).get("label", "")
-    return (f"{report.get('model', '')} · removed {blocks_text(removed)} ({len(removed)} of {report.get('num_layers', '?')})"
-            + (f" · calibration {cal.split(' (')[0]} ({'exact' if 'exact' in cal else 'stand-in'})" if cal else ""))
+    return [report.get("model", ""), f"removed {blocks_text(removed)} ({len(removed)} of {report.get('num_layers', '?')})",
+            f"calibration {cal.split(' (')[0]} ({'exact' if 'exact' in cal else 'stand-in'})" if cal else ""]
 
 
 def scores_figure(report: dict) -> go.Figure:
@@ -62,28 +87,24 @@ def scores_figure(report: dict) -> go.Figure:
     return fig
 
 
-def _boundary_error(entry: dict, key: str) -> float | None:
-    """Held-out error when there were held-out sequences, else the fit error."""
-    value = entry.get(f"heldout{key}")
-    return value if value is not None else entry.get(f"fit{key}")
-
-
 def boundary_error_figure(report: dict) -> go.Figure:
     """Relative boundary error per boundary and operator, over all tokens and over ordinary ones."""
-    cal = report.get("calibration", {})
-    fig = base_figure("Boundary error per boundary and operator: ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ (1 = plain pruning)",
-                      f"{short_context(report)} · on {cal.get('heldout_sequences', '?')} held-out calibration sequences",
-                      cols=2, subplot_titles=("all tokens", "ordinary tokens (attention sinks left out)"))
+    held = report.get("calibration", {}).get("heldout_sequences")
+    fig = base_figure("Boundary error per operator",
+                      [*short_context(report), "‖X_pre W − X_post‖ / ‖X_post − X_pre‖", "1 = plain pruning",
+                       f"on {plural(held, 'held-out calibration sequence')}" if held else "on calibration text"],
+                      panels=("all tokens", "ordinary tokens (attention sinks left out)"))
     variants = {name: e["boundary_error"] for name, e in report.get("variants", {}).items() if "boundary_error" in e}
     colors = variant_colors(list(variants))
-    for col, key in ((1, ""), (2, "_ordinary")):
+    for row, key in ((1, ""), (2, "_ordinary")):
         for name, errors in variants.items():
-            fig.add_bar(x=[f"blocks {e['boundary']}" for e in errors], y=[_boundary_error(e, key) for e in errors],
-                        name=name, marker_color=colors[name], legendgroup=name, showlegend=col == 1,
-                        hovertemplate=f"{name}<br>%{{x}}: %{{y:.3f}}<extra></extra>", row=1, col=col)
-        fig.add_hline(y=1.0, line_dash="dot", line_color="#94a3b8", row=1, col=col)
+            fig.add_bar(x=[f"blocks {e['boundary']}" for e in errors], y=[held_out_error(e, key) for e in errors],
+                        name=name, marker_color=colors[name], legendgroup=name, showlegend=row == 1,
+                        hovertemplate=f"{name}<br>%{{x}}: %{{y:.3f}}<extra></extra>", row=row, col=1)
+        fig.add_hline(y=1.0, line_dash="dot", line_color="#94a3b8", row=row, col=1,
+                      annotation_text="plain pruning", annotation_position="top left", annotation_font_size=10)
+        fig.update_yaxes(title_text="relative error", row=row, col=1)
     fig.update_layout(barmode="group")
-    fig.update_yaxes(title_text="relative error", row=1, col=1)
     return fig
 
 
@@ -92,32 +113,34 @@ def drift_figure(report: dict) -> go.Figure:
     app = report.get("app", {})
     corpus = app.get("drift_corpus")
     label = report.get("corpora", {}).get(corpus, {}).get("label", corpus)
-    fig = base_figure("Per-block drift after the cut: ‖h_j − h_j(dense)‖ / ‖h_j(dense)‖ (dense = 0)",
-                      f"{short_context(report)} · {app.get('drift_windows', '?')} window(s) of {label}",
-                      cols=2, subplot_titles=("all tokens", "ordinary tokens (attention sinks left out)"))
+    windows = app.get("drift_windows")
+    fig = base_figure("Per-block drift after the cut",
+                      [*short_context(report), "‖h_j − h_j(dense)‖ / ‖h_j(dense)‖", "dense = 0",
+                       f"{plural(windows, 'window') if windows else '? windows'} of {label}"],
+                      panels=("all tokens", "ordinary tokens (attention sinks left out)"))
     drifts = {name: e["drift"] for name, e in report.get("variants", {}).items() if "drift" in e}
     colors = variant_colors(list(drifts))
     if drifts:
         blocks = next(iter(drifts.values()))["blocks"]
-        for col in (1, 2):
+        for row in (1, 2):
             fig.add_scatter(x=blocks, y=[0.0] * len(blocks), name="dense", mode="lines", legendgroup="dense",
-                            line=dict(color=DENSE_COLOR, dash="dot"), showlegend=col == 1, row=1, col=col)
+                            line=dict(color=DENSE_COLOR, dash="dot"), showlegend=row == 1, row=row, col=1)
     for name, drift in drifts.items():
-        for col, key in ((1, "error"), (2, "error_ordinary")):
+        for row, key in ((1, "error"), (2, "error_ordinary")):
             fig.add_scatter(x=drift["blocks"], y=drift[key], name=name, mode="lines+markers", legendgroup=name,
-                            line=dict(color=colors[name], width=2), marker=dict(size=5), showlegend=col == 1,
-                            hovertemplate=f"{name}<br>block %{{x}}: %{{y:.3f}}<extra></extra>", row=1, col=col)
+                            line=dict(color=colors[name], width=2), marker=dict(size=5), showlegend=row == 1,
+                            hovertemplate=f"{name}<br>block %{{x}}: %{{y:.3f}}<extra></extra>", row=row, col=1)
     num_layers = report.get("num_layers")
-    fig.update_xaxes(title_text=f"dense block j ({num_layers} = final norm)")
-    fig.update_yaxes(title_text="relative error", row=1, col=1)
+    fig.update_xaxes(title_text=f"dense block j ({num_layers} = final norm)", row=2, col=1)
+    fig.update_yaxes(title_text="relative error")
     return fig
 
 
 def structure_figure(report: dict) -> go.Figure:
     """Each operator's W − I: its anti-symmetric share (what no symmetric operator can represent) and singular values."""
     fig = base_figure("Operator structure of M = W − I",
-                      f"{short_context(report)} · ‖(M − Mᵀ)/2‖_F / ‖M‖_F and singular values of M",
-                      cols=2, subplot_titles=("anti-symmetric share of ‖M‖_F", "singular values of M (descending)"))
+                      [*short_context(report), "‖(M − Mᵀ)/2‖_F / ‖M‖_F", "singular values of M"],
+                      panels=("anti-symmetric share of ‖M‖_F", "singular values of M (descending)"))
     fits = {name: e["fits"] for name, e in report.get("variants", {}).items()
             if e.get("fits") and any(f["singular_values"] for f in e["fits"])}
     colors = variant_colors(list(fits))
@@ -131,26 +154,29 @@ def structure_figure(report: dict) -> go.Figure:
                             name=f"{name} · blocks {fit['boundary']}", showlegend=False,
                             line=dict(color=colors[name], width=2, dash=("solid", "dash", "dot")[k % 3]),
                             hovertemplate=f"{name} · blocks {fit['boundary']}<br>σ_%{{x}} = %{{y:.3g}}<extra></extra>",
-                            row=1, col=2)
+                            row=2, col=1)
     fig.update_layout(barmode="group")
     fig.update_yaxes(range=[0, 1], title_text="share", row=1, col=1)
-    fig.update_yaxes(type="log", row=1, col=2)
-    fig.update_xaxes(title_text="index", row=1, col=2)
+    fig.update_yaxes(type="log", title_text="σ", row=2, col=1)
+    fig.update_xaxes(title_text="index", row=2, col=1)
     return fig
 
 
 def tasks_figure(report: dict) -> go.Figure:
     """Zero-shot accuracy per task and mean, bars per variant, with the chance level."""
     tasks = report.get("tasks", {})
-    fig = base_figure("Quick zero-shot tasks (lm-eval acc)", f"{short_context(report)} · seeded example subsets")
+    fig = base_figure("Quick zero-shot tasks (lm-eval acc)",
+                      [*short_context(report), "seeded example subsets", "error bars: ± one standard error"])
     colors = variant_colors(list(tasks))
     chance: dict[str, float] = {}
     for name, result in tasks.items():
         xs = [s["task"] for s in result["scores"]] + ["mean"]
         ys = [s["acc"] for s in result["scores"]] + [result["mean_acc"]]
+        errors = [s.get("acc_stderr") or 0.0 for s in result["scores"]] + [result.get("mean_acc_stderr") or 0.0]
         chance = {s["task"]: s["chance"] for s in result["scores"]} | {"mean": result["mean_chance"]}
         fig.add_bar(x=xs, y=ys, name=name, marker_color=colors[name],
-                    hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}}<extra></extra>")
+                    error_y=dict(type="data", array=errors, visible=True, thickness=1.2, width=3),
+                    hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}} ± %{{error_y.array:.1%}}<extra></extra>")
     if chance:
         fig.add_scatter(x=list(chance), y=list(chance.values()), mode="markers", name="chance",
                         marker=dict(symbol="line-ew-open", size=28, color="#0f172a", line=dict(width=2)))

@@ -7,14 +7,23 @@ import logging
 import gradio as gr
 
 from ghosted_core import data
-from ghosted_core.models import EMBEDDED
 from ghosted_core.pipeline import SEQUENTIAL_SUFFIX
 from ghosted_core.selection import CRITERIA
 from ghosted_core.tasks import TASKS
 from studio.cache import num_blocks
-from studio.callbacks import depth_info, model_note, on_criterion_change, on_model_change, on_run
-from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, NO_SAVE, OPERATOR_CHOICES, QUEUE_SIZE, RUN_CONCURRENCY, \
-    SEQLENS
+from ghosted_core.export import EXPORT_MODES
+from studio.callbacks import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES, depth_info, model_note, \
+    on_criterion_change, on_history_select, on_mode_change, on_model_change, on_run, on_settings_change, on_stop, \
+    on_submit, on_upload, upload_available
+from studio.history import history_table
+from studio.presets_view import model_choices
+from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, MODES, NO_SAVE, OPERATOR_CHOICES, QUEUE_SIZE, \
+    RUN_CONCURRENCY, SEQLENS
+from studio.user_input import USES
+from studio.speed import default_run_note
+from studio.status import NOTHING_SHOWN
+from studio.sweep_view import sweep_table
+from studio.tables import empty_perplexity_table
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +38,24 @@ def corpus_choices(split: str) -> list[tuple[str, str]]:
     return [(f"{name} — {label}", name) for name, label in data.describe(data.corpus_names(), split).items()]
 
 
-def build_demo() -> gr.Blocks:
-    """The page: controls on the left, results filling in on the right."""
+# After Run, bring the status panel into view: on a phone the results column sits below every control.
+SCROLL_TO_STATUS = "() => { document.getElementById('status')?.scrollIntoView({block: 'start', behavior: 'smooth'}); }"
+
+
+def method_diagram() -> str:
+    """The method in one picture: a wide left-to-right version, and a top-to-bottom one for phones (CSS picks)."""
+    return (f"<div class='diagram-wide'>{(ASSETS / 'method.svg').read_text()}</div>"
+            f"<div class='diagram-narrow'>{(ASSETS / 'method-narrow.svg').read_text()}</div>")
+
+
+def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
+    """The page: controls on the left, results filling in on the right (stacked on a phone).
+
+    `concurrency`: runs computing at once (GHOSTED_APP_CONCURRENCY); the others wait in the queue.
+    """
     prompts = read_prompts()
     default_layers = num_blocks_or(DEFAULTS.model, 30)
+    can_upload, upload_note = upload_available()
     with gr.Blocks(title="Ghosted Layers Studio", delete_cache=(3600, 7200)) as demo:
         with gr.Row(equal_height=True):
             with gr.Column(scale=2, elem_id="app-header"):
@@ -40,31 +63,45 @@ def build_demo() -> gr.Blocks:
                     "# Ghosted Layers Studio\n"
                     "Remove decoder blocks from a language model, fit a training-free linear map **W** where they were, "
                     "and see what pruning broke and what each operator gives back: generations, perplexity, "
-                    "boundary error, per-block drift and the structure of W. Press **Run** to try the defaults "
-                    "(about a minute on 2 CPU cores).")
+                    "boundary error, per-block drift and the structure of W. Or **sweep** the depth and see how far "
+                    "you can prune, on your own text if you like. Press **Run** to try the defaults.\n\n"
+                    f"{default_run_note()}", elem_id="app-intro")
             with gr.Column(scale=3):
-                gr.HTML((ASSETS / "method.svg").read_text(), elem_id="method-diagram")
+                gr.HTML(method_diagram(), elem_id="method-diagram")
         with gr.Row():
             with gr.Column(scale=1, min_width=340, elem_id="controls"):
                 with gr.Row(elem_id="run-buttons"):
                     run_btn = gr.Button("Run", variant="primary", elem_id="run-button")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop-button")
+                run_advice = gr.Markdown("", elem_id="run-advice")
                 with gr.Accordion("Model and pruning", open=True):
-                    model = gr.Dropdown(list(EMBEDDED), value=DEFAULTS.model, allow_custom_value=True, label="Model",
+                    model = gr.Dropdown(model_choices(), value=DEFAULTS.model, allow_custom_value=True, label="Model",
                                         elem_id="model",
-                                        info="an embedded model, a local folder or a Hub id")
-                    model_info = gr.Markdown(model_note(DEFAULTS.model), elem_classes="caption")
-                    criterion = gr.Dropdown([(f"{name} — {CRITERION_HELP.get(name, spec.paper)}", name)
+                                        info="embedded (offline), a Hub preset, a local folder or any Hub id")
+                    model_info = gr.Markdown(model_note(DEFAULTS.model), elem_classes="caption", elem_id="model-info")
+                    criterion = gr.Dropdown([(f"{name}: {CRITERION_HELP.get(name, spec.paper)}", name)
                                              for name, spec in CRITERIA.items()],
-                                            value=DEFAULTS.criterion, label="Which blocks to remove")
+                                            value=DEFAULTS.criterion, label="Which blocks to remove", elem_id="criterion")
+                    mode = gr.Radio(list(MODES), value=DEFAULTS.mode, label="Depth", elem_id="mode",
+                                    info="sweep: every depth of a range from one calibration pass")
                     depth = gr.Slider(1, default_layers, value=DEFAULTS.depth, step=1, label="Blocks to remove",
                                       info=depth_info(default_layers), elem_id="depth")
+                    depths = gr.Textbox(DEFAULTS.depths, label="Depths to sweep (START:STOP:STEP, STOP included)",
+                                        visible=False, elem_id="depths", info="2:10:2 removes 2, 4, 6, 8 and 10 blocks")
                     manual_blocks = gr.Textbox(label="Blocks to remove (manual)", value="19-25", visible=False,
                                                info=f"block indices 0–{default_layers - 1}, e.g. 19-25 or 3,7,12")
                 with gr.Accordion("Recovery operators", open=True):
                     operators = gr.Dropdown(OPERATOR_CHOICES, value=list(DEFAULTS.operators), multiselect=True,
                                             label="Operators",
                                             info=f"{SEQUENTIAL_SUFFIX}: fit each boundary on the already recovered model")
+                with gr.Accordion("Your text", open=False, elem_id="your-text-box"):
+                    your_text = gr.Textbox(label="Paste text", lines=4, max_lines=12, elem_id="your-text",
+                                           placeholder="or upload a file below; left empty, the built-in corpora apply")
+                    your_file = gr.File(label="Upload .txt, or .jsonl with a \"text\" field per line (up to 5 MB)",
+                                        file_types=[".txt", ".jsonl"], type="filepath", elem_id="your-file")
+                    text_use = gr.Radio(list(USES), value=DEFAULTS.text_use, label="Use your text for",
+                                        info="labelled 'your text' everywhere; used for this run only (an upload is "
+                                             "deleted once read)")
                 with gr.Accordion("Calibration", open=False):
                     calibration = gr.Dropdown(corpus_choices("calibration"), value=DEFAULTS.calibration,
                                               label="Calibration corpus")
@@ -87,46 +124,100 @@ def build_demo() -> gr.Blocks:
                     task_names = gr.CheckboxGroup(list(TASKS), value=list(DEFAULTS.tasks), label="Tasks")
                     task_examples = gr.Slider(5, 200, value=DEFAULTS.task_examples, step=5,
                                               label="Examples per task (seeded subset)")
-                with gr.Accordion("Save a recovered model", open=False):
+                with gr.Accordion("Save a recovered model", open=False, elem_id="save-box"):
                     save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES, value=DEFAULTS.save_variant,
-                                               label="Variant to download",
-                                               info="surviving blocks + operators as safetensors in a zip "
-                                                    "(SmolLM2: about 0.4 GB); must be one of the operators above")
-                    model_file = gr.File(label="Recovered model (zip; load with ghosted_core.export.load_recovered)",
-                                         elem_id="model-file", interactive=False)
+                                               label="Variant to download", elem_id="save-variant",
+                                               info="must be one of the operators above (SmolLM2: about 0.4 GB)")
+                    export_format = gr.Radio(list(EXPORT_MODES), value=DEFAULTS.export_format, label="Format",
+                                             info="stock: a plain Hugging Face model (none and the replaceme family "
+                                                  "fold into it); remote_code: loads with trust_remote_code=True; "
+                                                  "auto: stock where the variant folds")
+                    model_file = gr.File(label="Recovered model (zip)", elem_id="model-file", interactive=False)
+                    save_note_md = gr.Markdown(SAVE_HINT, elem_classes="caption", elem_id="save-note")
+                    gr.Markdown(upload_note, elem_classes="caption", elem_id="upload-note")
+                    repo_id = gr.Textbox(label="New Hub repo (name or org/name)", interactive=can_upload)
+                    token = gr.Textbox(label="Hugging Face write token", type="password", interactive=can_upload)
+                    upload_btn = gr.Button("Upload to the Hub", interactive=can_upload, elem_id="upload-button")
+                    upload_result = gr.Markdown("", elem_classes="caption")
             with gr.Column(scale=2):
                 status = gr.Markdown("Press **Run** to start.", elem_id="status")
-                gr.Markdown("### Generations", elem_classes="section-title")
-                generations = gr.HTML("<p class='gen-empty'>Generations appear here once the generate stage has run.</p>",
-                                      elem_id="generations")
-                gr.Markdown("### Perplexity", elem_classes="section-title")
-                ppl_caption = gr.Markdown("", elem_classes="caption")
-                ppl_table = gr.Dataframe(label="Perplexity by corpus and variant", interactive=False, elem_id="ppl-table",
-                                         show_label=False, wrap=True)
-                gr.Markdown("### Charts", elem_classes="section-title")
-                scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
-                errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
-                drift_plot = gr.Plot(label="Per-block drift", elem_id="plot-drift", show_label=False)
-                structure_plot = gr.Plot(label="Operator structure", elem_id="plot-structure", show_label=False)
-                with gr.Column(visible=False) as tasks_box:
-                    gr.Markdown("### Quick tasks", elem_classes="section-title")
-                    tasks_caption_md = gr.Markdown("Quick tasks run after the other stages when enabled.",
+                with gr.Column(visible=True) as single_box:
+                    gr.Markdown("### Generations", elem_classes="section-title")
+                    generations = gr.HTML("<p class='gen-empty'>Generations appear here once the generate stage has "
+                                          "run.</p>", elem_id="generations")
+                    gr.Markdown("### Perplexity", elem_classes="section-title")
+                    ppl_caption = gr.Markdown("", elem_classes="caption")
+                    ppl_table = gr.Dataframe(empty_perplexity_table(), label="Perplexity by corpus and variant",
+                                             interactive=False, elem_id="ppl-table", show_label=False, wrap=True)
+                    gr.Markdown("### Charts", elem_classes="section-title")
+                    scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
+                    errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
+                    drift_plot = gr.Plot(label="Per-block drift", elem_id="plot-drift", show_label=False)
+                    structure_plot = gr.Plot(label="Operator structure", elem_id="plot-structure", show_label=False)
+                    with gr.Column(visible=False) as tasks_box:
+                        gr.Markdown("### Quick tasks", elem_classes="section-title")
+                        tasks_caption_md = gr.Markdown("Quick tasks run after the other stages when enabled.",
+                                                       elem_classes="caption")
+                        tasks_table_df = gr.Dataframe(interactive=False, show_label=False, elem_id="tasks-table")
+                        tasks_plot = gr.Plot(show_label=False, elem_id="plot-tasks")
+                with gr.Column(visible=False) as sweep_box:
+                    gr.Markdown("### Depth sweep", elem_classes="section-title")
+                    sweep_caption_md = gr.Markdown("A sweep's curve and table appear here depth by depth.",
                                                    elem_classes="caption")
-                    tasks_table_df = gr.Dataframe(interactive=False, show_label=False, elem_id="tasks-table")
-                    tasks_plot = gr.Plot(show_label=False, elem_id="plot-tasks")
+                    curve_plot = gr.Plot(show_label=False, elem_id="plot-curve")
+                    recovered_plot = gr.Plot(show_label=False, elem_id="plot-recovered")
+                    sweep_table_df = gr.Dataframe(sweep_table({}), interactive=False, show_label=False,
+                                                  elem_id="sweep-table", wrap=True)
                 results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
+                with gr.Accordion("Runs in this session", open=False, elem_id="history-box"):
+                    gr.Markdown("Every run of this browser tab (gone when you close it). Click a row to put that "
+                                "run's settings back.", elem_classes="caption")
+                    history_df = gr.Dataframe(history_table([]), interactive=False, show_label=False,
+                                              elem_id="history-table", wrap=True)
+                    history_file = gr.File(label="history (CSV)", interactive=False, elem_id="history-file")
 
-        inputs = [model, criterion, depth, manual_blocks, operators, calibration, samples, seqlen, seed, eval_corpora,
-                  eval_tokens, prompt, new_tokens, tasks_on, task_names, task_examples, save_variant]
-        outputs = [status, generations, ppl_caption, ppl_table, scores_plot, errors_plot, drift_plot, structure_plot,
-                   tasks_caption_md, tasks_table_df, tasks_plot, results_file, model_file]
-        run_event = run_btn.click(on_run, inputs, outputs, api_name="run", concurrency_limit=RUN_CONCURRENCY,
-                                  concurrency_id="run", show_progress_on=[status])
-        stop_btn.click(None, None, None, cancels=[run_event], api_name="stop")
-        model.change(on_model_change, [model, depth], [model_info, depth, manual_blocks], api_name="model_info")
-        criterion.change(on_criterion_change, criterion, [depth, manual_blocks], api_visibility="private")
+        submitted = gr.State(None)  # when Run was pressed (server clock): queueing counts apart from running
+        shown = gr.State(NOTHING_SHOWN)  # which run the results on the page belong to
+        history = gr.State([])  # the runs of this session
+
+        widgets = {"model": model, "criterion": criterion, "depth": depth, "manual_blocks": manual_blocks,
+                   "operators": operators, "calibration": calibration, "samples": samples, "seqlen": seqlen,
+                   "seed": seed, "eval_corpora": eval_corpora, "eval_tokens": eval_tokens, "prompt": prompt,
+                   "new_tokens": new_tokens, "tasks_on": tasks_on, "task_names": task_names,
+                   "task_examples": task_examples, "save_variant": save_variant, "export_format": export_format,
+                   "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use}
+        components = {"status": status, "generations": generations, "ppl_caption": ppl_caption, "ppl_table": ppl_table,
+                      "scores": scores_plot, "errors": errors_plot, "drift": drift_plot, "structure": structure_plot,
+                      "tasks_caption": tasks_caption_md, "tasks_table": tasks_table_df, "tasks_plot": tasks_plot,
+                      "results_file": results_file, "model_file": model_file, "save_note": save_note_md,
+                      "sweep_caption": sweep_caption_md, "curve": curve_plot, "recovered": recovered_plot,
+                      "sweep_table": sweep_table_df, "history_table": history_df, "history_file": history_file,
+                      "shown": shown, "history": history}
+        inputs = [widgets[name] for name in INPUT_NAMES]
+        outputs = [components[name] for name in (*OUTPUT_NAMES, *STATE_NAMES)]
+        submit = run_btn.click(on_submit, None, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
+                               api_visibility="private")
+        run_event = submit.then(on_run, [*inputs, submitted, shown, history], outputs, api_name="run",
+                                concurrency_limit=concurrency, concurrency_id="run", show_progress_on=[status])
+        stop_btn.click(on_stop, [shown, history], [status, shown, history, history_df, history_file],
+                       cancels=[run_event], api_name="stop", concurrency_limit=None, show_progress="hidden")
+        model.change(on_model_change, [model], [model_info, depth, manual_blocks], api_name="model_info",
+                     concurrency_limit=None)
+        criterion.change(on_criterion_change, [criterion, mode], [depth, manual_blocks], api_visibility="private",
+                         concurrency_limit=None)
+        mode.change(on_mode_change, [mode, criterion], [depth, depths, single_box, sweep_box],
+                    api_visibility="private", concurrency_limit=None)
+        settings = [model, criterion, depth, manual_blocks, operators, samples, seqlen, mode, depths]
+        for widget in settings:
+            widget.change(on_settings_change, settings, run_advice, api_name="check" if widget is model else None,
+                          api_visibility="public" if widget is model else "private", concurrency_limit=None,
+                          show_progress="hidden")
         tasks_on.change(lambda on: gr.update(visible=on), tasks_on, tasks_box, api_visibility="private")
-    demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=RUN_CONCURRENCY)
+        history_df.select(on_history_select, [history], [widgets[name] for name in SETTING_NAMES],
+                          api_visibility="private", concurrency_limit=None)
+        upload_btn.click(on_upload, [model_file, repo_id, token], [upload_result, token], api_name="upload",
+                         concurrency_limit=None)
+    demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency)
     return demo
 
 

@@ -1,4 +1,4 @@
-"""Widget values → `RunOptions`, and the run itself: `run_job`, the one `@spaces.GPU` unit."""
+"""Widget values → a checked `RunRequest`, and the runs themselves: `run_job` and `run_sweep_job`, each one `@spaces.GPU` call."""
 
 from __future__ import annotations
 
@@ -7,16 +7,22 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ghosted_core.advice import Advice, calibration_advice, cut_advice
 from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
-from ghosted_core.export import archive_recovered
-from ghosted_core.models import EMBEDDED
+from ghosted_core.export import archive_export, check_export
+from ghosted_core.models import EMBEDDED, needs_conversion
 from ghosted_core.operators import OPERATORS
-from ghosted_core.pipeline import RunOptions, RunResult, parse_variants, run_stages, validate
+from ghosted_core.pipeline import SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run_stages, validate
+from ghosted_core.presets import check_preset, gpu_seconds
 from ghosted_core.selection import parse_layers
-from studio.cache import MODELS, num_blocks
-from studio.settings import DEFAULTS, NO_SAVE, gpu
+from ghosted_core.stopping import StopCheck, check_stop
+from ghosted_core.sweep import check_sweep, parse_depths, sweep_stages
+from ghosted_core.sweep import planned_stages as sweep_planned
+from studio.cache import MODELS, model_shape, num_blocks
+from studio.presets_view import device, find_preset
+from studio.settings import DEFAULTS, NO_SAVE, SWEEP, gpu_run, gpu_sweep, zerogpu_space
 
 
 @dataclass(frozen=True)
@@ -64,21 +70,23 @@ def check_options(options: RunOptions) -> None:
     validate(options, num_blocks(options.model))
 
 
-def check_save(options: RunOptions, save_variant: str) -> str | None:
-    """The variant to save as a download, None for none; it must be one the run builds."""
+def check_save(options: RunOptions, save_variant: str, export_format: str = "auto") -> str | None:
+    """The variant to save as a download, None for none; it must be one the run builds, in a format it can have."""
     if not save_variant or save_variant == NO_SAVE:
         return None
     built = [v.name for v in options.variants] if options.criterion != "none" else []
     if save_variant not in built:
         raise GhostedError(f"cannot save {save_variant!r}: it is not among this run's variants "
                            f"({', '.join(built) or 'none: nothing is pruned'}); add it to 'Operators' or choose {NO_SAVE!r}")
+    check_export([save_variant.removesuffix(SEQUENTIAL_SUFFIX)], export_format)
     return save_variant
 
 
 def planned_stages(options: RunOptions, quick: QuickTasks, save_variant: str | None = None) -> list[str]:
-    """The stage names `run_job` will yield, in order (for the progress bar)."""
+    """The stage names `run_job` will yield, in order (for the progress bar and the status)."""
     prunes = options.criterion != "none"
-    stages = ["load model", "score blocks"]
+    stages = ["convert model"] if needs_conversion(options.model) else []
+    stages += ["load model", "score blocks"]
     stages += ["calibrate", "fit operators"] if prunes else []
     stages += ["perplexity"] * len(options.eval_corpora)
     stages += ["drift"] if prunes and options.eval_corpora and options.drift_windows else []
@@ -88,14 +96,78 @@ def planned_stages(options: RunOptions, quick: QuickTasks, save_variant: str | N
     return stages
 
 
+def settings_advice(options: RunOptions, depths: tuple[int, ...] = ()) -> list[Advice]:
+    """What the library's advice says about these settings before anything runs (depth, cut, calibration size)."""
+    layers, width = model_shape(options.model)
+    removed = options.layers if options.criterion == "manual" else ()
+    deepest = max(depths, default=options.num_prune)
+    count = len(removed) if options.criterion == "manual" else deepest if options.criterion != "none" else 0
+    advice = cut_advice(layers, count, removed) if count else []
+    if options.criterion != "none":
+        advice += calibration_advice(options.train_size * options.seqlen, width, [v.name for v in options.variants])
+    return advice
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Everything one press of Run asks for, checked: a single-depth run or a depth sweep."""
+
+    options: RunOptions
+    quick: QuickTasks = QuickTasks()
+    save_variant: str | None = None
+    export_format: str = "auto"
+    depths: tuple[int, ...] = ()  # a sweep's depths; empty for a single-depth run
+    notes: tuple[str, ...] = ()  # settings the request set aside, said in the status
+
+    @property
+    def sweep(self) -> bool:
+        return bool(self.depths)
+
+    def stages(self) -> list[str]:
+        if self.sweep:
+            return (["convert model"] if needs_conversion(self.options.model) else []) + sweep_planned(self.depths)
+        return planned_stages(self.options, self.quick, self.save_variant)
+
+    def advice(self) -> list[Advice]:
+        return settings_advice(self.options, self.depths)
+
+
+def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, export_format: str, mode: str,
+                  depths_text: str) -> RunRequest:
+    """A checked request from the options and the mode widgets; GhostedError for anything no run could do."""
+    if mode == SWEEP:
+        depths = parse_depths(depths_text or "")
+        notes = []
+        if options.prompt or quick.enabled:
+            notes.append("a sweep reports perplexity and boundary errors: the prompt and quick tasks apply to "
+                         "single-depth runs")
+        if save_variant and save_variant != NO_SAVE:
+            notes.append("a sweep saves no model: save one from a single-depth run")
+        options = replace(options, prompt=None, tasks=())
+        layers = num_blocks(options.model)
+        request = RunRequest(options, depths=check_sweep(options, depths, layers), notes=tuple(notes))
+    else:
+        if quick.enabled and not quick.tasks:
+            raise GhostedError("quick tasks are on but none is selected; pick at least one task or switch them off")
+        check_options(options)
+        request = RunRequest(options, quick, check_save(options, save_variant, export_format), export_format)
+    preset = find_preset(options.model)
+    if preset is not None:  # offline, gated without a token or too big: refused before anything downloads
+        check_preset(preset.hub_id, options, device(), request.depths or None)
+    if zerogpu_space():
+        gpu_seconds(options, request.depths or None)  # refuses a run longer than a ZeroGPU call may hold
+    return request
+
+
 # ---------------------------------------------------------------- the run (the @spaces.GPU unit)
 
 
-def snapshot(result: RunResult, options: RunOptions, load_seconds: float) -> dict:
+def snapshot(result: RunResult, options: RunOptions, timings: dict[str, float]) -> dict:
     """Plain JSON-ready data of the run so far: results.json's layout plus what the page also shows."""
     report = result.to_json()
     tasks = {name: entry["tasks"] for name, entry in report["variants"].items() if "tasks" in entry}
-    report["timings"]["load model"] = round(load_seconds, 3)
+    report["timings"] = {stage: round(seconds, 3) for stage, seconds in timings.items()} | {
+        stage: seconds for stage, seconds in report["timings"].items() if stage not in timings}
     report["app"] = {
         "drift_corpus": options.eval_corpora[0] if options.eval_corpora else None,
         "drift_windows": options.drift_windows,
@@ -107,32 +179,68 @@ def snapshot(result: RunResult, options: RunOptions, load_seconds: float) -> dic
     return report
 
 
-@gpu
-def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None,
-            folder: str | None = None) -> Iterator[tuple[str, dict]]:
-    """Load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each stage.
+@gpu_run
+def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None, folder: str | None = None,
+            should_stop: StopCheck = None, export_format: str = "auto") -> Iterator[tuple[str, dict]]:
+    """(Convert →) load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each.
 
-    Refuses bad input before loading any weights. Yields only plain data (a saved model is a
-    zip path in `folder`), so it can run in a ZeroGPU worker process.
+    Refuses bad input before loading any weights. A first use of an embedded model whose GGUF
+    was not converted at setup converts it as its own stage. `should_stop` is polled between
+    batches and stages (`RunStopped`). Yields only plain data (a saved model is a zip path in
+    `folder`), so it can run in a ZeroGPU worker process.
     """
     check_options(options)
+    timings: dict[str, float] = {}
+    if needs_conversion(options.model):
+        start = time.perf_counter()
+        MODELS.convert(options.model)  # outside any lock that other users wait on
+        timings["convert model"] = time.perf_counter() - start
+        yield "convert model", {"model": options.model, "timings": {k: round(v, 3) for k, v in timings.items()},
+                                "variants": {}}
+    check_stop(should_stop, "load model")
     start = time.perf_counter()
     loaded = MODELS.get(options.model)
-    load_seconds = time.perf_counter() - start
+    timings["load model"] = time.perf_counter() - start
     if quick.enabled and quick.tasks:
         options = replace(options, tasks=quick.tasks, task_limit=quick.limit)
     result = None
-    for stage, result in run_stages(options, loaded):
-        yield stage, snapshot(result, options, load_seconds)
+    for stage, result in run_stages(options, loaded, should_stop):
+        yield stage, snapshot(result, options, timings)
     if save_variant and folder and result is not None:
-        path = archive_recovered(result.models[save_variant], result.tokenizer,
-                                 Path(folder) / f"{safe_name(options.model)}-{save_variant}.zip")
-        report = snapshot(result, options, load_seconds)
-        report["app"]["saved_model"] = str(path)
+        check_stop(should_stop, "save model")
+        start = time.perf_counter()
+        saved = archive_export(result.models[save_variant], result.tokenizer,
+                               Path(folder) / f"{safe_name(options.model)}-{safe_name(save_variant)}.zip", export_format)
+        result.timings["save model"] = time.perf_counter() - start
+        report = snapshot(result, options, timings)
+        report["app"] |= {"saved_model": str(saved.archive), "saved_mode": saved.mode, "saved_reason": saved.reason,
+                          "saved_variant": saved.variant}
         yield "save model", report
+
+
+@gpu_sweep
+def run_sweep_job(options: RunOptions, depths: tuple[int, ...], should_stop: StopCheck = None) -> Iterator[tuple[str, dict]]:
+    """A depth sweep: (convert →) load → score once → calibrate once → dense perplexity → one update per depth.
+
+    Yields (stage, the sweep's results.json so far): the curve grows depth by depth.
+    """
+    timings: dict[str, float] = {}
+    if needs_conversion(options.model):
+        start = time.perf_counter()
+        MODELS.convert(options.model)
+        timings["convert model"] = time.perf_counter() - start
+        yield "convert model", {"model": options.model, "timings": {k: round(v, 3) for k, v in timings.items()}}
+    check_stop(should_stop, "load model")
+    start = time.perf_counter()
+    loaded = MODELS.get(options.model)
+    timings["load model"] = time.perf_counter() - start
+    for stage, result in sweep_stages(options, depths, loaded, should_stop=should_stop):
+        report = result.to_json()
+        report["timings"] = {k: round(v, 3) for k, v in timings.items()} | {
+            k: v for k, v in report["timings"].items() if k not in timings}
+        yield stage, report
 
 
 def safe_name(model: str) -> str:
     """A model id or folder as a file-name stem ('org/name' → 'org-name')."""
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in model.strip("/")).strip("-.") or "model"
-

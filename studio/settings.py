@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ghosted_core.models import DEFAULT_MODEL
+from ghosted_core.advice import default_depth
+from ghosted_core.estimate import zerogpu
+from ghosted_core.models import DEFAULT_MODEL, EMBEDDED
 from ghosted_core.operators import OPERATORS
 from ghosted_core.pipeline import SEQUENTIAL_SUFFIX
+from ghosted_core.presets import gpu_seconds
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 NO_SAVE = "don't save"
+SWEEP = "sweep"  # the mode that runs every depth of a range from one calibration pass
+MODES = ("single depth", SWEEP)
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,7 @@ class Defaults:
 
     model: str = DEFAULT_MODEL
     criterion: str = "streamline"
-    depth: int = 7  # blocks removed
+    depth: int = default_depth(EMBEDDED[DEFAULT_MODEL].num_layers)  # blocks removed: a quarter of them (7 of 30)
     operators: tuple[str, ...] = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
     calibration: str = "mix"  # broad stand-in for C4
     samples: int = 12  # calibration sequences (the paper: 128); 3072 tokens, over 5× the width of SmolLM2
@@ -35,6 +41,10 @@ class Defaults:
     tasks: tuple[str, ...] = ("arc_easy", "copa", "piqa")
     task_examples: int = 20
     save_variant: str = NO_SAVE  # a variant to download as a recovered model (zip); off by default (~0.4 GB)
+    export_format: str = "auto"  # stock where the variant folds, remote_code otherwise
+    mode: str = "single depth"  # or SWEEP
+    depths: str = "2:10:2"  # a sweep's depths, START:STOP:STEP with STOP included
+    text_use: str = "evaluation"  # what "your text" is used for, when given
 
 
 DEFAULTS = Defaults()
@@ -42,7 +52,7 @@ SEQLENS = (64, 128, 256, 512, 1024, 2048)
 CACHE_SIZE = int(os.environ.get("GHOSTED_APP_CACHE_MODELS", "2"))  # models held in memory at once
 RUN_CONCURRENCY = int(os.environ.get("GHOSTED_APP_CONCURRENCY", "1"))  # runs computing at once
 QUEUE_SIZE = int(os.environ.get("GHOSTED_APP_QUEUE", "16"))  # runs waiting at most
-GPU_SECONDS = int(os.environ.get("GHOSTED_APP_GPU_SECONDS", "120"))  # ZeroGPU time asked per run
+STOP_WAIT_SECONDS = 30  # Stop waits this long for a run to reach its next batch before answering
 
 OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]
 CRITERION_HELP = {  # short dropdown labels; the registry's paper names are longer
@@ -54,14 +64,28 @@ CRITERION_HELP = {  # short dropdown labels; the registry's paper names are long
 }
 
 
-def _spaces_gpu():
-    """`spaces.GPU(duration=…)` on a Hugging Face Space, a no-op decorator elsewhere."""
+def _spaces_gpu(duration: Callable[..., int]) -> Callable:
+    """`spaces.GPU(duration=…)` on a Hugging Face Space, the duration computed per call from the run's memory and
+    time plan (`ghosted_core.presets.gpu_seconds`); a no-op decorator elsewhere."""
     try:
         import spaces
     except ImportError:
         return lambda fn: fn
-    return spaces.GPU(duration=GPU_SECONDS)
+    return spaces.GPU(duration=duration)
 
 
-gpu = _spaces_gpu()
+def _run_seconds(options, *args, **kwargs) -> int:
+    return gpu_seconds(options)
 
+
+def _sweep_seconds(options, depths, *args, **kwargs) -> int:
+    return gpu_seconds(options, tuple(depths))
+
+
+gpu_run = _spaces_gpu(_run_seconds)  # decorates studio.runner.run_job
+gpu_sweep = _spaces_gpu(_sweep_seconds)  # decorates studio.runner.run_sweep_job
+
+
+def zerogpu_space() -> bool:
+    """True on a ZeroGPU Space, where each run's GPU time is asked for (and bounded) up front."""
+    return zerogpu()

