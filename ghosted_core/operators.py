@@ -261,14 +261,6 @@ def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
 
 
-@register_operator("replaceme_capped", paper="ReplaceMe-LS, sink-capped (this project)",
-                   description="ReplaceMe with each attention-sink token scaled down to the sink threshold norm, "
-                               "folded into block s−1's down projection", needs=BRANCH, stock=True)
-def fit_replaceme_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
-    return _unrecovered_branch("replaceme_capped", stats) or _least_squares_fit(
-        "replaceme_capped", stats, "capped", opts, site="branch", sink_handling="capped")
-
-
 def principal_directions(rows: torch.Tensor | None, extra_gram: torch.Tensor | None, count: int,
                          width: int) -> torch.Tensor:
     """(C, k) orthonormal top eigenvectors of rowsᵀrows (+ extra_gram), k ≤ count, only those with weight.
