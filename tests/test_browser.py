@@ -122,8 +122,8 @@ def choose_model(page, name: str) -> None:
 
 def slider_state(page) -> tuple[int, int]:
     """(maximum, value) of the depth slider as the page shows it."""
-    return page.evaluate("""() => { const r = document.querySelector('#depth input[type=range]');
-        return [Number(r.max), Number(r.value)]; }""")
+    return tuple(page.evaluate("""() => { const r = document.querySelector('#depth input[type=range]');
+        return [Number(r.max), Number(r.value)]; }"""))
 
 
 PLOTS_WITH_DATA = """() => Array.from(document.querySelectorAll('.js-plotly-plot'))
