@@ -159,7 +159,7 @@ def on_submit() -> tuple[float, str]:
 def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str], calibration: str,
            samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
            new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
-           export_format: str = "auto", mode: str = "single depth", depths: str = "2:10:2", your_text: str = "",
+           export_format: str = "auto", mode: str = "single depth", depths: str = "2:10:2", your_text: str | None = None,
            your_file: str | None = None, text_use: str = "evaluation", submitted: float | None = None,
            shown: dict | None = None, history: list[dict] | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
