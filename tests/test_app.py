@@ -203,6 +203,27 @@ def test_a_model_not_converted_yet_is_converted_as_its_own_first_stage(monkeypat
     assert runner.planned_stages(options, runner.QuickTasks())[0] == "load model"
 
 
+def test_a_first_use_conversion_runs_as_its_own_timed_stage_before_the_load(monkeypatch, tiny_model_folder):
+    converted = []
+
+    def convert(name: str) -> bool:
+        converted.append(name)
+        time.sleep(0.05)
+        return True
+
+    monkeypatch.setattr(runner, "needs_conversion", lambda name: not converted)
+    monkeypatch.setattr(runner.MODELS, "convert", convert)
+    options = runner.build_options(str(tiny_model_folder), "streamline", 2, "", ["none", "ghost"], "mix", 4, 32, 0,
+                                   ["ptb"], 64, "", 4)
+    stages = runner.planned_stages(options, runner.QuickTasks())
+    updates = list(runner.run_job(options, runner.QuickTasks()))
+    assert [stage for stage, _ in updates] == stages and stages[:2] == ["convert model", "load model"]
+    assert converted == [str(tiny_model_folder)]
+    timings = updates[-1][1]["timings"]
+    assert list(timings)[:2] == ["convert model", "load model"] and timings["convert model"] >= 0.05
+    assert "converting its GGUF once" in status.running_status("convert model", 0, len(stages), 0.0, None, [])
+
+
 def test_messages_name_the_widgets_not_the_cli_flags():
     message = callbacks.page_message(GhostedError("removing 30 of 30 blocks leaves none; use --total_num_prune at most 29"))
     assert "--" not in message and "'Blocks to remove'" in message
