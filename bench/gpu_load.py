@@ -3,7 +3,7 @@
     python bench/gpu_load.py                     # Llama-3.2-1B shapes (1.24B parameters, 2.5 GB in bf16)
     python bench/gpu_load.py --out results.json
 
-Builds a random Llama of the given shape on the GPU and saves it as bf16 safetensors. Then, each
+Builds a random Llama of the given shape on the GPU and saves it (fp32 by default). Then, each
 in a fresh subprocess (so the numbers are its own), it loads that folder:
 - `direct`: `load_model(folder, LoadOptions(device="cuda"))`, i.e. `from_pretrained(device_map="cuda")`
   in bf16, what `ghosted_core.models` does;
@@ -41,12 +41,17 @@ import torch  # noqa: E402
 VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
 
 
-def rss_anon() -> int:
+def status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (RssAnon: anonymous resident memory; VmHWM: peak resident size)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_anon() -> int:
+    return status_bytes("RssAnon")
 
 
 class PeakAnon:
@@ -75,14 +80,14 @@ class PeakAnon:
 
 
 def build(folder: Path, args) -> int:
-    """A random Llama of the requested shape, saved as bf16 safetensors; returns its parameter bytes."""
+    """A random Llama of the requested shape, saved as safetensors in --checkpoint_dtype; returns its bytes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                          num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
                          tie_word_embeddings=True, max_position_embeddings=4096)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(getattr(torch, args.checkpoint_dtype))
     model.save_pretrained(folder)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -100,7 +105,7 @@ def pipeline_on(model, removed: tuple[int, ...], seed: int = 0) -> dict:
     """Calibrate, fit every operator and evaluate perplexity on random tokens; what came out, and where."""
     from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches
     from ghosted_core.evaluation import perplexity
-    from ghosted_core.operators import FitOptions, get_operator
+    from ghosted_core.operators import FitOptions, get_operator, needs_of
     from ghosted_core.pipeline import VariantSpec, build_recovered
     from ghosted_core.plan import PruningPlan
 
@@ -111,7 +116,8 @@ def pipeline_on(model, removed: tuple[int, ...], seed: int = 0) -> dict:
     windows = torch.randint(0, vocab, (4, 256), generator=generator)
     plan = PruningPlan(model.config.num_hidden_layers, removed, "manual")
     clock = time.perf_counter()
-    stats = collect_stats(model, plan.boundaries, make_batches(fit_ids, held_ids, 4), CalibrationOptions(quiet=True))
+    stats = collect_stats(model, plan.boundaries, make_batches(fit_ids, held_ids, 4), CalibrationOptions(quiet=True),
+                          needs=needs_of(VARIANTS))
     torch.cuda.synchronize()
     calibrate = time.perf_counter() - clock
     fits = {name: [get_operator(name).fit(s, FitOptions()) for s in stats] for name in VARIANTS}
@@ -120,12 +126,17 @@ def pipeline_on(model, removed: tuple[int, ...], seed: int = 0) -> dict:
     clock = time.perf_counter()
     ppl = perplexity(model, models, windows, batch_size=2, quiet=True)
     torch.cuda.synchronize()
-    return {"removed": list(removed), "stats_device": str(stats[0].fit.xtx.device),
-            "stats_dtype": str(stats[0].fit.xtx.dtype), "calibrate_s": calibrate,
+    return {"removed": list(removed), "stats_device": str(stats[0].ordinary.xtx.device),
+            "stats_dtype": str(stats[0].ordinary.xtx.dtype), "calibrate_s": calibrate,
             "perplexity_s": time.perf_counter() - clock, "perplexity": ppl,
-            "updates": {name: [None if f.update is None else f.update.cpu() for f in fits[name]] for name in VARIANTS},
+            "updates": {name: [None if u is None else u.cpu() for u in map(update_of, fits[name])] for name in VARIANTS},
             "operator_weight_dtype": str(next(m for n, m in models["ghost"].named_parameters() if ".patch." in n).dtype),
             "variant_logits_dtype": str(models["ghost"](windows[:1, :8].to(input_device(model))).logits.dtype)}
+
+
+def update_of(fit) -> torch.Tensor | None:
+    """M = W − I of a fit; for a scale in an orthonormal basis, its diagonal r − 1 (same Frobenius norms)."""
+    return fit.update if fit.update is not None else None if fit.scale is None else fit.scale - 1
 
 
 def input_device(model) -> torch.device:
@@ -149,7 +160,8 @@ def worker(method: str, folder: str, out: str, removed: tuple[int, ...], gpu_cap
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda")
         torch.cuda.synchronize()
     report = {"method": method, "load_s": time.perf_counter() - clock, "host_peak_extra_bytes": host.extra,
-              "host_anon_after_bytes": rss_anon() - host.base, "gpu_allocated_bytes": torch.cuda.memory_allocated(),
+              "host_anon_after_bytes": rss_anon() - host.base, "host_peak_resident_bytes": status_bytes("VmHWM"),
+              "gpu_allocated_bytes": torch.cuda.memory_allocated(),
               "param_devices": sorted({str(p.device) for p in model.parameters()}),
               "param_dtypes": sorted({str(p.dtype) for p in model.parameters()})}
     if method == "direct":
@@ -178,6 +190,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv_heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--checkpoint_dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype the checkpoint is saved in (loaded in bf16 either way); float32 is what "
+                             "the embedded models' cache and many checkpoints hold, and what a CPU staging copy costs")
     parser.add_argument("--removed", default="4,5,6,10,11", help="blocks removed in the pipeline check")
     parser.add_argument("--gpu_cap", default="1.5GiB", help="GPU cap of the --device map run (the rest on the CPU)")
     parser.add_argument("--out", default=None, help="results file (default: bench/results/gpu_load.json)")
@@ -194,7 +209,7 @@ def main() -> None:
         folder = Path(tmp) / "model"
         clock = time.perf_counter()
         nbytes = build(folder, args)
-        print(f"random Llama {args.hidden}x{args.layers} saved in bf16: {nbytes / 2**30:.2f} GiB of parameters "
+        print(f"random Llama {args.hidden}x{args.layers} saved in {args.checkpoint_dtype}: {nbytes / 2**30:.2f} GiB "
               f"({time.perf_counter() - clock:.0f} s)", flush=True)
         runs = {}
         for method in ("direct", "staged"):
@@ -203,12 +218,13 @@ def main() -> None:
                             "--removed", args.removed, "--gpu_cap", args.gpu_cap], check=True)
             runs[method] = torch.load(report)
     report = {"shape": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab")},
+              "checkpoint_dtype": args.checkpoint_dtype,
               "parameter_bytes": nbytes, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": runs}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
     for method, run in runs.items():
         print(f"{method:>7}: load {run['load_s']:.1f} s, host peak extra {run['host_peak_extra_bytes'] / 2**30:.2f} GiB "
-              f"(model {nbytes / 2**30:.2f} GiB), GPU allocated {run['gpu_allocated_bytes'] / 2**30:.2f} GiB, "
+              f"(checkpoint {nbytes / 2**30:.2f} GiB), GPU allocated {run['gpu_allocated_bytes'] / 2**30:.2f} GiB, "
               f"params on {run['param_devices']} as {run['param_dtypes']}")
     direct = runs["direct"]
     print(f"pipeline in bf16 on the GPU: statistics {direct['gpu']['stats_dtype']} on {direct['gpu']['stats_device']}, "

@@ -36,8 +36,8 @@ from ghosted_core import data  # noqa: E402
 from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches  # noqa: E402
 from ghosted_core.evaluation import perplexity  # noqa: E402
 from ghosted_core.models import LoadOptions, load_model  # noqa: E402
-from ghosted_core.operators import FitOptions, assess, get_operator  # noqa: E402
-from ghosted_core.pipeline import VariantSpec, build_recovered  # noqa: E402
+from ghosted_core.operators import Fit, needs_of  # noqa: E402
+from ghosted_core.pipeline import RunOptions, build_recovered, fit_variant, parse_variants  # noqa: E402
 from ghosted_core.selection import SelectionRequest, select_blocks  # noqa: E402
 
 OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
@@ -57,23 +57,31 @@ def run_dtype(dtype: str, plan, args) -> dict:
     plan = plan or chosen
     timings = {"score blocks": time.perf_counter() - clock}
     clock = time.perf_counter()
-    stats = collect_stats(dense, plan.boundaries, batches, CalibrationOptions(quiet=True))
+    options = RunOptions(calibrate=CalibrationOptions(quiet=True), quiet=True)
+    stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs=needs_of(OPERATORS))
     timings["calibrate"] = time.perf_counter() - clock
-    fits = {name: [get_operator(name).fit(s, FitOptions()) for s in stats] for name in OPERATORS}
-    reports = {name: [assess(f, s) for f, s in zip(fits[name], stats)] for name in OPERATORS}
-    models = {"dense": dense, **{name: build_recovered(dense, plan, VariantSpec(name, name), fits[name])
-                                 for name in OPERATORS}}
+    fits, reports, models = {}, {}, {"dense": dense}
+    for spec in parse_variants(OPERATORS):
+        fits[spec.name], reports[spec.name] = fit_variant(dense, plan, spec, stats, batches, options)
+        models[spec.name] = build_recovered(dense, plan, spec, fits[spec.name])
     clock = time.perf_counter()
     ppl = {corpus: perplexity(dense, models, data.evaluation_windows(tokenizer, corpus, args.seqlen, args.eval_tokens),
                               quiet=True) for corpus in CORPORA}
     timings["perplexity"] = time.perf_counter() - clock
     return {"plan": plan, "chosen": list(chosen.removed), "fits": fits, "reports": reports, "perplexity": ppl,
-            "timings": timings, "stats_dtype": str(stats[0].fit.xtx.dtype),
+            "timings": timings, "stats_dtype": str(stats[0].ordinary.xtx.dtype),
             "variant_logits_dtype": str(models["ghost"](fit_ids[:1, :8]).logits.dtype)}
 
 
-def relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float | None:
-    return None if a is None or b is None else float((a - b).norm() / b.norm())
+def update_of(fit: Fit) -> torch.Tensor | None:
+    """M = W − I of a fit; for a scale in an orthonormal basis, its diagonal r − 1 (same Frobenius norms)."""
+    return fit.update if fit.update is not None else None if fit.scale is None else fit.scale - 1
+
+
+def relative(a: Fit, b: Fit) -> float | None:
+    """‖M_a − M_b‖ / ‖M_b‖ (None for plain pruning)."""
+    ma, mb = update_of(a), update_of(b)
+    return None if ma is None or mb is None else float((ma - mb).norm() / mb.norm())
 
 
 def main() -> None:
@@ -99,7 +107,7 @@ def main() -> None:
         plan = runs[dtype]["plan"]
     ref, low = runs["float32"], runs["bfloat16"]
     operators = {name: {
-        "update_relative_difference": [relative(b.update, a.update) for a, b in zip(ref["fits"][name], low["fits"][name])],
+        "update_relative_difference": [relative(b, a) for a, b in zip(ref["fits"][name], low["fits"][name])],
         "heldout_error": {dtype: [r.heldout_error for r in runs[dtype]["reports"][name]] for dtype in DTYPES},
         "heldout_error_ordinary": {dtype: [r.heldout_error_ordinary for r in runs[dtype]["reports"][name]]
                                    for dtype in DTYPES}} for name in OPERATORS}

@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from ghosted_core import data  # noqa: E402
 from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches  # noqa: E402
 from ghosted_core.evaluation import perplexity  # noqa: E402
+from ghosted_core.fold import stock_blockers  # noqa: E402
 from ghosted_core.models import load_model  # noqa: E402
 from ghosted_core.operators import FitOptions  # noqa: E402
 from ghosted_core.pipeline import RunOptions, VariantSpec, build_recovered, fit_variant, parse_variants  # noqa: E402
@@ -57,7 +58,6 @@ CALIBRATIONS = ("mix", "ptb")
 OPERATORS = ("diag", "rotate", "replaceme", "replaceme_capped", "replaceme_keepsink", "ghost", "ghost_capped")
 # ghost_nosink: see the README's sink runs
 ORTHOGONAL = ("ghost_orth", "ghost_orth+replaceme_keepsink")  # rotation_fold.orthogonal_fold_variants
-STOCK = ("replaceme", "replaceme_capped", "replaceme_keepsink", *ORTHOGONAL)  # variants that are stock checkpoints
 GHOSTS = ("ghost", "ghost_capped", "ghost_capped+seq")
 QUICK_TASKS = ("arc_easy", "copa", "piqa")
 SWEEP = (8, 16, 32, 64, 128)
@@ -119,8 +119,12 @@ def run_setting(loaded, criterion: str, n: int, args) -> dict:
         reports.update(fit_reports)
         rotated.update(rotated_fits)
     ppl = evaluate(dense, models, tokenizer, MODEL_CORPORA.get(loaded.name, EVAL_CORPORA), args, rotated)
+    # what export_variant would write as a stock checkpoint (on Gemma-3 the replaceme family does not fold)
+    stock = [name for name, model in {**models, **rotated}.items()
+             if name not in ("dense", "none") and not stock_blockers(model)]
     result = {"model": loaded.name, "criterion": criterion, "n": n, "removed": list(plan.removed),
               "boundaries": [[b.start, b.end] for b in plan.boundaries], "perplexity": ppl, "fits": reports,
+              "stock_variants": stock,
               "seconds": time.perf_counter() - clock}
     result["best_ghost"] = best_ghost(result)
     result["fold_gap"] = fold_gap(result)
@@ -153,14 +157,14 @@ def recovered_share(ppl: dict, corpus: str, variant: str) -> float:
 
 
 def fold_gap(setting: dict) -> dict[str, dict]:
-    """Per calibration corpus: the stock-checkpoint variant that recovers the largest mean share of the pruning
-    damage over the corpora (plain pruning included), against ghost_capped, and which stock variants beat
-    plain pruning on both ptb and wiki."""
+    """Per calibration corpus: the stock-checkpoint variant (one that `export_variant` writes as stock) that
+    recovers the largest mean share of the pruning damage over the corpora (plain pruning included), against
+    ghost_capped, and which stock variants beat plain pruning on both ptb and wiki."""
     ppl = setting["perplexity"]
     corpora = list(ppl)
     gap = {}
     for calibration in CALIBRATIONS:
-        stock = ["none"] + [f"{op}@{calibration}" for op in STOCK if f"{op}@{calibration}" in ppl["ptb"]]
+        stock = ["none"] + [v for v in setting["stock_variants"] if v.endswith(f"@{calibration}")]
         mean_share = {v: sum(recovered_share(ppl, c, v) for c in corpora) / len(corpora) for v in stock}
         best = max(stock, key=mean_share.get)
         ghost = f"ghost_capped@{calibration}"

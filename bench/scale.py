@@ -1,14 +1,19 @@
 """Calibration at real widths: peak extra memory, statistics bytes against the memory plan, and time.
 
-    flock /tmp/ghosted-heavy.lock .venv/bin/python bench/scale.py     # C = 2048 and 4096, 1/2/4 boundaries
+    flock /tmp/ghosted-heavy.lock .venv/bin/python bench/scale.py     # C = 2048 (1/2/4 boundaries), 4096 (1/4)
     .venv/bin/python bench/scale.py --quick                           # C = 2048, 1 and 4 boundaries (scale_quick.json)
     python bench/scale.py --device cuda                               # a GPU machine: the full 32-block 8B shape, bf16
+    .venv/bin/python bench/scale.py --smollm2_products                # fp32 vs float64 products on SmolLM2
 
 CPU mode builds random Llama models from configs, fp32, with 4 blocks: C = 2048 with
 Llama-3.2-1B's shapes and C = 4096 with Llama-3-8B's (intermediate 14336, 32 heads, 8 KV
 heads, vocabulary 128256; the LM head is tied to the embeddings, which calibration never runs,
 to spare 2 GB of a shared machine's memory). Boundaries (0,1), (1,2), (2,3), (3,4): the first
-1, 2 or 4 of them, each fitted on its own, as a depth sweep asks. For each configuration, in a
+1, 2 or 4 of them, each fitted on its own, as a depth sweep asks (the forward stops after the
+last one). 8192 fit tokens (2·C at C = 4096; the CLI default would give 4·C: the statistics'
+memory does not depend on it, only time does) in batches of 2 × 512 (the forward's own
+activations grow with the batch: the memory plan counts them, and names a smaller batch as the
+way out when they do not fit). For each configuration, in a
 fresh subprocess so peaks do not mask each other:
 - ours: `collect_stats` with the statistics that none, diag, rotate, ghost and ghost_capped
   need, then every fit per boundary (realized as its module and compacted; statistics freed
@@ -167,6 +172,25 @@ def products_difference(model, boundaries, batches, options) -> dict:
     return out
 
 
+def smollm2_products(args) -> None:
+    """fp32 products vs float64 on the real SmolLM2 (streamline n = 7 boundary, mix calibration)."""
+    import ghosted_core  # noqa: F401
+
+    from ghosted_core import data
+    from ghosted_core.calibration import CalibrationOptions, make_batches
+    from ghosted_core.models import load_model
+    from ghosted_core.plan import Boundary
+
+    loaded = load_model("smollm2-135m")
+    fit_ids, _ = data.calibration_windows(loaded.tokenizer, "mix", 32, SEQLEN, 0)
+    boundaries = [Boundary(20, 27)]
+    options = CalibrationOptions(quiet=True, batch_size=8, pipeline="full")
+    result = products_difference(loaded.model, boundaries, make_batches(fit_ids, None, 8), options)
+    report = {"mode": "products", "model": "smollm2-135m", "boundary": "20-26", "calibration": "mix (stand-in mix), 32 x 512",
+              "relative_difference": result}
+    write(args, report, [f"SmolLM2 boundary 20-26, fp32 products vs float64, relative difference in M: {result}"])
+
+
 def worker(args) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
     import ghosted_core  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads
@@ -225,108 +249,137 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def cpu_main(args) -> None:
-    shapes = ["llama-3.2-1b"] if args.quick else ["llama-3.2-1b", "llama-3-8b"]
-    counts = [1, 4] if args.quick else [1, 2, 4]
-    rows = []
-    for shape in shapes:
-        for count in counts:
-            for method in ("ours", "store-all"):
-                row = run_one(shape, count, method, args.tokens, args.batch_size)
-                rows.append(row)
-                print(f"{shape} {count} boundaries {method}: peak extra {row['peak_extra_gib']:.2f} GiB, "
-                      f"{row['wall_s']:.0f} s", flush=True)
-    rows.append(run_one("llama-3.2-1b", 1, "fp32-products", args.tokens, args.batch_size))
-    print("fp32 products vs float64, relative difference in M:", rows[-1]["relative_difference"])
-    for row in rows:
-        if row["method"] == "ours":
+    # the 8B shape at 1 and 4 boundaries only: each of its configurations takes 5-20 min on 2 shared cores
+    plan = {"llama-3.2-1b": [1, 4]} if args.quick else {"llama-3-8b": [1, 4], "llama-3.2-1b": [1, 2, 4]}
+    rows: list[dict] = []
+    jobs = [(shape, count, method) for shape, counts in plan.items() for count in counts
+            for method in ("ours", "store-all")] + [("llama-3.2-1b", 1, "fp32-products")]
+    for shape, count, method in jobs:
+        row = run_one(shape, count, method, args.tokens, args.batch_size)
+        if method == "ours":
             row["stats_equal_plan"] = all(b == row["plan_stats_bytes_per_boundary"] for b in row["stats_bytes"])
-    write(args, {"mode": "cpu", "seqlen": SEQLEN, "operators": list(OPERATORS), "rows": rows}, table(rows))
+        rows.append(row)
+        print(f"{shape} {count} boundaries {method}: peak extra {row['peak_extra_gib']:.2f} GiB, {row['wall_s']:.0f} s"
+              + (f", M difference {row['relative_difference']}" if "relative_difference" in row else ""), flush=True)
+        report = {"mode": "cpu", "seqlen": SEQLEN, "operators": list(OPERATORS), "rows": rows,
+                  "complete": len(rows) == len(jobs)}
+        write(args, report, table(rows), quiet=len(rows) < len(jobs))  # partial results survive an interruption
 
 
 def cuda_main(args) -> None:
-    """The full 32-block Llama-3-8B shape in bf16 on the GPU: the pipeline's stages and the GPU peak."""
+    """The full 32-block Llama-3-8B shape in bf16 on the GPU: the pipeline's stages and the GPU peak.
+
+    `--dry_run` runs the same steps on the CPU with the 1B shape and 6 blocks (checks the script).
+    """
     import ghosted_core  # noqa: F401
     import torch
 
     from ghosted_core.calibration import CalibrationOptions
     from ghosted_core.plan import Boundary, boundaries_of
 
-    report: dict = {"mode": "cuda", "device": torch.cuda.get_device_name(0), "seqlen": SEQLEN, "runs": []}
-    clock = time.perf_counter()
-    model = build_model("llama-3-8b", 32, "cuda", "bfloat16")
-    torch.cuda.synchronize()
-    report["build_s"] = time.perf_counter() - clock
-    report["weights_gib"] = torch.cuda.memory_allocated() / GIB
-    batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
-    plans = {"streamline n=7 (1 boundary)": [Boundary(22, 29)],
-             "shortgpt-like (4 boundaries)": list(boundaries_of([5, 11, 12, 19, 24, 25, 26]))}
-    for label, boundaries in plans.items():
-        for products in ("float64", "float32"):
-            options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full", stats_device="cuda",
-                                         products=products)
+    dry = args.dry_run
+    device, shape, layers = ("cpu", "llama-3.2-1b", 6) if dry else ("cuda", "llama-3-8b", 32)
+    gpu = device == "cuda"
+
+    def allocated() -> int:
+        return torch.cuda.memory_allocated() if gpu else 0
+
+    def peak() -> int:
+        if gpu:
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() if gpu else 0
+
+    def reset() -> None:
+        if gpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+
+    report: dict = {"mode": "cuda", "device": torch.cuda.get_device_name(0) if gpu else "cpu (dry run)",
+                    "shape": shape, "layers": layers, "dtype": "bfloat16", "seqlen": SEQLEN, "tokens": args.tokens,
+                    "batch_size": args.batch_size, "runs": []}
+    clock = time.perf_counter()
+    model = build_model(shape, layers, device, "bfloat16")
+    report["build_s"] = time.perf_counter() - clock
+    report["weights_gib"] = allocated() / GIB
+    batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
+    one = [Boundary(layers - 10, layers - 3)] if not dry else [Boundary(2, 4)]
+    plans = {"one boundary (n = 7)": one,
+             "four boundaries": list(boundaries_of([5, 11, 12, 19, 24, 25, 26] if not dry else [0, 2, 4, 5]))}
+    for label, boundaries in plans.items():
+        for products in ("float64", "float32"):
+            options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full", stats_device=device,
+                                         products=products)
+            reset()
+            before = allocated()
             result = fit_ours(model, boundaries, batches, options)
-            torch.cuda.synchronize()
             result.update(label=label, products=products, boundaries=[str(b) for b in boundaries],
-                          peak_extra_gib=(torch.cuda.max_memory_allocated() - before) / GIB,
-                          max_memory_allocated_gib=torch.cuda.max_memory_allocated() / GIB)
+                          peak_extra_gib=(peak() - before) / GIB, max_memory_allocated_gib=peak() / GIB)
             report["runs"].append(result)
             print(json.dumps(result), flush=True)
-    rows = report["runs"]
-    for i in range(0, len(rows), 2):
-        a, b = rows[i], rows[i + 1]
-        b["ghost_norm_relative_difference_vs_float64"] = [abs(x - y) / x for x, y in
-                                                          zip(a["ghost_update_norm"], b["ghost_update_norm"])]
     report["products_difference"] = products_difference(
-        model, plans["streamline n=7 (1 boundary)"], batches,
-        CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full", stats_device="cuda"))
+        model, one, batches, CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full",
+                                                stats_device=device))
+    print("fp32 products vs float64, relative difference in M:", report["products_difference"], flush=True)
     del model
     gc.collect()
-    torch.cuda.empty_cache()
-    # blocks: weights on the CPU, one block at a time on the GPU
-    cpu_model = build_model("llama-3-8b", 32, "cpu", "bfloat16")
-    options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="blocks", stats_device="cuda",
-                                 compute_device="cuda")
-    torch.cuda.reset_peak_memory_stats()
-    result = fit_ours(cpu_model, plans["streamline n=7 (1 boundary)"], batches, options)
-    result.update(label="blocks pipeline, weights on the CPU", max_memory_allocated_gib=torch.cuda.max_memory_allocated() / GIB)
+    if gpu:
+        torch.cuda.empty_cache()
+    clock = time.perf_counter()
+    cpu_model = build_model(shape, layers, "cpu", "bfloat16")  # weights on the CPU, one block at a time on the GPU
+    report["cpu_build_s"] = time.perf_counter() - clock
+    options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="blocks", stats_device=device,
+                                 compute_device=device)
+    reset()
+    result = fit_ours(cpu_model, one, batches, options)
+    result.update(label="blocks pipeline, weights on the CPU", products="float64", max_memory_allocated_gib=peak() / GIB)
     report["runs"].append(result)
     print(json.dumps(result), flush=True)
-    lines = ["| run | products | calibrate (s) | fit (s) | held-out (s) | GPU max allocated (GiB) |", "|---|---|---|---|---|---|"]
+    lines = ["| run | products | calibrate (s) | fit (s) | held-out (s) | GPU max allocated (GiB) |",
+             "|---|---|---|---|---|---|"]
     for r in report["runs"]:
-        s = r["seconds"]
-        lines.append(f"| {r['label']} | {r.get('products', 'float64')} | {s['calibrate']:.1f} | {s['fit']:.1f} | "
-                     f"{s['heldout']:.1f} | {r['max_memory_allocated_gib']:.1f} |")
+        t = r["seconds"]
+        lines.append(f"| {r['label']} | {r['products']} | {t['calibrate']:.1f} | {t['fit']:.1f} | "
+                     f"{t['heldout']:.1f} | {r['max_memory_allocated_gib']:.1f} |")
     write(args, report, lines)
 
 
-def write(args, report: dict, lines: list[str]) -> None:
-    name = {"cpu": "scale_quick.json" if args.quick else "scale.json", "cuda": "scale_cuda.json"}[report["mode"]]
+def write(args, report: dict, lines: list[str], quiet: bool = False) -> None:
+    name = {"cpu": "scale_quick.json" if args.quick else "scale.json", "cuda": "scale_cuda.json",
+            "products": "scale_products.json"}[report["mode"]]
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
     report["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
     report["load_average"] = os.getloadavg()
     out.write_text(json.dumps(report, indent=2))
-    print("\n".join(lines))
-    print(f"written: {out}")
+    if not quiet:
+        print("\n".join(lines))
+        print(f"written: {out}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="C = 2048 only, 1 and 4 boundaries")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--tokens", type=int, default=8192, help="fit tokens per configuration (plus 1/8 held out)")
-    parser.add_argument("--batch_size", type=int, default=4, help="sequences of 512 tokens per forward")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="fit tokens per configuration, plus 1/8 held out (default: 8192 on the CPU, 16384 = 4·C on cuda)")
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="sequences of 512 tokens per forward (default: 2 on the CPU, 8 on cuda)")
+    parser.add_argument("--dry_run", action="store_true", help="--device cuda's steps on the CPU with a small shape")
+    parser.add_argument("--smollm2_products", action="store_true",
+                        help="only: fp32 vs float64 products on the real SmolLM2 (scale_products.json)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="llama-3.2-1b", help=argparse.SUPPRESS)
     parser.add_argument("--boundaries", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--method", default="ours", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    gpu = args.device == "cuda"
+    args.tokens = args.tokens or (16384 if gpu and not args.dry_run else 8192 if not gpu else 1024)
+    args.batch_size = args.batch_size or (8 if gpu else 2)
     if args.worker:
         worker(args)
+    elif args.smollm2_products:
+        smollm2_products(args)
     elif args.device == "cuda":
         cuda_main(args)
     else:

@@ -34,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from calibration import peak_bytes, rss_bytes  # noqa: E402  (bench/calibration.py, beside this script)
+from bench_paths import out_help, result_path  # noqa: E402  (beside this script)
+from calibration import peak_bytes, rss_bytes  # noqa: E402
 
 DEPTHS = (2, 4, 6, 8, 10)
 SIZES = {  # (calibration sequences, sequence length, perplexity tokens per corpus)
@@ -101,7 +102,7 @@ def max_relative_difference(a: dict, b: dict) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes; writes beside the full results")
-    parser.add_argument("--out", default=None, help="results file (default bench/results/sweep[_quick].json)")
+    parser.add_argument("--out", default=None, help=out_help("sweep"))
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds: 1 = sweep then singles, 2 = ABBA")
     parser.add_argument("--worker", nargs=2, metavar=("METHOD", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)
@@ -111,7 +112,7 @@ def main() -> None:
         return
 
     size = "quick" if args.quick else "full"
-    out = Path(args.out or ROOT / f"bench/results/sweep{'_quick' if args.quick else ''}.json")
+    out = result_path("sweep", args.quick, args.out)
     tmp = Path(tempfile.mkdtemp(prefix="ghosted-sweep-bench-"))
     load_before = os.getloadavg()
     order = ["sweep", "singles", "singles", "sweep"][: 2 * args.rounds] if args.rounds <= 2 else \

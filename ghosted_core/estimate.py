@@ -2,10 +2,9 @@
 
 Estimates, not measurements, and labelled so wherever they are shown:
 
-- Memory adds up the weights (parameters × dtype bytes), the calibration statistics of every
-  boundary alive at once (`statistics.statistics_bytes`, the formula the accumulators allocate
-  by, for the requested operators), one batch's activations, the LM head's logits chunk and the
-  kept dense states of a sweep.
+- Memory is the memory plan (`memory.plan_memory`: weights, one calibration batch, the
+  statistics of every boundary alive at once, the fit's solve, the logits chunk, where each
+  lives) for the boundaries of every depth of a sweep at once, plus a sweep's kept dense states.
 - Time is a FLOP count divided by a rate: forward passes cost 2 × parameters per token through
   the blocks they run (plus attention, 4 × T × C per token and block, and the LM head, 2 × V × C,
   where perplexity needs it); the float64 statistics 8 × C² per token and boundary; each
@@ -29,11 +28,10 @@ import torch
 from transformers import PretrainedConfig
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.evaluation import LOGITS_BUDGET
 from ghosted_core.models import estimate_parameters
 from ghosted_core.operators import needs_of
-from ghosted_core.pipeline import RunOptions
-from ghosted_core.selection import get_criterion
+from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
+from ghosted_core.pipeline import RunOptions, sized
 from ghosted_core.statistics import statistics_bytes
 
 # Share of the measured matmul rate a forward pass reaches. CPU: SmolLM2's forward (8 × 256 tokens) ran at
@@ -135,15 +133,14 @@ class Workload:
 def workload(config: PretrainedConfig, options: RunOptions, depths: Sequence[int] | None = None) -> Workload:
     """The counts of `options` (one depth: options.num_prune; a sweep: `depths`) on a model with `config`.
 
-    Boundaries: one per depth for contiguous criteria; ShortGPT's scattered blocks are taken at
-    their worst, a boundary per removed block.
+    Boundaries: the most each depth's criterion can make (`memory.max_boundaries`), all alive at once.
     """
+    options = sized(options, int(config.hidden_size))
     chosen = tuple(sorted(set(depths))) if depths else (options.num_prune,)
     layers = int(config.num_hidden_layers)
     if options.criterion == "manual":
         chosen = (len(set(options.layers)),)
-    contiguous = get_criterion(options.criterion).needs_similarity and options.criterion != "shortgpt"
-    boundaries = len(chosen) if contiguous else min(sum(chosen), layers)
+    boundaries = sum(max_boundaries(options.criterion, layers, n, options.layers) for n in chosen)
     eval_tokens = len(options.eval_corpora) * (options.eval_max_tokens or 100_000)  # uncapped: ~PTB's 82k + margin
     least_squares = sum(1 for v in options.variants if v.operator.startswith("ghost") or v.operator == "replaceme")
     return Workload(chosen, boundaries, options.train_size * options.seqlen, options.heldout * options.seqlen,
@@ -156,45 +153,58 @@ def workload(config: PretrainedConfig, options: RunOptions, depths: Sequence[int
 def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool = True) -> int:
     """Bytes one boundary's accumulator allocates for the operators `options` asks for."""
     needs = needs_of(v.operator for v in options.variants)
-    return statistics_bytes(width, needs, options.calibrate.capacity(options.train_size), branch)
+    sequences = options.train_size or min_calibration_sequences(width, options.seqlen)
+    return statistics_bytes(width, needs, options.calibrate.capacity(sequences), branch)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes a run needs at its peak, by what holds them (an estimate)."""
+    """The memory plan of a run (or of every depth of a sweep at once) and a sweep's kept dense states."""
 
-    weights: int
-    statistics: int  # every boundary of every depth during the one calibration pass
-    activations: int  # one calibration batch through a block, with the residuals the hooks keep
-    logits: int  # the LM head's float32 logits chunk (perplexity)
-    kept_states: int  # a sweep's dense states for suffix-only evaluation
-    operators: int  # float32 C×C boundary operators of one depth's variants
+    plan: MemoryPlan
+    kept_states: int  # a sweep's dense evaluation states, on the model's device
+
+    @property
+    def weights(self) -> int:
+        return self.plan.weights_bytes
+
+    @property
+    def statistics(self) -> int:
+        return self.plan.stats_bytes
+
+    @property
+    def on_device(self) -> int:
+        """Bytes on the compute device (the host's for a CPU run)."""
+        return (self.plan.device_bytes if self.plan.device_available is not None else self.plan.host_bytes) \
+            + self.kept_states
 
     @property
     def total(self) -> int:
-        return self.weights + self.statistics + self.activations + self.logits + self.kept_states + self.operators
+        return self.plan.device_bytes + self.plan.host_bytes + self.kept_states
 
     def to_json(self) -> dict:
-        return asdict(self) | {"total": self.total}
+        return {"plan": self.plan.to_json(), "kept_states": self.kept_states, "on_device": self.on_device,
+                "total": self.total}
 
 
 def estimate_memory(config: PretrainedConfig, options: RunOptions, depths: Sequence[int] | None = None,
-                    dtype_bytes: int = 4) -> MemoryEstimate:
-    """Peak bytes of a run (or sweep) on a model with `config`, weights in `dtype_bytes` per parameter."""
+                    device: DeviceInfo | None = None) -> MemoryEstimate:
+    """The plan of `options` (every depth of a sweep at once) on a model with `config`, on `device`
+    (default: the CPU). A GPU's memory is taken as its total; host memory is what this machine has free."""
+    options = sized(options, int(config.hidden_size))
     work = workload(config, options, depths)
-    c, inter = int(config.hidden_size), int(config.intermediate_size)
-    captured = 2 * work.boundaries + 2  # residuals the hooks hold per batch (x_pre, x_post per boundary)
-    activations = work.batch_tokens * (c * captured + 3 * inter) * dtype_bytes
-    sweep_states = (work.eval_tokens * c * dtype_bytes * len(work.depths)) if depths and len(work.depths) > 1 else 0
-    per_depth_boundaries = max(1, math.ceil(work.boundaries / len(work.depths)))
-    return MemoryEstimate(
-        weights=estimate_parameters(config) * dtype_bytes,
-        statistics=work.boundaries * statistics_bytes_per_boundary(c, options),
-        activations=activations,
-        logits=LOGITS_BUDGET,
-        kept_states=sweep_states,
-        operators=work.variants * per_depth_boundaries * c * c * 4,
-    )
+    gpu = device is not None and device.kind == "cuda"
+    where = "cuda" if gpu else "cpu"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    cal = options.calibrate
+    plan = plan_memory(config, options.model, where, dtype, needs_of(v.operator for v in options.variants),
+                       work.boundaries, options.train_size, options.seqlen, cal.batch_size,
+                       cal.capacity(options.train_size), options.eval_batch_size, options.eval_seqlen,
+                       cal.pipeline, cal.stats_device, device_available=device.memory_bytes if gpu else None)
+    # memory: evaluation tokens × C × dtype bytes per depth (the kept dense states of a sweep)
+    kept = work.eval_tokens * int(config.hidden_size) * (2 if gpu else 4) * len(work.depths) \
+        if depths and len(work.depths) > 1 else 0
+    return MemoryEstimate(plan, kept)
 
 
 # ---------------------------------------------------------------- time
@@ -222,6 +232,7 @@ class TimeEstimate:
 def estimate_time(config: PretrainedConfig, options: RunOptions, device: DeviceInfo,
                   depths: Sequence[int] | None = None) -> TimeEstimate:
     """Seconds of each stage of `options` (and `depths`, for a sweep) on a model with `config` on `device`."""
+    options = sized(options, int(config.hidden_size))
     work = workload(config, options, depths)
     c, layers, vocab = int(config.hidden_size), int(config.num_hidden_layers), int(config.vocab_size)
     params = estimate_parameters(config)

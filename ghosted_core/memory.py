@@ -208,14 +208,16 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     acts = activation_bytes(config, tokens, seqlen, dtype, 2 * boundaries, boundaries * needs.branch)
     hidden = (1 + 2 * boundaries) * sequences * seqlen * c * item
     logits = logits_bytes(config, eval_batch, eval_seqlen or seqlen)
-    gpu = device.startswith("cuda") or device == "map"
+    gpu = device.startswith("cuda") or device == "map" and (device_available is not None or torch.cuda.is_available())
     if gpu and device_available is None:
         device_available = available_bytes(device if device != "map" else "cuda")
     if host_available is None:
         host_available = available_bytes("cpu")
-    if not gpu:
+    if not gpu:  # the CPU computes; with "map", accelerate keeps what exceeds its max_memory on disk
         chosen = "full" if pipeline == "auto" else pipeline
-        host = weights + acts + stats + fit + logits + (hidden if chosen == "blocks" else 0)
+        # `map` without a GPU: accelerate keeps at most its max_memory cap of the weights in RAM, the rest on disk
+        resident = 0 if device == "map" else weights
+        host = resident + acts + stats + fit + logits + (hidden if chosen == "blocks" else 0)
         return MemoryPlan(name, device, _name(dtype), params, weights, c, tokens, acts, boundaries, needs.describe(),
                           sink_capacity, per_boundary, stats, fit, hidden if chosen == "blocks" else 0, logits, chosen,
                           "cpu", 0, host, None, host_available)

@@ -50,6 +50,7 @@ def run_record(report: Mapping[str, Any], variant: str) -> dict[str, Any]:
         "criterion": report["criterion"],
         "calibration": calibration,
         "boundary_error": entry.get("boundary_error", []),
+        "fit_notes": list(dict.fromkeys(n for fit in entry.get("fits", []) for n in fit.get("notes", []))),
         "perplexity": perplexity,
     }
 
@@ -85,6 +86,7 @@ def _changes(record: Mapping[str, Any]) -> list[str]:
             lines.append(f"- **Boundary {err['boundary']} error** (held-out calibration text, 1 = plain pruning): "
                          f"{err['heldout']:.3f} all tokens" + ("" if err.get("heldout_ordinary") is None
                                                                   else f", {err['heldout_ordinary']:.3f} ordinary tokens"))
+    lines += [f"- Note from the fit: {note}" for note in record.get("fit_notes", [])]
     return lines
 
 
@@ -95,7 +97,7 @@ def _perplexity_table(record: Mapping[str, Any]) -> list[str]:
     lines = ["Measured by the run that made this model (exp of the mean token NLL; lower is better):", "",
              "| corpus | tokens | dense model | plain pruning | this model |", "|---|---|---|---|---|"]
     for corpus, row in table.items():
-        label = row["label"] if row.get("real") else f"{row['label']} (**stand-in**)"
+        label = row["label"] if row.get("real") or "stand-in" in row["label"] else f"{row['label']} (stand-in)"
         lines.append(f"| {corpus}: {label} | {row.get('tokens') or '-'} | {fmt_ppl(row.get('dense'))} | "
                      f"{fmt_ppl(row.get('none'))} | {fmt_ppl(row.get('variant'))} |")
     lines += ["", "Stand-in corpora are offline substitutes (e.g. Wikipedia paragraphs for WikiText-2); their "

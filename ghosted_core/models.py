@@ -83,6 +83,10 @@ class LoadOptions:
     max_memory: dict | None = None  # device="map": cap per device, e.g. {0: "20GiB", "cpu": "60GiB"}; the rest goes to disk
     offload_folder: str | None = None  # device="map": where weights that must be re-saved for disk offload go
 
+    def __post_init__(self) -> None:
+        if self.device != "map" and (self.max_memory or self.offload_folder):
+            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -174,6 +178,15 @@ def default_offload_folder(name: str) -> Path:
     return cache_dir() / "offload" / re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
 
 
+def check_load_options(options: LoadOptions) -> tuple[str, torch.dtype]:
+    """The resolved (device, dtype), refusing what cannot work before anything is read."""
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    if device != "map" and (options.max_memory or options.offload_folder):
+        raise GhostedError("--max_memory and --offload_folder apply to --device map only")
+    return device, dtype
+
+
 def placement(name: str, options: LoadOptions) -> dict:
     """Keyword arguments of `from_pretrained` that put the weights where `options` says, in one step.
 
@@ -181,11 +194,8 @@ def placement(name: str, options: LoadOptions) -> dict:
     on the CPU first). `map`: accelerate's `device_map="auto"` fills GPUs, then the CPU, up to
     `max_memory`, and leaves the rest on disk, read block by block during each forward pass.
     """
-    device = resolve_device(options.device)
-    dtype = resolve_dtype(options.dtype, device)
+    device, dtype = check_load_options(options)
     if device != "map":
-        if options.max_memory or options.offload_folder:
-            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
         return {"dtype": dtype, "device_map": device}
     folder = Path(options.offload_folder) if options.offload_folder else default_offload_folder(name)
     return {"dtype": dtype, "device_map": "auto", "max_memory": options.max_memory, "offload_folder": str(folder)}

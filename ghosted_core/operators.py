@@ -305,7 +305,8 @@ def solve_keeping(gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, t
     on the rest. In the basis [Q U] with Q spanning range(P), the normal equations are
     (QᵀGQ + εI) B̃ = QᵀR, A = Q B̃: the same solution as (PGP + c·UUᵀ + εI) A = P R (any c > 0
     makes the U block invertible and its right-hand side is 0, so UᵀA = 0), which needs no Q.
-    Memory: three C×C float64 matrices beyond the statistics; time O(C²·k) plus one solve, O(C³).
+    Memory: four C×C float64 matrices beyond the statistics (PGP, PR, the regularized copy, A);
+    time O(C²·k) plus one solve and one condition number, O(C³).
     """
     if keep.shape[1] == 0:
         return solve_ridge(gram, cross, tokens, opts)

@@ -22,8 +22,8 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import BlockDrift, GenerationOptions, block_drift, generate, perplexity
 from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
 from ghosted_core.model_card import run_record
-from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, decoder_blocks, load_model, max_positions, \
-    peek_config, resolve_device, resolve_dtype
+from ghosted_core.models import DEFAULT_MODEL, LoadedModel, LoadOptions, check_load_options, decoder_blocks, load_model, \
+    max_positions, peek_config, resolve_device, resolve_dtype
 from ghosted_core.operators import BoundaryMap, Fit, FitOptions, FitReport, assess, branch_replacement, \
     choose_by_heldout, get_operator, module_device, needs_of, residual_module
 from ghosted_core.plan import PruningPlan
@@ -193,6 +193,7 @@ def fit_json(reports: Sequence[FitReport]) -> dict:
 def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
     """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
+    check_load_options(options.load)
     for name in (options.calibration, *options.eval_corpora):
         if name == USER_CORPUS:
             options.corpus(name, "evaluation")  # refuses "your text" without the text
@@ -399,6 +400,26 @@ def memory_plan(options: RunOptions, config, device: str | None = None, dtype=No
                        options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
 
 
+def planned(options: RunOptions, loaded: LoadedModel | None = None,
+            boundaries: int | None = None) -> tuple[RunOptions, MemoryPlan]:
+    """Options with the calibration size resolved and calibration placed, and the memory plan behind them.
+
+    Before loading (`loaded` None) the plan comes from the config alone; a plan that cannot fit
+    is refused here, before any weight is read. `boundaries`: how many boundaries the statistics
+    hold at once (None: the most this criterion and depth can make).
+    """
+    if loaded is None:
+        config = peek_config(options.model)
+        options = sized(options, config.hidden_size)
+        plan = memory_plan(options, config, boundaries=boundaries)
+    else:
+        options = sized(options, loaded.hidden_size)
+        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model), boundaries=boundaries)
+    plan.check()
+    log.info(plan.summary())
+    return _placed(plan, options), plan
+
+
 def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
     """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
     cal = options.calibrate
@@ -440,14 +461,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
     if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
         config = peek_config(options.model)
         validate(options, config.num_hidden_layers, max_positions(config))
-        options = sized(options, config.hidden_size)
-        plan = memory_plan(options, config)
-    else:
-        options = sized(options, loaded.hidden_size)
-        plan = memory_plan(options, loaded.model.config, *_loaded_placement(loaded.model))
-    plan.check()
-    log.info(plan.summary())
-    options = _placed(plan, options)
+    options, plan = planned(options, loaded)
     result.options, result.memory_plan = options, plan
     if loaded is None:
         loaded = load_model(options.model, options.load)

@@ -23,6 +23,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.estimate import DeviceInfo, MemoryEstimate, TimeEstimate, current_device, estimate_memory, \
     estimate_time, gpu_duration
 from ghosted_core.hub import hub_reachable
+from ghosted_core.memory import HEADROOM
 from ghosted_core.models import estimate_parameters, peek_config
 from ghosted_core.pipeline import RunOptions
 
@@ -165,21 +166,24 @@ def preset_status(preset: Preset, options: RunOptions = RunOptions(), device: De
     online = hub_reachable() if online is None else online
     token = token if token is not None else hub_token()
     config = preset.config()
-    memory = estimate_memory(config, options, depths, device.dtype_bytes)
+    memory = estimate_memory(config, options, depths, device)
     seconds = estimate_time(config, options, device, depths)
+    plan = memory.plan
+    model_bytes = plan.weights_bytes + plan.activation_bytes + plan.logits_bytes  # evaluation runs it on the device
     reason = ""
     if not online:
         reason = "the Hugging Face Hub cannot be reached from here, so its weights cannot be downloaded"
     elif preset.gated and not token:
         reason = (f"{preset.hub_id} is gated: accept its terms at https://huggingface.co/{preset.hub_id} and give "
                   "a token of that account (HF_TOKEN, or hf auth login)")
-    elif memory.weights + memory.activations > 0.9 * device.memory_bytes:
-        reason = (f"{preset.hub_id} needs about {(memory.weights + memory.activations) / 2**30:.1f} GiB for its "
-                  f"weights and activations, but {device.name} has {device.memory_bytes / 2**30:.1f} GiB")
-    elif memory.total > 0.9 * device.memory_bytes:
-        reason = (f"{preset.hub_id} with these settings needs about {memory.total / 2**30:.1f} GiB "
-                  f"(statistics {memory.statistics / 2**30:.1f} GiB), but {device.name} has "
-                  f"{device.memory_bytes / 2**30:.1f} GiB; remove fewer blocks or sweep fewer depths")
+    elif model_bytes > HEADROOM * device.memory_bytes:
+        reason = (f"{preset.hub_id} is too big for {device.name}: its weights and one batch take about "
+                  f"{model_bytes / 2**30:.1f} GiB of its {device.memory_bytes / 2**30:.1f} GiB; pick a smaller model")
+    elif memory.on_device > HEADROOM * device.memory_bytes or not plan.fits:
+        reason = (f"{preset.hub_id} with these settings needs about {memory.on_device / 2**30:.1f} GiB on "
+                  f"{device.name} (statistics {plan.stats_bytes / 2**30:.1f} GiB for {plan.boundaries} boundaries) "
+                  f"of its {device.memory_bytes / 2**30:.1f} GiB; remove fewer blocks, sweep fewer depths or ask "
+                  "for fewer operators")
     return PresetStatus(preset, not reason, reason, memory, seconds, device)
 
 

@@ -46,7 +46,8 @@ from ghosted_core.evaluation import PrefixStates, dense_prefix_states, perplexit
 from ghosted_core.models import LoadedModel, load_model, max_positions, peek_config
 from ghosted_core.operators import FitReport, needs_of
 from ghosted_core.plan import Boundary, PruningPlan
-from ghosted_core.pipeline import RunOptions, calibration_batches, corpus_entry, fit_json, fit_variants, validate
+from ghosted_core.memory import MemoryPlan, max_boundaries
+from ghosted_core.pipeline import RunOptions, calibration_batches, corpus_entry, fit_json, fit_variants, planned, validate
 from ghosted_core.selection import SelectionRequest, get_criterion, select_blocks_depths
 from ghosted_core.stopping import StopCheck, check_stop
 
@@ -161,6 +162,7 @@ class SweepResult:
     results: list[DepthResult] = field(default_factory=list)  # one per finished depth, in depth order
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    memory_plan: MemoryPlan | None = None  # planned before loading, for every depth's boundaries at once
 
     @property
     def variant_names(self) -> list[str]:
@@ -183,6 +185,7 @@ class SweepResult:
             "corpora": self.corpora,
             "timings": {k: round(v, 3) for k, v in self.timings.items()},
             "notes": self.notes,
+            "memory_plan": self.memory_plan.to_json() if self.memory_plan else None,
             "sweep": {
                 "depths": list(self.depths),
                 "variants": self.variant_names,
@@ -250,6 +253,12 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     if loaded is None:
         config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
         check_sweep(options, chosen, config.num_hidden_layers, max_positions(config))
+    # The statistics of every depth live at once: plan for the boundaries of all depths together.
+    layers = loaded.num_layers if loaded is not None else config.num_hidden_layers
+    boundaries = sum(max_boundaries(options.criterion, layers, n, options.layers) for n in chosen)
+    options, result.memory_plan = planned(options, loaded, boundaries)
+    result.options = options
+    if loaded is None:
         loaded = load_model(options.model, options.load)
     check_sweep(options, chosen, loaded.num_layers, max_positions(loaded.model.config))
     dense, tokenizer = loaded.model, loaded.tokenizer

@@ -231,3 +231,28 @@ def test_sweep_of_smollm2_from_the_command_line(tmp_path):
         none = entry["variants"]["none"]["ppl"]
         assert all(none[c] > sweep["dense"]["ppl"][c] for c in none)  # pruning hurts at every depth
     assert "stand-in for C4" in done.stdout and "ppl wiki (stand-in)" in done.stdout
+
+
+def test_too_little_calibration_warns_and_records_the_ridge_fallback(tiny_model_folder, tmp_path, capsys, caplog):
+    """16 fit tokens < C = 36: a stderr warning, a ridge_fallback entry per fit, and a flag for any
+    operator that does worse than plain pruning on the held-out sequences (marked `!`)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        code = main(["--model", str(tiny_model_folder), "--pruning_method", "manual", "--layers", "2-3",
+                     "--insert_type", "none,ghost", "--calibration_data", "ptb", "--train_size", "1", "--seqlen", "16",
+                     "--heldout_size", "2", "--eval_ppl", "none", "--outdir", str(tmp_path), "--quiet"])
+    assert code == 0
+    assert any("rank-deficient fit (16 tokens < 36 channels)" in r.message for r in caplog.records)
+    assert any("fewer than 4·C = 144" in r.message for r in caplog.records)
+    results = json.loads((tmp_path / "results.json").read_text())
+    fit = results["variants"]["ghost"]["fits"][0]
+    assert fit["ridge_fallback"].startswith("rank-deficient fit (16 tokens < 36 channels)")
+    assert results["variants"]["ghost"]["boundary_error"][0]["ridge_fallback"] == fit["ridge_fallback"]
+    assert results["variants"]["none"]["fits"][0]["ridge_fallback"] is None
+    out = capsys.readouterr().out
+    assert fit["heldout_error"] > 1  # 16 tokens for 36 channels: this seeded fit does worse than pruning on new text
+    assert fit["heldout_worse_than_pruning"] and "worse than plain pruning on held-out calibration text" in fit["flags"]
+    assert " !" in out and "! = worse than plain pruning on held-out calibration text" in out
+    assert not results["variants"]["none"]["fits"][0]["heldout_worse_than_pruning"]
+    assert results["memory_plan"]["fits"] and results["calibration"]["tokens"] == 16

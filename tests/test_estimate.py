@@ -31,18 +31,21 @@ def test_statistics_formula_equals_what_calibration_allocates(tiny_llama):
                                                   *2 * [statistics_bytes_per_boundary(TINY_WIDTH, options)]]
 
 
-def test_memory_estimate_adds_weights_and_every_boundary_of_a_sweep():
+def test_memory_estimate_plans_every_boundary_of_a_sweep_at_once():
     config = get_preset("llama-3.1-8b").config()
-    options = RunOptions(model="meta-llama/Llama-3.1-8B")
-    single = estimate_memory(config, options, dtype_bytes=2)
+    options = RunOptions(model="meta-llama/Llama-3.1-8B", train_size=64)
+    single = estimate_memory(config, options, device=DEVICE)
     per_boundary = statistics_bytes_per_boundary(4096, options)
     assert single.weights == estimate_parameters(config) * 2 and single.statistics == per_boundary
-    sweep = estimate_memory(config, options, (2, 4, 6, 8, 10), dtype_bytes=2)
-    assert sweep.statistics == 5 * single.statistics  # streamline: one boundary per depth
+    assert single.plan.stats_bytes_per_boundary == per_boundary and single.kept_states == 0
+    sweep = estimate_memory(config, options, (2, 4, 6, 8, 10), device=DEVICE)
+    assert sweep.statistics == 5 * single.statistics  # streamline: one boundary per depth, all alive in the pass
     assert sweep.kept_states == 5 * 2 * 8192 * 4096 * 2  # two corpora × 8192 tokens × C × bf16 per depth
-    shortgpt = estimate_memory(config, replace(options, criterion="shortgpt"), (2, 4), dtype_bytes=2)
+    assert sweep.on_device == sweep.plan.device_bytes + sweep.kept_states
+    shortgpt = estimate_memory(config, replace(options, criterion="shortgpt"), (2, 4), device=DEVICE)
     assert shortgpt.statistics == 6 * single.statistics  # worst case: a boundary per removed block
-    assert sweep.total == sum(v for k, v in sweep.to_json().items() if k != "total")
+    cpu = estimate_memory(config, options)
+    assert cpu.weights == 2 * single.weights and cpu.on_device == cpu.plan.host_bytes  # fp32 on the CPU
 
 
 def test_time_estimate_scales_with_tokens_depths_and_device():

@@ -454,3 +454,12 @@ def test_lm_eval_runs_on_a_remote_code_export(tiny_model_folder, tmp_path):
     assert 0.0 <= scores["acc,none"] <= 1.0
     assert results["n-samples"][LM_EVAL_TASK]["effective"] == 5
     assert results["config"]["model_args"]["trust_remote_code"] in (True, "True")
+
+
+def test_every_per_layer_config_list_is_sliced(tiny_llama, tmp_path):
+    """Lists with one entry per dense block (here a SmolLM3-style `no_rope_layers`) keep the kept blocks' entries."""
+    _plan, variants = recovered_variants(tiny_llama, (1, 4))
+    variant = variants["none"]
+    variant.config.no_rope_layers = [10, 11, 12, 13, 14, 15]  # the variant's own config copy, as surgery left it
+    config = json.loads((export_variant(variant, None, tmp_path / "none").folder / "config.json").read_text())
+    assert config["no_rope_layers"] == [10, 12, 13, 15] and config["num_hidden_layers"] == 4

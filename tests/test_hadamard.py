@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.hadamard import hadamard, hadamard_factors
+from ghosted_core.hadamard import hadamard, hadamard_factors, hadamard_transform
 
 SIZES = [576, 640, 896, 960, 1536, 2048, 3072, 3584, 4096, 5120, 8192]
 
@@ -31,3 +32,11 @@ def test_impossible_order_is_a_clear_error():
     assert hadamard_factors(100) is None
     with pytest.raises(GhostedError, match="rotate operator is unavailable"):
         hadamard(100)
+
+
+@pytest.mark.parametrize("size", [12, 36, 576, 640, 896, 2048, 3584, 8192])
+def test_fast_transform_equals_the_matrix_product(size):
+    """hadamard_transform(x) = x H without building H (Kronecker factors of order ≤ 64)."""
+    x = torch.randn(3, size, dtype=torch.float64, generator=torch.Generator().manual_seed(size))
+    expected = x.numpy() @ hadamard(size)
+    np.testing.assert_allclose(hadamard_transform(x).numpy(), expected, atol=1e-12)

@@ -133,3 +133,17 @@ def test_tiny_widths_stay_tiny():
     assert plan_memory(LlamaConfig(hidden_size=TINY_WIDTH, intermediate_size=72, num_hidden_layers=6,
                                    num_attention_heads=6, num_key_value_heads=2, vocab_size=97), "tiny", "cpu",
                        torch.float32, LEAN, 1, 4, 12, 2, 64).stats_bytes_per_boundary < 2**20
+
+
+def test_blocks_pipeline_through_the_run_gives_the_full_runs_numbers(tiny_model_folder):
+    def go(pipeline: str):
+        options = RunOptions(model=str(tiny_model_folder), num_prune=2, variants=parse_variants("none,ghost,replaceme"),
+                             calibration="ptb", train_size=4, seqlen=32, eval_corpora=("ptb",), eval_max_tokens=96,
+                             quiet=True, calibrate=CalibrationOptions(quiet=True, pipeline=pipeline))
+        return run(options).to_json()
+    full, blocks = go("full"), go("blocks")
+    assert (full["calibration"]["pipeline"], blocks["calibration"]["pipeline"]) == ("full", "blocks")
+    for name in ("ghost", "replaceme"):
+        a, b = full["variants"][name], blocks["variants"][name]
+        assert b["boundary_error"][0]["heldout"] == pytest.approx(a["boundary_error"][0]["heldout"], rel=1e-8)
+        assert b["ppl"]["ptb"] == pytest.approx(a["ppl"]["ptb"], rel=1e-6)

@@ -11,7 +11,7 @@ from transformers import GPT2Config, LlamaConfig
 from conftest import ALL_FAMILIES, TINY_LAYERS, make_tiny_model, random_tokens
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation import GenerationOptions
-from ghosted_core.export import load_recovered, save_recovered
+from ghosted_core.export import export_variant, load_recovered
 from ghosted_core.hub import hub_reachable
 from ghosted_core.models import (EMBEDDED, SUPPORTED_MODEL_TYPES, LoadOptions, check_fits, decoder_blocks,
                                  estimate_parameters, load_model, placement, resolve_dtype)
@@ -139,7 +139,7 @@ def test_family_runs_the_whole_pipeline(tiny_folder, smollm2_tokenizer, family, 
             prefill = variant(ids[:, :12], use_cache=True)
             step = variant(ids[:, 12:13], past_key_values=prefill.past_key_values, use_cache=True).logits
             torch.testing.assert_close(step[:, -1], full[:, 12], rtol=1e-4, atol=1e-4, msg=f"{family} {name} cache")
-            reloaded, _ = load_recovered(save_recovered(variant, result.tokenizer, tmp_path / name))
+            reloaded, _ = load_recovered(export_variant(variant, result.tokenizer, tmp_path / name).folder)
             assert torch.equal(reloaded(ids).logits, full), f"{family} {name} reload"
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.estimate import DeviceInfo
 from ghosted_core.models import estimate_parameters
@@ -14,6 +15,7 @@ from ghosted_core.presets import PRESETS, check_preset, config_for, get_preset, 
 
 BIG_GPU = DeviceInfo("test GPU", "cuda", 80 * 2**30, 400e12, 30e12, "assumed (test)")
 SMALL_GPU = DeviceInfo("small test GPU", "cuda", 8 * 2**30, 100e12, 5e12, "assumed (test)")
+MID_GPU = DeviceInfo("mid test GPU", "cuda", 12 * 2**30, 100e12, 5e12, "assumed (test)")
 
 
 @pytest.mark.parametrize("key", list(PRESETS))
@@ -57,7 +59,13 @@ def test_gated_without_a_token_or_too_big_is_refused_before_any_download():
     assert not no_token.available and "gated" in no_token.reason and "token" in no_token.reason
     assert preset_status(llama, RunOptions(), BIG_GPU, token="hf_x", online=True).available
     too_big = preset_status(get_preset("qwen2.5-7b"), RunOptions(), SMALL_GPU, token="", online=True)
-    assert not too_big.available and "needs about" in too_big.reason and "8.0 GiB" in too_big.reason
+    assert not too_big.available and "too big for small test GPU" in too_big.reason and "8.0 GiB" in too_big.reason
+    on_gpu = RunOptions(criterion="shortgpt", calibrate=CalibrationOptions(stats_device="cuda"))
+    qwen3b = get_preset("qwen2.5-3b")
+    assert preset_status(qwen3b, on_gpu, MID_GPU, token="", online=True).available
+    crowded = preset_status(qwen3b, on_gpu, MID_GPU, (2, 4, 6, 8, 10), token="", online=True)
+    assert crowded.memory.plan.boundaries == 2 + 4 + 6 + 8 + 10  # ShortGPT at its worst: a boundary per block
+    assert not crowded.available and "sweep fewer depths" in crowded.reason  # every depth's statistics at once
     small = preset_status(get_preset("qwen2.5-0.5b"), RunOptions(), SMALL_GPU, token="", online=True)
     assert small.available and small.reason == ""
     with pytest.raises(GhostedError, match="cannot be reached"):

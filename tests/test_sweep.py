@@ -177,3 +177,18 @@ def test_results_json_has_a_sweep_entry(loaded, tiny_model_folder):
             assert variants["none"]["recovered"][corpus] == pytest.approx(0.0)
         assert variants["none"]["boundary_error"][0]["fit"] == pytest.approx(1.0)
         assert len(variants["ghost"]["antisym_fraction"]) == 1
+
+
+def test_sweep_on_your_text_labels_it_everywhere(loaded, tiny_model_folder):
+    from ghosted_core.user_text import USER_CORPUS, from_text
+
+    text = from_text("\n\n".join(f"Part {i}. " + "The tide turns when the moon says so. " * 12 for i in range(60)))
+    options = replace(options_for(tiny_model_folder, criterion="streamline", variants="none,ghost"),
+                      calibration=USER_CORPUS, eval_corpora=(USER_CORPUS, "ptb"), user_text=text)
+    report = run_sweep(options, (1, 2), loaded).to_json()
+    assert report["calibration"]["corpus"] == USER_CORPUS and report["calibration"]["label"].startswith(USER_CORPUS)
+    entry = report["corpora"][USER_CORPUS]
+    assert entry["user"] and entry["label"].startswith(USER_CORPUS) and "disjoint" in entry["label"]
+    assert set(report["sweep"]["dense"]["ppl"]) == {USER_CORPUS, "ptb"}
+    for depth in report["sweep"]["results"]:
+        assert set(depth["variants"]["ghost"]["ppl"]) == {USER_CORPUS, "ptb"}
