@@ -38,6 +38,17 @@ def _corpus_legend(report: dict, corpus: str) -> str:
     return f"{corpus_tag(report, corpus)}" + (f", {tokens} tokens" if tokens else "")
 
 
+def _legend_for_corpora(fig: go.Figure, report: dict) -> None:
+    """One legend entry per corpus (its line style), so each operator needs one entry, not one per corpus;
+    the figure grows by a legend line per entry (one entry a line on a phone)."""
+    corpora = _corpora(report)
+    for k, corpus in enumerate(corpora):
+        fig.add_scatter(x=[None], y=[None], mode="lines", name=_corpus_legend(report, corpus), legendgroup=f"corpus {k}",
+                        line=dict(color="#64748b", dash=CORPUS_DASHES[k % len(CORPUS_DASHES)], width=2))
+    entries = sum(1 for trace in fig.data if trace.showlegend is not False)
+    fig.update_layout(height=fig.layout.height + 20 * entries)
+
+
 def curve_figure(report: dict) -> go.Figure:
     """Perplexity (log axis) against removed blocks: one line per operator and corpus, dense as a reference per corpus."""
     results = _depth_results(report)
@@ -50,15 +61,15 @@ def curve_figure(report: dict) -> go.Figure:
     for k, corpus in enumerate(_corpora(report)):
         dash = CORPUS_DASHES[k % len(CORPUS_DASHES)]
         dense = report["sweep"]["dense"]["ppl"][corpus]
-        label = _corpus_legend(report, corpus)
-        fig.add_scatter(x=[min(depths), max(depths)], y=[dense, dense], mode="lines", name=f"dense · {label}",
-                        line=dict(color=DENSE_COLOR, dash=dash, width=1.5), legendgroup="dense",
+        fig.add_scatter(x=[min(depths), max(depths)], y=[dense, dense], mode="lines", name="dense", legendgroup="dense",
+                        line=dict(color=DENSE_COLOR, dash=dash, width=1.5), showlegend=k == 0,
                         hovertemplate=f"dense · {corpus}: %{{y:.4g}}<extra></extra>")
         for name in operators:
             ys = [r["variants"].get(name, {}).get("ppl", {}).get(corpus) for r in results]
-            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=f"{name} · {label}", legendgroup=name,
+            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=name, legendgroup=name, showlegend=k == 0,
                             line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
                             hovertemplate=f"{name} · {corpus}<br>%{{x}} blocks removed: %{{y:.4g}}<extra></extra>")
+    _legend_for_corpora(fig, report)
     fig.update_yaxes(type="log", title_text="perplexity (log)")
     fig.update_xaxes(title_text="blocks removed", tickvals=depths)
     return fig
@@ -77,9 +88,10 @@ def recovered_figure(report: dict) -> go.Figure:
         dash = CORPUS_DASHES[k % len(CORPUS_DASHES)]
         for name in operators:
             ys = [r["variants"].get(name, {}).get("recovered", {}).get(corpus) for r in results]
-            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=f"{name} · {corpus_tag(report, corpus)}",
-                            legendgroup=name, line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
+            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=name, legendgroup=name, showlegend=k == 0,
+                            line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
                             hovertemplate=f"{name} · {corpus}<br>%{{x}} blocks: %{{y:.0%}}<extra></extra>")
+    _legend_for_corpora(fig, report)
     fig.add_hline(y=0.0, line_dash="dot", line_color="#94a3b8")
     fig.update_yaxes(tickformat=".0%", title_text="damage recovered")
     fig.update_xaxes(title_text="blocks removed", tickvals=depths)

@@ -341,13 +341,16 @@ def synthetic_sweep() -> dict:
 def test_the_sweep_curve_has_a_line_per_operator_and_corpus_and_dense_as_reference():
     report = synthetic_sweep()
     curve = sweep_view.curve_figure(report)
-    names = [trace.name for trace in curve.data]
-    assert "dense · ptb (exact), 1024 tokens" in names and "ghost · wiki (stand-in), 1024 tokens" in names
-    assert len(names) == 2 * (1 + 3)  # per corpus: dense + every operator
-    ghost = next(tr for tr in curve.data if tr.name.startswith("ghost · ptb"))
-    assert list(ghost.x) == [2, 4] and list(ghost.y) == [20.0, 50.0] and curve.layout.yaxis.type == "log"
+    lines = [trace for trace in curve.data if not trace.legendgroup.startswith("corpus")]
+    assert len(lines) == 2 * (1 + 3)  # per corpus: dense + every operator
+    ghost = [trace for trace in lines if trace.name == "ghost"]
+    assert [list(trace.y) for trace in ghost] == [[20.0, 50.0], [10.0, 25.0]]  # ptb, then wiki
+    assert all(list(trace.x) == [2, 4] for trace in ghost) and curve.layout.yaxis.type == "log"
+    assert ghost[0].line.dash != ghost[1].line.dash  # a line style per corpus, a colour per operator
+    legend = [trace.name for trace in curve.data if trace.showlegend is not False]
+    assert legend == ["dense", "none", "ghost", "diag", "ptb (exact), 1024 tokens", "wiki (stand-in), 1024 tokens"]
     recovered = sweep_view.recovered_figure(report)
-    assert {tr.name.split(" · ")[0] for tr in recovered.data} == {"ghost", "diag"}  # plain pruning is the 0% line
+    assert {tr.name for tr in recovered.data if not tr.legendgroup.startswith("corpus")} == {"ghost", "diag"}
     table = sweep_view.sweep_table(report)
     assert list(table["blocks removed"]) == [2, 2, 2, 4, 4, 4] and list(table["which"])[:1] == ["20–21"]
     assert table.set_index(["blocks removed", "operator"]).loc[(4, "ghost"), "held-out boundary error"].endswith("⚠")
@@ -644,11 +647,12 @@ def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads)
     assert "Run complete" in outputs["status"]
     operators = list(settings.DEFAULTS.operators)
     curve = plot_traces(outputs["curve"])
-    lines = {t["name"].split(" · ")[0]: t for t in curve}
+    lines = {t["legendgroup"]: t for t in curve if not t["legendgroup"].startswith("corpus")}  # ptb only here
     assert set(lines) == {"dense", *operators}
     assert all(lines[name]["x"] == [2, 4, 6, 8, 10] and all(y > 1 for y in lines[name]["y"]) for name in operators)
     assert json.loads(outputs["curve"]["plot"])["layout"]["yaxis"]["type"] == "log"
-    assert {t["name"].split(" · ")[0] for t in plot_traces(outputs["recovered"])} == set(operators) - {"none"}
+    recovered = {t["legendgroup"] for t in plot_traces(outputs["recovered"]) if not t["legendgroup"].startswith("corpus")}
+    assert recovered == set(operators) - {"none"}
     rows = outputs["sweep_table"]["data"]
     assert [(row[0], row[2]) for row in rows] == [(n, name) for n in (2, 4, 6, 8, 10) for name in operators]
     points = [len(json.loads(update[callbacks.OUTPUT_NAMES.index("curve")]["plot"])["data"][1].get("x", []))

@@ -258,7 +258,8 @@ def test_a_small_sweep_draws_the_curve(server_url, browser):
     wait_for_status(page, "Run complete")
     page.wait_for_timeout(1500)
     curve = page.evaluate("""() => (document.querySelector('#plot-curve .js-plotly-plot')?.data || [])
-        .filter(trace => !trace.name.startsWith('dense')).map(trace => trace.x)""")
+        .filter(trace => trace.legendgroup !== 'dense' && !trace.legendgroup.startsWith('corpus'))
+        .map(trace => trace.x)""")
     assert curve and all(list(x) == [2, 4] for x in curve), curve  # one line per operator and corpus, both depths
     assert {"plot-curve", "plot-recovered"} <= set(page.evaluate(PLOTS_WITH_DATA))
     # every operator at both depths (the table also keeps an invisible copy of its cells to size its columns)
