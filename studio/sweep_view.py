@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from studio.charts import base_figure, empty_figure
-from studio.tables import DENSE_COLOR, corpus_tag, fmt, variant_colors, worse_boundaries
+from studio.tables import DENSE_COLOR, corpus_tag, fmt, tokens_text, variant_colors, worse_boundaries
 
 CORPUS_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 
@@ -34,8 +34,8 @@ def _subtitle(report: dict) -> list[str]:
 
 
 def _corpus_legend(report: dict, corpus: str) -> str:
-    tokens = report.get("corpora", {}).get(corpus, {}).get("tokens")
-    return f"{corpus_tag(report, corpus)}" + (f", {tokens} tokens" if tokens else "")
+    """'ptb (exact), 1,020 tokens': the corpus and how many predicted tokens its perplexities rest on."""
+    return f"{corpus_tag(report, corpus)}, {tokens_text(report, corpus)}"
 
 
 def _legend_for_corpora(fig: go.Figure, report: dict) -> None:
@@ -126,8 +126,8 @@ def sweep_caption(report: dict) -> str:
     sweep = report.get("sweep", {})
     done = [r["n"] for r in sweep.get("results", [])]
     pending = [n for n in sweep.get("depths", []) if n not in done]
-    corpora = " · ".join(f"{c} = {report['corpora'].get(c, {}).get('label', c)} "
-                         f"({report['corpora'].get(c, {}).get('tokens', '?')} tokens)" for c in _corpora(report))
+    corpora = " · ".join(f"{c} = {report['corpora'].get(c, {}).get('label', c)} ({tokens_text(report, c)})"
+                         for c in _corpora(report))
     state = f"depths done: {', '.join(map(str, done)) or 'none yet'}" + (
         f"; still to come: {', '.join(map(str, pending))}" if pending else "")
     return (f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} "

@@ -348,14 +348,14 @@ def test_the_sweep_curve_has_a_line_per_operator_and_corpus_and_dense_as_referen
     assert all(list(trace.x) == [2, 4] for trace in ghost) and curve.layout.yaxis.type == "log"
     assert ghost[0].line.dash != ghost[1].line.dash  # a line style per corpus, a colour per operator
     legend = [trace.name for trace in curve.data if trace.showlegend is not False]
-    assert legend == ["dense", "none", "ghost", "diag", "ptb (exact), 1024 tokens", "wiki (stand-in), 1024 tokens"]
+    assert legend == ["dense", "none", "ghost", "diag", "ptb (exact), 1,024 tokens", "wiki (stand-in), 1,024 tokens"]
     recovered = sweep_view.recovered_figure(report)
     assert {tr.name for tr in recovered.data if not tr.legendgroup.startswith("corpus")} == {"ghost", "diag"}
     table = sweep_view.sweep_table(report)
     assert list(table["blocks removed"]) == [2, 2, 2, 4, 4, 4] and list(table["which"])[:1] == ["20–21"]
     assert table.set_index(["blocks removed", "operator"]).loc[(4, "ghost"), "held-out boundary error"].endswith("⚠")
     caption = sweep_view.sweep_caption(report)
-    assert "depths done: 2, 4; still to come: 6" in caption and "1024 tokens" in caption and "stand-in" in caption
+    assert "depths done: 2, 4; still to come: 6" in caption and "1,024 tokens" in caption and "stand-in" in caption
 
 
 def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_as_csv(tmp_path):
