@@ -1,12 +1,19 @@
 """Ghosted Layers Studio's web UI, in small modules; `app.py` is the entry point.
 
-- `settings`  defaults of a run, server limits from the environment, widget choices
-- `cache`     the process-wide model cache shared by every user
-- `runner`    widget values → `RunOptions`; the run itself (the one `@spaces.GPU` unit)
-- `tables`    text, HTML and tables from a run's JSON snapshot
-- `charts`    plotly figures from a run's JSON snapshot
-- `callbacks` what the page's events call: run, stop, model change
-- `layout`    the page: widgets and their wiring
+- `settings`     defaults of a run, server limits from the environment, widget choices, ZeroGPU durations
+- `cache`        the process-wide model cache shared by every user
+- `runner`       widget values → a checked `RunRequest`; the runs (single depth, sweep), each one `@spaces.GPU` call
+- `runs`         runs in progress per browser session: what Stop stops
+- `status`       the status panel: running, complete, stopped, refused, failed; the library's advice
+- `tables`       generations and tables from a run's JSON snapshot
+- `charts`       plotly figures from a run's JSON snapshot
+- `sweep_view`   a depth sweep's curve, damage recovered and depth × operator table
+- `user_input`   your own text, pasted or uploaded
+- `presets_view` Hub presets in the model list, with their estimates
+- `history`      the session's runs: table, CSV, settings to restore
+- `speed`        what a default run takes on this machine
+- `callbacks`    what the page's events call
+- `layout`       the page: widgets and their wiring
 
 The UI holds no method logic: every number comes from `ghosted_core`.
 """

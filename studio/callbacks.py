@@ -43,6 +43,8 @@ from studio.tables import empty_perplexity_table, generations_html, perplexity_c
 
 log = logging.getLogger(__name__)
 
+TOAST_SECONDS = 12  # the error pop-up goes after this; the status panel keeps the message (the pop-up would cover it)
+
 
 OUTPUT_NAMES = ("status", "generations", "ppl_caption", "ppl_table", "scores", "errors", "drift", "structure",
                 "tasks_caption", "tasks_table", "tasks_plot", "results_file", "model_file", "save_note",
@@ -157,7 +159,7 @@ def on_submit() -> tuple[float, str]:
 def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str], calibration: str,
            samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
            new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
-           export_format: str = "auto", mode: str = "single depth", depths: str = "2:10:2", your_text: str = "",
+           export_format: str = "auto", mode: str = "single depth", depths: str = "2:10:2", your_text: str | None = None,
            your_file: str | None = None, text_use: str = "evaluation", submitted: float | None = None,
            shown: dict | None = None, history: list[dict] | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
@@ -177,7 +179,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
     except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
         yield as_outputs({"status": refused_status(page_message(err), shown)})
-        raise gr.Error(page_message(err), duration=None) from err
+        raise gr.Error(page_message(err), duration=TOAST_SECONDS) from err
     run = RUNS.start(request.session_hash if request else "", stages)
     run.settings = settings
     report: dict = {}
@@ -214,13 +216,13 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         message = page_message(err)
         yield as_outputs({"status": failed_status(message, run.current, report),
                           "shown": shown_state(report, f"failed during {run.current}")})
-        raise gr.Error(message, duration=None) from err
+        raise gr.Error(message, duration=TOAST_SECONDS) from err
     except Exception as err:  # a bug: keep serving, say so, keep the traceback in the log
         log.exception("run failed")
         message = f"internal error ({type(err).__name__}: {err}); the server log has the traceback"
         yield as_outputs({"status": failed_status(message, run.current, report),
                           "shown": shown_state(report, f"failed during {run.current}")})
-        raise gr.Error(message, duration=None) from err
+        raise gr.Error(message, duration=TOAST_SECONDS) from err
     finally:
         RUNS.end(run)
 

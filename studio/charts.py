@@ -42,7 +42,9 @@ def base_figure(title: str, subtitle: Sequence[str], panels: Sequence[str] = ())
         margin=dict(l=56, r=12, t=top, b=90),
         title=dict(text=text, x=0.01, xanchor="left", y=1 - 8 / (top + PANEL_HEIGHT * rows), yanchor="top",
                    font=dict(size=14)),
-        legend=dict(orientation="h", yanchor="top", y=-0.12 / rows, x=0, font=dict(size=11)),
+        # the legend starts 64 px below the plot area, clear of the x-axis title (plotly grows the margin to fit it)
+        legend=dict(orientation="h", yanchor="top", y=-64 / (PANEL_HEIGHT * rows + 70 * (rows - 1)), x=0,
+                    font=dict(size=11)),
         font=dict(family="system-ui, -apple-system, Segoe UI, sans-serif", size=12),
     )
     for annotation in fig.layout.annotations:

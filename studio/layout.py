@@ -39,7 +39,9 @@ def corpus_choices(split: str) -> list[tuple[str, str]]:
 
 
 # After Run, bring the status panel into view: on a phone the results column sits below every control.
-SCROLL_TO_STATUS = "() => { document.getElementById('status')?.scrollIntoView({block: 'start', behavior: 'smooth'}); }"
+# (The same after Stop: its answer lands in the status.) The inputs pass through unchanged.
+SCROLL_TO_STATUS = ("(...inputs) => { document.getElementById('run-progress')?.scrollIntoView({block: 'start', "
+                    "behavior: 'smooth'}); return inputs; }")
 
 
 def method_diagram() -> str:
@@ -140,6 +142,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     upload_btn = gr.Button("Upload to the Hub", interactive=can_upload, elem_id="upload-button")
                     upload_result = gr.Markdown("", elem_classes="caption")
             with gr.Column(scale=2):
+                progress_slot = gr.HTML("", elem_id="run-progress")  # the progress bar, so it never covers the status
                 status = gr.Markdown("Press **Run** to start.", elem_id="status")
                 with gr.Column(visible=True) as single_box:
                     gr.Markdown("### Generations", elem_classes="section-title")
@@ -198,9 +201,11 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
         submit = run_btn.click(on_submit, None, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
                                api_visibility="private")
         run_event = submit.then(on_run, [*inputs, submitted, shown, history], outputs, api_name="run",
-                                concurrency_limit=concurrency, concurrency_id="run", show_progress_on=[status])
+                                concurrency_limit=concurrency, concurrency_id="run",
+                                show_progress_on=[progress_slot])
         stop_btn.click(on_stop, [shown, history], [status, shown, history, history_df, history_file],
-                       cancels=[run_event], api_name="stop", concurrency_limit=None, show_progress="hidden")
+                       cancels=[run_event], api_name="stop", concurrency_limit=None, show_progress="hidden",
+                       js=SCROLL_TO_STATUS)
         model.change(on_model_change, [model], [model_info, depth, manual_blocks], api_name="model_info",
                      concurrency_limit=None)
         criterion.change(on_criterion_change, [criterion, mode], [depth, manual_blocks], api_visibility="private",

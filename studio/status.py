@@ -32,7 +32,7 @@ def _shown_note(shown: dict | None) -> str:
 
 
 def _queue_note(queued: float | None) -> str:
-    return f" · waited {queued:.1f} s in the queue before it started" if queued and queued >= 0.05 else ""
+    return f" · waited {queued:.1f} s in the queue before it started" if queued and queued >= 1.0 else ""
 
 
 def _stage_times(report: dict) -> list[str]:

@@ -10,7 +10,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from studio.charts import base_figure, empty_figure
-from studio.tables import DENSE_COLOR, corpus_tag, fmt, variant_colors, worse_boundaries
+from studio.tables import DENSE_COLOR, corpus_tag, fmt, tokens_text, variant_colors, worse_boundaries
 
 CORPUS_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 
@@ -34,8 +34,19 @@ def _subtitle(report: dict) -> list[str]:
 
 
 def _corpus_legend(report: dict, corpus: str) -> str:
-    tokens = report.get("corpora", {}).get(corpus, {}).get("tokens")
-    return f"{corpus_tag(report, corpus)}" + (f", {tokens} tokens" if tokens else "")
+    """'ptb (exact), 1,020 tokens': the corpus and how many predicted tokens its perplexities rest on."""
+    return f"{corpus_tag(report, corpus)}, {tokens_text(report, corpus)}"
+
+
+def _legend_for_corpora(fig: go.Figure, report: dict) -> None:
+    """One legend entry per corpus (its line style), so each operator needs one entry, not one per corpus;
+    the figure grows by a legend line per entry (one entry a line on a phone)."""
+    corpora = _corpora(report)
+    for k, corpus in enumerate(corpora):
+        fig.add_scatter(x=[None], y=[None], mode="lines", name=_corpus_legend(report, corpus), legendgroup=f"corpus {k}",
+                        line=dict(color="#64748b", dash=CORPUS_DASHES[k % len(CORPUS_DASHES)], width=2))
+    entries = sum(1 for trace in fig.data if trace.showlegend is not False)
+    fig.update_layout(height=fig.layout.height + 20 * entries)
 
 
 def curve_figure(report: dict) -> go.Figure:
@@ -50,15 +61,15 @@ def curve_figure(report: dict) -> go.Figure:
     for k, corpus in enumerate(_corpora(report)):
         dash = CORPUS_DASHES[k % len(CORPUS_DASHES)]
         dense = report["sweep"]["dense"]["ppl"][corpus]
-        label = _corpus_legend(report, corpus)
-        fig.add_scatter(x=[min(depths), max(depths)], y=[dense, dense], mode="lines", name=f"dense · {label}",
-                        line=dict(color=DENSE_COLOR, dash=dash, width=1.5), legendgroup="dense",
+        fig.add_scatter(x=[min(depths), max(depths)], y=[dense, dense], mode="lines", name="dense", legendgroup="dense",
+                        line=dict(color=DENSE_COLOR, dash=dash, width=1.5), showlegend=k == 0,
                         hovertemplate=f"dense · {corpus}: %{{y:.4g}}<extra></extra>")
         for name in operators:
             ys = [r["variants"].get(name, {}).get("ppl", {}).get(corpus) for r in results]
-            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=f"{name} · {label}", legendgroup=name,
+            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=name, legendgroup=name, showlegend=k == 0,
                             line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
                             hovertemplate=f"{name} · {corpus}<br>%{{x}} blocks removed: %{{y:.4g}}<extra></extra>")
+    _legend_for_corpora(fig, report)
     fig.update_yaxes(type="log", title_text="perplexity (log)")
     fig.update_xaxes(title_text="blocks removed", tickvals=depths)
     return fig
@@ -77,9 +88,10 @@ def recovered_figure(report: dict) -> go.Figure:
         dash = CORPUS_DASHES[k % len(CORPUS_DASHES)]
         for name in operators:
             ys = [r["variants"].get(name, {}).get("recovered", {}).get(corpus) for r in results]
-            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=f"{name} · {corpus_tag(report, corpus)}",
-                            legendgroup=name, line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
+            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=name, legendgroup=name, showlegend=k == 0,
+                            line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
                             hovertemplate=f"{name} · {corpus}<br>%{{x}} blocks: %{{y:.0%}}<extra></extra>")
+    _legend_for_corpora(fig, report)
     fig.add_hline(y=0.0, line_dash="dot", line_color="#94a3b8")
     fig.update_yaxes(tickformat=".0%", title_text="damage recovered")
     fig.update_xaxes(title_text="blocks removed", tickvals=depths)
@@ -114,8 +126,8 @@ def sweep_caption(report: dict) -> str:
     sweep = report.get("sweep", {})
     done = [r["n"] for r in sweep.get("results", [])]
     pending = [n for n in sweep.get("depths", []) if n not in done]
-    corpora = " · ".join(f"{c} = {report['corpora'].get(c, {}).get('label', c)} "
-                         f"({report['corpora'].get(c, {}).get('tokens', '?')} tokens)" for c in _corpora(report))
+    corpora = " · ".join(f"{c} = {report['corpora'].get(c, {}).get('label', c)} ({tokens_text(report, c)})"
+                         for c in _corpora(report))
     state = f"depths done: {', '.join(map(str, done)) or 'none yet'}" + (
         f"; still to come: {', '.join(map(str, pending))}" if pending else "")
     return (f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} "

@@ -203,6 +203,27 @@ def test_a_model_not_converted_yet_is_converted_as_its_own_first_stage(monkeypat
     assert runner.planned_stages(options, runner.QuickTasks())[0] == "load model"
 
 
+def test_a_first_use_conversion_runs_as_its_own_timed_stage_before_the_load(monkeypatch, tiny_model_folder):
+    converted = []
+
+    def convert(name: str) -> bool:
+        converted.append(name)
+        time.sleep(0.05)
+        return True
+
+    monkeypatch.setattr(runner, "needs_conversion", lambda name: not converted)
+    monkeypatch.setattr(runner.MODELS, "convert", convert)
+    options = runner.build_options(str(tiny_model_folder), "streamline", 2, "", ["none", "ghost"], "mix", 4, 32, 0,
+                                   ["ptb"], 64, "", 4)
+    stages = runner.planned_stages(options, runner.QuickTasks())
+    updates = list(runner.run_job(options, runner.QuickTasks()))
+    assert [stage for stage, _ in updates] == stages and stages[:2] == ["convert model", "load model"]
+    assert converted == [str(tiny_model_folder)]
+    timings = updates[-1][1]["timings"]
+    assert list(timings)[:2] == ["convert model", "load model"] and timings["convert model"] >= 0.05
+    assert "converting its GGUF once" in status.running_status("convert model", 0, len(stages), 0.0, None, [])
+
+
 def test_messages_name_the_widgets_not_the_cli_flags():
     message = callbacks.page_message(GhostedError("removing 30 of 30 blocks leaves none; use --total_num_prune at most 29"))
     assert "--" not in message and "'Blocks to remove'" in message
@@ -320,18 +341,21 @@ def synthetic_sweep() -> dict:
 def test_the_sweep_curve_has_a_line_per_operator_and_corpus_and_dense_as_reference():
     report = synthetic_sweep()
     curve = sweep_view.curve_figure(report)
-    names = [trace.name for trace in curve.data]
-    assert "dense · ptb (exact), 1024 tokens" in names and "ghost · wiki (stand-in), 1024 tokens" in names
-    assert len(names) == 2 * (1 + 3)  # per corpus: dense + every operator
-    ghost = next(tr for tr in curve.data if tr.name.startswith("ghost · ptb"))
-    assert list(ghost.x) == [2, 4] and list(ghost.y) == [20.0, 50.0] and curve.layout.yaxis.type == "log"
+    lines = [trace for trace in curve.data if not trace.legendgroup.startswith("corpus")]
+    assert len(lines) == 2 * (1 + 3)  # per corpus: dense + every operator
+    ghost = [trace for trace in lines if trace.name == "ghost"]
+    assert [list(trace.y) for trace in ghost] == [[20.0, 50.0], [10.0, 25.0]]  # ptb, then wiki
+    assert all(list(trace.x) == [2, 4] for trace in ghost) and curve.layout.yaxis.type == "log"
+    assert ghost[0].line.dash != ghost[1].line.dash  # a line style per corpus, a colour per operator
+    legend = [trace.name for trace in curve.data if trace.showlegend is not False]
+    assert legend == ["dense", "none", "ghost", "diag", "ptb (exact), 1,024 tokens", "wiki (stand-in), 1,024 tokens"]
     recovered = sweep_view.recovered_figure(report)
-    assert {tr.name.split(" · ")[0] for tr in recovered.data} == {"ghost", "diag"}  # plain pruning is the 0% line
+    assert {tr.name for tr in recovered.data if not tr.legendgroup.startswith("corpus")} == {"ghost", "diag"}
     table = sweep_view.sweep_table(report)
     assert list(table["blocks removed"]) == [2, 2, 2, 4, 4, 4] and list(table["which"])[:1] == ["20–21"]
     assert table.set_index(["blocks removed", "operator"]).loc[(4, "ghost"), "held-out boundary error"].endswith("⚠")
     caption = sweep_view.sweep_caption(report)
-    assert "depths done: 2, 4; still to come: 6" in caption and "1024 tokens" in caption and "stand-in" in caption
+    assert "depths done: 2, 4; still to come: 6" in caption and "1,024 tokens" in caption and "stand-in" in caption
 
 
 def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_as_csv(tmp_path):
@@ -563,6 +587,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 assert importlib.util.find_spec("ghosted_core") is None
 folder, remote = sys.argv[1], sys.argv[2] == "remote_code"
+refused = None
 if remote:
     try:
         AutoModelForCausalLM.from_pretrained(folder)
@@ -575,8 +600,8 @@ ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
 with torch.no_grad():
     logits = model(ids).logits
     new = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
-print(json.dumps({"layers": model.config.num_hidden_layers, "finite": bool(torch.isfinite(logits).all()),
-                  "class": type(model).__name__, "new_tokens": len(new)}))
+print("RESULT", json.dumps({"layers": model.config.num_hidden_layers, "finite": bool(torch.isfinite(logits).all()),
+                            "class": type(model).__name__, "new_tokens": len(new), "refused": refused}))
 """
 
 
@@ -590,9 +615,10 @@ def load_in_fresh_process(archive: Path, mode: str, where: Path) -> dict:
         zipped.extractall(where)
     folder = where / archive.stem
     done = subprocess.run([sys.executable, "-c", LOAD_EXPORT, str(folder), mode], cwd=where, capture_output=True,
-                          text=True, timeout=600, env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(where)})
+                          stdin=subprocess.DEVNULL, text=True, timeout=600,
+                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(where)})
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.split("RESULT ", 1)[1].strip().splitlines()[0])
 
 
 @pytest.mark.slow
@@ -605,9 +631,11 @@ def test_the_saved_model_loads_in_plain_transformers_as_stock_or_with_remote_cod
     archive = Path(outputs["model_file"])
     assert archive.name == f"smollm2-135m-{variant}.zip"
     loaded = load_in_fresh_process(archive, mode, tmp_path)
-    assert loaded == {"layers": 30 - settings.DEFAULTS.depth, "finite": True, "new_tokens": 6,
-                      "class": "LlamaForCausalLM" if mode == "stock" else loaded["class"]}
-    assert mode == "stock" or loaded["class"].startswith("Ghosted")
+    assert loaded["layers"] == 30 - settings.DEFAULTS.depth and loaded["finite"] and loaded["new_tokens"] == 6
+    if mode == "stock":
+        assert loaded["class"] == "LlamaForCausalLM" and loaded["refused"] is None
+    else:  # plain transformers refuses it loudly; with remote code it is the Ghosted subclass
+        assert loaded["class"] == "GhostedLlamaForCausalLM" and loaded["refused"] == "ValueError"
 
 
 @pytest.mark.slow
@@ -619,11 +647,12 @@ def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads)
     assert "Run complete" in outputs["status"]
     operators = list(settings.DEFAULTS.operators)
     curve = plot_traces(outputs["curve"])
-    lines = {t["name"].split(" · ")[0]: t for t in curve}
+    lines = {t["legendgroup"]: t for t in curve if not t["legendgroup"].startswith("corpus")}  # ptb only here
     assert set(lines) == {"dense", *operators}
     assert all(lines[name]["x"] == [2, 4, 6, 8, 10] and all(y > 1 for y in lines[name]["y"]) for name in operators)
     assert json.loads(outputs["curve"]["plot"])["layout"]["yaxis"]["type"] == "log"
-    assert {t["name"].split(" · ")[0] for t in plot_traces(outputs["recovered"])} == set(operators) - {"none"}
+    recovered = {t["legendgroup"] for t in plot_traces(outputs["recovered"]) if not t["legendgroup"].startswith("corpus")}
+    assert recovered == set(operators) - {"none"}
     rows = outputs["sweep_table"]["data"]
     assert [(row[0], row[2]) for row in rows] == [(n, name) for n in (2, 4, 6, 8, 10) for name in operators]
     points = [len(json.loads(update[callbacks.OUTPUT_NAMES.index("curve")]["plot"])["data"][1].get("x", []))
