@@ -151,31 +151,39 @@ class RunResult:
                 entry["tasks"] = self.tasks[name].to_json()
             variants[name] = entry
         plan = self.plan.to_json() if self.plan else {}
-        return {
-            "model": opts.model,
-            "model_description": self.model_description,
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "criterion": opts.criterion,
+        return run_json(self) | {
             "removed_layers": plan.get("removed_layers", []),
             "boundaries": plan.get("boundaries", []),
             "scores": plan.get("scores", []),
             "score_label": plan.get("score_label", ""),
-            "calibration": {
-                "corpus": opts.calibration, "label": self.calibration_label, "sequences": opts.train_size,
-                "heldout_sequences": opts.heldout, "seqlen": opts.seqlen, "tokens": self.calibration_tokens,
-                "seed": opts.seed, "sink_rule": opts.calibrate.sink_rule, "sink_ratio": opts.calibrate.sink_ratio,
-                "pipeline": opts.calibrate.pipeline, "stats_device": opts.calibrate.stats_device,
-                "products": opts.calibrate.products,
-            },
-            "memory_plan": self.memory_plan.to_json() if self.memory_plan else None,
-            "evaluation": {"seqlen": opts.eval_seqlen or opts.seqlen, "max_tokens": opts.eval_max_tokens},
-            "corpora": self.corpora,
             "prompt": opts.prompt,
-            "timings": {k: round(v, 3) for k, v in self.timings.items()},
-            "notes": self.notes,
             "variants": variants,
         }
+
+
+def run_json(result) -> dict:
+    """What every results.json states about a run or a sweep: model, criterion, calibration, memory plan,
+    corpora, timings and notes (`result`: a RunResult or a SweepResult)."""
+    opts = result.options
+    cal = opts.calibrate
+    return {
+        "model": opts.model,
+        "model_description": result.model_description,
+        "num_layers": result.num_layers,
+        "hidden_size": result.hidden_size,
+        "criterion": opts.criterion,
+        "calibration": {
+            "corpus": opts.calibration, "label": result.calibration_label, "sequences": opts.train_size,
+            "heldout_sequences": opts.heldout, "seqlen": opts.seqlen, "tokens": result.calibration_tokens,
+            "seed": opts.seed, "sink_rule": cal.sink_rule, "sink_ratio": cal.sink_ratio, "pipeline": cal.pipeline,
+            "stats_device": cal.stats_device, "products": cal.products,
+        },
+        "memory_plan": result.memory_plan.to_json() if result.memory_plan else None,
+        "evaluation": {"seqlen": opts.eval_seqlen or opts.seqlen, "max_tokens": opts.eval_max_tokens},
+        "corpora": result.corpora,
+        "timings": {k: round(v, 3) for k, v in result.timings.items()},
+        "notes": result.notes,
+    }
 
 
 def fit_json(reports: Sequence[FitReport]) -> dict:

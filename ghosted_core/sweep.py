@@ -47,7 +47,8 @@ from ghosted_core.models import LoadedModel, load_model, max_positions, peek_con
 from ghosted_core.operators import FitReport, needs_of
 from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.memory import MemoryPlan, max_boundaries
-from ghosted_core.pipeline import RunOptions, calibration_batches, corpus_entry, fit_json, fit_variants, planned, validate
+from ghosted_core.pipeline import RunOptions, calibration_batches, corpus_entry, fit_json, fit_variants, planned, \
+    run_json, validate
 from ghosted_core.selection import SelectionRequest, get_criterion, select_blocks_depths
 from ghosted_core.stopping import StopCheck, check_stop
 
@@ -169,23 +170,7 @@ class SweepResult:
         return [v.name for v in self.options.variants]
 
     def to_json(self) -> dict:
-        opts = self.options
-        return {
-            "model": opts.model,
-            "model_description": self.model_description,
-            "num_layers": self.num_layers,
-            "hidden_size": self.hidden_size,
-            "criterion": opts.criterion,
-            "calibration": {
-                "corpus": opts.calibration, "label": self.calibration_label, "sequences": opts.train_size,
-                "heldout_sequences": opts.heldout, "seqlen": opts.seqlen, "tokens": self.calibration_tokens,
-                "seed": opts.seed, "sink_rule": opts.calibrate.sink_rule, "sink_ratio": opts.calibrate.sink_ratio,
-            },
-            "evaluation": {"seqlen": opts.eval_seqlen or opts.seqlen, "max_tokens": opts.eval_max_tokens},
-            "corpora": self.corpora,
-            "timings": {k: round(v, 3) for k, v in self.timings.items()},
-            "notes": self.notes,
-            "memory_plan": self.memory_plan.to_json() if self.memory_plan else None,
+        return run_json(self) | {
             "sweep": {
                 "depths": list(self.depths),
                 "variants": self.variant_names,

@@ -64,16 +64,23 @@ def curve_figure(report: dict) -> go.Figure:
         fig.add_scatter(x=[min(depths), max(depths)], y=[dense, dense], mode="lines", name="dense", legendgroup="dense",
                         line=dict(color=DENSE_COLOR, dash=dash, width=1.5), showlegend=k == 0,
                         hovertemplate=f"dense · {corpus}: %{{y:.4g}}<extra></extra>")
-        for name in operators:
-            ys = [r["variants"].get(name, {}).get("ppl", {}).get(corpus) for r in results]
-            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=name, legendgroup=name, showlegend=k == 0,
-                            line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
-                            hovertemplate=f"{name} · {corpus}<br>%{{x}} blocks removed: %{{y:.4g}}<extra></extra>")
+        _add_depth_lines(fig, results, operators, corpus, "ppl", dash, colors, "%{x} blocks removed: %{y:.4g}", k == 0)
     _legend_for_corpora(fig, report)
     fig.update_yaxes(type="log", title_text="perplexity (log)")
     fig.update_xaxes(title_text="blocks removed", tickvals=depths)
     return fig
 
+
+
+def _add_depth_lines(fig: go.Figure, results: list[dict], operators: list[str], corpus: str, key: str, dash: str,
+                     colors: dict[str, str], hover: str, legend: bool) -> None:
+    """One line per operator through the depths: the `key` entry ("ppl" or "recovered") on `corpus`."""
+    depths = [r["n"] for r in results]
+    for name in operators:
+        ys = [r["variants"].get(name, {}).get(key, {}).get(corpus) for r in results]
+        fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=name, legendgroup=name, showlegend=legend,
+                        line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
+                        hovertemplate=f"{name} · {corpus}<br>{hover}<extra></extra>")
 
 def recovered_figure(report: dict) -> go.Figure:
     """Share of the pruning damage each operator recovers, (ppl_none − ppl_op) / (ppl_none − ppl_dense), per depth."""
@@ -86,11 +93,7 @@ def recovered_figure(report: dict) -> go.Figure:
     colors = variant_colors(operators)
     for k, corpus in enumerate(_corpora(report)):
         dash = CORPUS_DASHES[k % len(CORPUS_DASHES)]
-        for name in operators:
-            ys = [r["variants"].get(name, {}).get("recovered", {}).get(corpus) for r in results]
-            fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=name, legendgroup=name, showlegend=k == 0,
-                            line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
-                            hovertemplate=f"{name} · {corpus}<br>%{{x}} blocks: %{{y:.0%}}<extra></extra>")
+        _add_depth_lines(fig, results, operators, corpus, "recovered", dash, colors, "%{x} blocks: %{y:.0%}", k == 0)
     _legend_for_corpora(fig, report)
     fig.add_hline(y=0.0, line_dash="dot", line_color="#94a3b8")
     fig.update_yaxes(tickformat=".0%", title_text="damage recovered")
