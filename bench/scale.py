@@ -48,6 +48,9 @@ SHAPES = {  # published configs (Llama-3.2-1B, Llama-3-8B); num_hidden_layers se
                        vocab_size=128256, rope_theta=500000.0),
 }
 OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped")
+# "ours-ghost" is the like-for-like row against store-all: ghost alone (with its condition number, singular
+# values and held-out pass, which store-all does not compute)
+METHOD_OPERATORS = {"ours": OPERATORS, "ours-ghost": ("ghost",)}
 SEQLEN = 512
 GIB = 2**30
 
@@ -95,14 +98,14 @@ def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0):
     return make_batches(fit, held, batch_size)
 
 
-def fit_ours(model, boundaries, batches, options, quiet: bool = True) -> dict:
-    """The pipeline's calibration stage for OPERATORS at independent boundaries: stats, fits, held-out pass."""
+def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators: tuple[str, ...] = OPERATORS) -> dict:
+    """The pipeline's calibration stage for `operators` at independent boundaries: stats, fits, held-out pass."""
     from ghosted_core.calibration import collect_stats
     from ghosted_core.heldout import measure_errors
     from ghosted_core.operators import get_operator, needs_of
     from ghosted_core.pipeline import RunOptions, VariantBuild, parse_variants
 
-    needs = needs_of(OPERATORS)
+    needs = needs_of(operators)
     live: list = []
     clock = time.perf_counter()
     stats = collect_stats(model, boundaries, batches, options, needs, live)
@@ -110,7 +113,7 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True) -> dict:
     del live
     calibrate = time.perf_counter() - clock
     run_options = RunOptions(calibrate=options, quiet=quiet)
-    builds = [VariantBuild(spec) for spec in parse_variants(OPERATORS)]
+    builds = [VariantBuild(spec) for spec in parse_variants(operators)]
     for k in range(len(stats)):
         for build in builds:
             build.add(model, get_operator(build.spec.operator).fit(stats[k], run_options.fit), stats[k])
@@ -209,8 +212,9 @@ def worker(args) -> None:
     base = status_kib("VmRSS")
     reset_peak()
     clock = time.perf_counter()
-    if args.method == "ours":
-        result = fit_ours(model, boundaries, batches, options)
+    operators = METHOD_OPERATORS.get(args.method, OPERATORS)
+    if args.method in METHOD_OPERATORS:
+        result = fit_ours(model, boundaries, batches, options, operators=operators)
     elif args.method == "store-all":
         result = fit_store_all(model, boundaries, batches)
     else:
@@ -218,7 +222,7 @@ def worker(args) -> None:
     wall = time.perf_counter() - clock
     peak = status_kib("VmHWM")
     sequences = sum(len(b.input_ids) for b in batches if not b.heldout)
-    plan = plan_memory(model.config, args.shape, "cpu", torch.float32, needs_of(OPERATORS), len(boundaries), sequences,
+    plan = plan_memory(model.config, args.shape, "cpu", torch.float32, needs_of(operators), len(boundaries), sequences,
                        SEQLEN, args.batch_size, options.capacity(sequences))
     print(json.dumps({"shape": args.shape, "width": model.config.hidden_size, "boundaries": args.boundaries,
                       "method": args.method, "tokens": sequences * SEQLEN, "batch_size": args.batch_size,
@@ -253,10 +257,10 @@ def cpu_main(args) -> None:
     plan = {"llama-3.2-1b": [1, 4]} if args.quick else {"llama-3-8b": [1, 4], "llama-3.2-1b": [1, 2, 4]}
     rows: list[dict] = []
     jobs = [(shape, count, method) for shape, counts in plan.items() for count in counts
-            for method in ("ours", "store-all")] + [("llama-3.2-1b", 1, "fp32-products")]
+            for method in ("ours", "ours-ghost", "store-all")] + [("llama-3.2-1b", 1, "fp32-products")]
     for shape, count, method in jobs:
         row = run_one(shape, count, method, args.tokens, args.batch_size)
-        if method == "ours":
+        if method in METHOD_OPERATORS:
             row["stats_equal_plan"] = all(b == row["plan_stats_bytes_per_boundary"] for b in row["stats_bytes"])
         rows.append(row)
         print(f"{shape} {count} boundaries {method}: peak extra {row['peak_extra_gib']:.2f} GiB, {row['wall_s']:.0f} s"

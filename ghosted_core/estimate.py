@@ -38,7 +38,7 @@ from ghosted_core.statistics import statistics_bytes
 # 0.65-0.85 of a 1024² float32 matmul on this project's 2-core machine.
 EFFICIENCY = {"cpu": 0.7, "cuda": 0.4}
 LOAD_BYTES_PER_SECOND = 1.0e9  # reading safetensors from a local disk or the Hub cache
-FIT_FLOPS_PER_C3 = 20.0  # eigenvalues for the condition number (~9 C³), the solve (~2.7 C³), singular values (~8 C³)
+FIT_FLOPS_PER_C3 = 23.0  # eigenvalues for the condition number (~9 C³), the solve (~3 C³), singular values as eig(MᵀM) (~2 + 9 C³)
 
 # ZeroGPU lends a slice of an NVIDIA H200 with 70 GB (huggingface.co/docs/hub/spaces-zerogpu). Outside the
 # @spaces.GPU call no GPU is visible, so its rates cannot be measured there; these are assumptions: half of an

@@ -496,10 +496,18 @@ def antisymmetric_fraction(update: torch.Tensor | None) -> float:
 
 
 def singular_values(update: torch.Tensor | None, max_width: int = 4096) -> tuple[float, ...]:
-    """Singular values of the update, for the app's structure chart (skipped for very wide models)."""
+    """Singular values of the update, descending, for the app's structure chart (skipped for very
+    wide models).
+
+    Taken as √eig(MᵀM) in float64: a third of an SVD's time at C = 4096 (4.3 s against 12.8 s on
+    2 cores), the largest cost of a fit before this. Each value is exact to about 1e-8·σ_max
+    (round-off of MᵀM), more than a chart on a log axis can show.
+    """
     if update is None or update.shape[0] > max_width:
         return ()
-    return tuple(torch.linalg.svdvals(update).tolist())
+    matrix = update.double()
+    eigenvalues = torch.linalg.eigvalsh(matrix.T @ matrix)  # ascending
+    return tuple(eigenvalues.clamp(min=0).sqrt().flip(0).tolist())
 
 
 def scale_singular_values(fit: Fit) -> tuple[float, ...]:

@@ -284,6 +284,14 @@ class _ChannelSum:
         return ChannelSums(**self.sums)
 
 
+def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """total += leftᵀ right: in place when the dtypes agree (no C×C temporary), else through one."""
+    if left.dtype == total.dtype:
+        total.addmm_(left.T, right)
+    else:
+        total += left.T @ right
+
+
 class BoundarySums:
     """The mutable float64 accumulator of one boundary; `freeze` gives its `BoundaryStats`.
 
@@ -336,12 +344,12 @@ class BoundarySums:
         """Ordinary-token C×C products, computed in the product dtype and summed in float64."""
         xp, dp = x.to(self.product), d.to(self.product)  # (T, C)
         if self.xtx is not None:
-            self.xtx += xp.T @ xp
-            self.xtd += xp.T @ dp
+            _accumulate(self.xtx, xp, xp)
+            _accumulate(self.xtd, xp, dp)
         if self.mtm is not None and m is not None:
             mp = m.to(self.product)  # (T, C)
-            self.mtm += mp.T @ mp
-            self.mtd += mp.T @ dp
+            _accumulate(self.mtm, mp, mp)
+            _accumulate(self.mtd, mp, dp)
 
     def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None,
             sinks: torch.Tensor, cap: torch.Tensor) -> None:

@@ -5,7 +5,8 @@ switching to Gemma-3 and back (the depth slider follows within seconds, nothing 
 input (a message in the page, the app keeps serving), Stop during perplexity (the status says
 where the run stopped; the next run completes and fills every panel), a run on a 390 px phone
 screen (nothing wider than the screen, the status in view after Run, no overlapping titles), and
-a small depth sweep whose curve chart has data.
+a small depth sweep whose curve chart has data and whose row in the session history, clicked,
+puts its settings back.
 """
 
 from __future__ import annotations
@@ -248,7 +249,7 @@ def test_a_run_at_phone_width_fits_the_screen_and_keeps_the_status_in_view(serve
     page.close()
 
 
-def test_a_small_sweep_draws_the_curve(server_url, browser):
+def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_url, browser):
     page = open_page(browser, server_url, DESKTOP)
     page.locator("#mode").get_by_text("sweep", exact=True).click()
     depths = page.locator("#depths textarea, #depths input").first
@@ -266,4 +267,15 @@ def test_a_small_sweep_draws_the_curve(server_url, browser):
     assert page.locator("#sweep-table").get_by_text("ghost_capped", exact=True).count() >= 2
     page.locator("#plot-curve").screenshot(path=str(ARTIFACTS / "app-sweep-curve.png"))
     page.screenshot(path=str(ARTIFACTS / "app-sweep.png"), full_page=True)
+
+    # the session history lists the sweep; one click on its row brings its settings back
+    page.locator("#mode").get_by_text("single depth", exact=True).click()
+    depths.wait_for(state="hidden", timeout=10_000)
+    page.locator("#history-box").get_by_text("Runs in this session").click()
+    cell = page.locator("#history-table [role=gridcell]").filter(has_text="ghost_capped").first  # a visible cell
+    cell.wait_for(state="visible", timeout=10_000)
+    cell.click()
+    depths.wait_for(state="visible", timeout=10_000)
+    assert page.locator("#mode input[value='sweep']").is_checked() and depths.input_value() == "2:4:2"
+    page.screenshot(path=str(ARTIFACTS / "app-history-restored.png"), full_page=True)
     page.close()

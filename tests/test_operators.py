@@ -298,6 +298,15 @@ def test_heldout_flag_marks_an_operator_worse_than_pruning():
     assert not better.heldout_worse_than_pruning and better.to_json()["flags"] == []
 
 
+def test_ghost_reports_the_singular_values_numpy_finds():
+    stats, *_ = synthetic_stats()
+    fit = get_operator("ghost").fit(stats, FitOptions())
+    reported = np.array(assess(fit, stats).singular_values)
+    exact = np.linalg.svd(fit.update.double().numpy(), compute_uv=False)
+    assert reported.shape == exact.shape and np.all(np.diff(reported) <= 0)
+    np.testing.assert_allclose(reported, exact, rtol=0, atol=1e-8 * exact[0])
+
+
 @pytest.mark.parametrize("name", ["diag", "rotate"])
 def test_scale_fits_report_the_singular_values_of_their_matrix(name):
     stats, *_ = synthetic_stats()
