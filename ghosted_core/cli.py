@@ -306,7 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     report = result.to_json()
     (outdir / "results.json").write_text(json.dumps(report, indent=2))
     if isinstance(result, SweepResult):
+        from studio.sweep_view import write_sweep_html  # the app's charts, drawn once more into a file
+
         print(sweep_summary(result))
+        print(f"charts: {write_sweep_html(report, outdir / 'sweep.html')}")
         print(f"results: {outdir / 'results.json'}")
         return 0
     print(summary(result))

@@ -6,6 +6,9 @@ which grows depth by depth while the sweep runs, so the charts fill in as depths
 
 from __future__ import annotations
 
+import html
+from pathlib import Path
+
 import pandas as pd
 import plotly.graph_objects as go
 
@@ -136,3 +139,17 @@ def sweep_caption(report: dict) -> str:
     return (f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} "
             f"sweep · {state}  \n{corpora}  \nrecovered = (ppl_none − ppl_op) / (ppl_none − ppl_dense); ⚠ held-out "
             "boundary error above 1 (worse than plain pruning on held-out calibration text)")
+
+
+def write_sweep_html(report: dict, path: str | Path) -> Path:
+    """The curve and damage-recovered charts, caption and table in one self-contained HTML page
+    (plotly.js inlined, so it opens offline): what the CLI leaves beside results.json."""
+    caption = html.escape(sweep_caption(report)).replace("  \n", "<br>").replace("**", "")
+    charts = [figure.to_html(full_html=False, include_plotlyjs=k == 0)
+              for k, figure in enumerate((curve_figure(report), recovered_figure(report)))]
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>Depth sweep · {html.escape(report.get('model', ''))}"
+            f"</title></head><body style='font-family:sans-serif;max-width:1100px;margin:auto'><h1>Depth sweep</h1>"
+            f"<p>{caption}</p>{''.join(charts)}{sweep_table(report).to_html(index=False, border=0)}</body></html>")
+    path = Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path

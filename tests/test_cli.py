@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -180,6 +181,13 @@ def test_sweep_prints_a_depth_by_operator_table_with_corpus_labels(tiny_model_fo
     for row, depth in zip(rows[1:], [1, 1, 3, 3]):
         entry = results["sweep"]["results"][0 if depth == 1 else 1]
         assert float(row[3]) == pytest.approx(entry["variants"][row[2]]["ppl"]["ptb"], rel=2e-3, abs=0.006)
+    # the charts beside results.json: one self-contained page whose curve has a line per operator and corpus
+    page = (tmp_path / "sweep.html").read_text()
+    assert f"charts: {tmp_path / 'sweep.html'}" in out and "Perplexity against removed blocks" in page
+    assert "Pruning damage recovered against depth" in page and "stand-in for WikiText-2" in page
+    traces = [json.loads(m) for m in re.findall(r'Plotly\.newPlot\(\s*"[^"]+",\s*(\[.*?\]),\s*\{', page, re.S)]
+    curve = [t for t in traces[0] if t.get("legendgroup") in ("none", "ghost")]
+    assert len(curve) == 4 and all(list(t["x"]) == [1, 3] for t in curve)  # 2 operators × 2 corpora, both depths
 
 
 def test_sweep_refuses_save_model_in_one_line(tmp_path):
@@ -231,6 +239,7 @@ def test_sweep_of_smollm2_from_the_command_line(tmp_path):
         none = entry["variants"]["none"]["ppl"]
         assert all(none[c] > sweep["dense"]["ppl"][c] for c in none)  # pruning hurts at every depth
     assert "stand-in for C4" in done.stdout and "ppl wiki (stand-in)" in done.stdout
+    assert "Perplexity against removed blocks" in (tmp_path / "sweep.html").read_text()  # the curve chart
 
 
 def test_too_little_calibration_warns_and_records_the_ridge_fallback(tiny_model_folder, tmp_path, capsys, caplog):
