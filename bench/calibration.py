@@ -31,13 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the script's folder)
+from process_memory import rss_bytes  # noqa: E402
 
 SEQLEN = 512
-
-
-def rss_bytes() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def peak_bytes() -> int:

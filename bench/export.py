@@ -22,7 +22,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the script's folder)
+from process_memory import PeakSampler, rss_bytes  # noqa: E402
 
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
@@ -43,32 +43,18 @@ from ghosted_core.pipeline import RunOptions, VariantSpec, build_recovered, fit_
 from ghosted_core.plan import PruningPlan  # noqa: E402
 from ghosted_core.rotation_fold import fold_upstream_rotation, procrustes_map  # noqa: E402
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
 
 @contextmanager
 def measured(steps: dict, name: str):
     """Wall time and peak RSS above the RSS at entry, sampled every 20 ms."""
-    base, peak, done = rss(), [rss()], threading.Event()
-
-    def sample():
-        while not done.wait(0.02):
-            peak[0] = max(peak[0], rss())
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    memory = PeakSampler(rss_bytes, 0.02)
     clock = time.perf_counter()
     try:
-        yield
+        with memory:
+            yield
     finally:
-        done.set()
-        sampler.join()
-        peak[0] = max(peak[0], rss())
-        steps[name] = {"seconds": round(time.perf_counter() - clock, 2), "peak_extra_mib": round((peak[0] - base) / 2**20, 1)}
+        steps[name] = {"seconds": round(time.perf_counter() - clock, 2),
+                       "peak_extra_mib": round(memory.extra / 2**20, 1)}
         print(f"  {name}: {steps[name]['seconds']:.1f} s, peak +{steps[name]['peak_extra_mib']:.0f} MiB", flush=True)
 
 

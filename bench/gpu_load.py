@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_paths import result_path  # noqa: E402  (bench/ is the script's folder)
+from process_memory import PeakSampler, status_bytes  # noqa: E402
 
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
@@ -41,42 +40,8 @@ import torch  # noqa: E402
 VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
 
 
-def status_bytes(field: str) -> int:
-    """A size field of /proc/self/status (RssAnon: anonymous resident memory; VmHWM: peak resident size)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def rss_anon() -> int:
     return status_bytes("RssAnon")
-
-
-class PeakAnon:
-    """Highest RssAnon seen while the context is open, sampled in a thread."""
-
-    def __enter__(self):
-        self.base = self.peak = rss_anon()
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, rss_anon())
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, rss_anon())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
 
 
 def build(folder: Path, args) -> int:
@@ -151,7 +116,7 @@ def worker(method: str, folder: str, out: str, removed: tuple[int, ...], gpu_cap
     torch.zeros(1, device="cuda")  # CUDA start-up is not part of loading
     torch.cuda.reset_peak_memory_stats()
     clock = time.perf_counter()
-    with PeakAnon() as host:
+    with PeakSampler(rss_anon, 0.002) as host:
         if method == "direct":
             model = load_model(folder, LoadOptions(device="cuda")).model
         else:

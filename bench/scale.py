@@ -41,6 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from process_memory import reset_peak, status_bytes  # noqa: E402  (bench/ is the script's folder)
+
 SHAPES = {  # published configs (Llama-3.2-1B, Llama-3-8B); num_hidden_layers set per mode
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=64, vocab_size=128256, rope_theta=500000.0),
@@ -53,20 +55,6 @@ OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped")
 METHOD_OPERATORS = {"ours": OPERATORS, "ours-ghost": ("ghost",)}
 SEQLEN = 512
 GIB = 2**30
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    """Linux: writing 5 to clear_refs resets the peak resident size (VmHWM) to the current one."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def build_model(shape: str, layers: int, device: str = "cpu", dtype: str = "float32"):
@@ -209,7 +197,7 @@ def worker(args) -> None:
     batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
     options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full")
     gc.collect()
-    base = status_kib("VmRSS")
+    base = status_bytes("VmRSS")
     reset_peak()
     clock = time.perf_counter()
     operators = METHOD_OPERATORS.get(args.method, OPERATORS)
@@ -220,7 +208,7 @@ def worker(args) -> None:
     else:
         result = {"relative_difference": products_difference(model, boundaries, batches, options)}
     wall = time.perf_counter() - clock
-    peak = status_kib("VmHWM")
+    peak = status_bytes("VmHWM")
     sequences = sum(len(b.input_ids) for b in batches if not b.heldout)
     plan = plan_memory(model.config, args.shape, "cpu", torch.float32, needs_of(operators), len(boundaries), sequences,
                        SEQLEN, args.batch_size, options.capacity(sequences))

@@ -15,13 +15,13 @@ import argparse
 import copy
 import gc
 import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_paths import result_path  # noqa: E402  (bench/ is the script's folder)
+from process_memory import rss_bytes  # noqa: E402
 
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
@@ -32,12 +32,6 @@ from ghosted_core.models import load_model  # noqa: E402
 from ghosted_core.operators import FitOptions, get_operator  # noqa: E402
 from ghosted_core.pipeline import DEFAULT_VARIANTS, build_recovered, parse_variants  # noqa: E402
 from ghosted_core.plan import PruningPlan  # noqa: E402
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process, from /proc."""
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main() -> None:
