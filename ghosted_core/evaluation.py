@@ -162,8 +162,7 @@ def perplexity_from_states(dense: PreTrainedModel, variants: Mapping[str, PreTra
     device = _input_device(dense)
     with torch.no_grad():
         batches = zip(cached.windows.split(cached.batch_size), cached.states[start])
-        for ids, h in tqdm(list(batches), desc=desc, disable=quiet, leave=False):
-            check_stop(should_stop, "perplexity")
+        for ids, h in tqdm(list(batches), desc=desc, disable=quiet, leave=False):  # stop checks: per variant, inside
             count += _add_suffix_nll(nll, suffixes, variants, h, ids.to(device), should_stop)
     return {name: math.exp(value / count) for name, value in nll.items()}
 

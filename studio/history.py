@@ -22,17 +22,16 @@ HISTORY_LIMIT = 50  # runs kept per session (the oldest go first)
 def history_entry(number: int, settings: dict, report: dict, state: str) -> dict:
     """One finished (or stopped) run: its settings and a row per variant."""
     removed = report.get("removed_layers", [])
-    rows = []
+
+    def row(blocks: str, name: str, entry: dict) -> dict:
+        return {"blocks": blocks, "operator": name, **{corpus_tag(report, c): ppl for c, ppl in entry.get("ppl", {}).items()}}
+
     if "sweep" in report:
-        for depth in report["sweep"].get("results", []):
-            for name, entry in depth["variants"].items():
-                rows.append({"blocks": f"{depth['n']}: {blocks_text(depth['removed_layers'])}", "operator": name,
-                             **{corpus_tag(report, c): entry.get("ppl", {}).get(c) for c in entry.get("ppl", {})}})
+        rows = [row(f"{depth['n']}: {blocks_text(depth['removed_layers'])}", name, entry)
+                for depth in report["sweep"].get("results", []) for name, entry in depth["variants"].items()]
     else:
-        for name, entry in report.get("variants", {}).items():
-            rows.append({"blocks": f"{len(removed)}: {blocks_text(removed)}" if name != "dense" else "none",
-                         "operator": name,
-                         **{corpus_tag(report, c): entry.get("ppl", {}).get(c) for c in entry.get("ppl", {})}})
+        rows = [row(f"{len(removed)}: {blocks_text(removed)}" if name != "dense" else "none", name, entry)
+                for name, entry in report.get("variants", {}).items()]
     timings = report.get("timings", {})
     return {"run": number, "model": report.get("model", settings.get("model")), "criterion": report.get("criterion", ""),
             "state": state, "seconds": round(sum(timings.values()), 1), "settings": dict(settings), "rows": rows}

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ghosted_core.advice import Advice, calibration_advice, cut_advice
 from ghosted_core.calibration import CalibrationOptions
 from ghosted_core.errors import GhostedError
+from ghosted_core.estimate import zerogpu
 from ghosted_core.evaluation import GenerationOptions
 from ghosted_core.export import archive_export, check_export
-from ghosted_core.models import EMBEDDED, needs_conversion
+from ghosted_core.models import EMBEDDED, LoadedModel, needs_conversion
 from ghosted_core.operators import OPERATORS
 from ghosted_core.pipeline import SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run_stages, validate
 from ghosted_core.presets import check_preset, gpu_seconds
@@ -22,7 +23,7 @@ from ghosted_core.sweep import check_sweep, parse_depths, sweep_stages
 from ghosted_core.sweep import planned_stages as sweep_planned
 from studio.cache import MODELS, model_shape, num_blocks
 from studio.presets_view import device, find_preset
-from studio.settings import DEFAULTS, NO_SAVE, SWEEP, gpu_run, gpu_sweep, zerogpu_space
+from studio.settings import DEFAULTS, NO_SAVE, SWEEP, gpu_run, gpu_sweep
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,16 @@ def check_save(options: RunOptions, save_variant: str, export_format: str = "aut
     return save_variant
 
 
+def conversion_stage(model: str) -> list[str]:
+    """["convert model"] while the embedded model's GGUF is not converted yet (a first use converts it as its own
+    stage), else nothing."""
+    return ["convert model"] if needs_conversion(model) else []
+
+
 def planned_stages(options: RunOptions, quick: QuickTasks, save_variant: str | None = None) -> list[str]:
     """The stage names `run_job` will yield, in order (for the progress bar and the status)."""
     prunes = options.criterion != "none"
-    stages = ["convert model"] if needs_conversion(options.model) else []
-    stages += ["load model", "score blocks"]
+    stages = conversion_stage(options.model) + ["load model", "score blocks"]
     stages += ["calibrate", "fit operators"] if prunes else []
     stages += ["perplexity"] * len(options.eval_corpora)
     stages += ["drift"] if prunes and options.eval_corpora and options.drift_windows else []
@@ -125,7 +131,7 @@ class RunRequest:
 
     def stages(self) -> list[str]:
         if self.sweep:
-            return (["convert model"] if needs_conversion(self.options.model) else []) + sweep_planned(self.depths)
+            return conversion_stage(self.options.model) + sweep_planned(self.depths)
         return planned_stages(self.options, self.quick, self.save_variant)
 
     def advice(self) -> list[Advice]:
@@ -154,7 +160,7 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
     preset = find_preset(options.model)
     if preset is not None:  # offline, gated without a token or too big: refused before anything downloads
         check_preset(preset.hub_id, options, device(), request.depths or None)
-    if zerogpu_space():
+    if zerogpu():
         gpu_seconds(options, request.depths or None)  # refuses a run longer than a ZeroGPU call may hold
     return request
 
@@ -162,12 +168,36 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
 # ---------------------------------------------------------------- the run (the @spaces.GPU unit)
 
 
+def with_app_timings(library: dict[str, float], app: dict[str, float]) -> dict[str, float]:
+    """A report's stage times: the app's own (convert, load) first, then the library's stages."""
+    return {stage: round(seconds, 3) for stage, seconds in app.items()} | {
+        stage: seconds for stage, seconds in library.items() if stage not in app}
+
+
+def load_stages(model: str, timings: dict[str, float],
+                should_stop: StopCheck = None) -> Generator[tuple[str, dict], None, LoadedModel]:
+    """(Convert →) load `model` from the shared cache, each step timed into `timings`.
+
+    Yields the convert stage's snapshot when a first use converts the GGUF (outside any lock other
+    users wait on); returns the loaded model.
+    """
+    if needs_conversion(model):
+        start = time.perf_counter()
+        MODELS.convert(model)
+        timings["convert model"] = time.perf_counter() - start
+        yield "convert model", {"model": model, "timings": with_app_timings({}, timings), "variants": {}}
+    check_stop(should_stop, "load model")
+    start = time.perf_counter()
+    loaded = MODELS.get(model)
+    timings["load model"] = time.perf_counter() - start
+    return loaded
+
+
 def snapshot(result: RunResult, options: RunOptions, timings: dict[str, float]) -> dict:
     """Plain JSON-ready data of the run so far: results.json's layout plus what the page also shows."""
     report = result.to_json()
     tasks = {name: entry["tasks"] for name, entry in report["variants"].items() if "tasks" in entry}
-    report["timings"] = {stage: round(seconds, 3) for stage, seconds in timings.items()} | {
-        stage: seconds for stage, seconds in report["timings"].items() if stage not in timings}
+    report["timings"] = with_app_timings(report["timings"], timings)
     report["app"] = {
         "drift_corpus": options.eval_corpora[0] if options.eval_corpora else None,
         "drift_windows": options.drift_windows,
@@ -191,16 +221,7 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
     """
     check_options(options)
     timings: dict[str, float] = {}
-    if needs_conversion(options.model):
-        start = time.perf_counter()
-        MODELS.convert(options.model)  # outside any lock that other users wait on
-        timings["convert model"] = time.perf_counter() - start
-        yield "convert model", {"model": options.model, "timings": {k: round(v, 3) for k, v in timings.items()},
-                                "variants": {}}
-    check_stop(should_stop, "load model")
-    start = time.perf_counter()
-    loaded = MODELS.get(options.model)
-    timings["load model"] = time.perf_counter() - start
+    loaded = yield from load_stages(options.model, timings, should_stop)
     if quick.enabled and quick.tasks:
         options = replace(options, tasks=quick.tasks, task_limit=quick.limit)
     result = None
@@ -225,19 +246,10 @@ def run_sweep_job(options: RunOptions, depths: tuple[int, ...], should_stop: Sto
     Yields (stage, the sweep's results.json so far): the curve grows depth by depth.
     """
     timings: dict[str, float] = {}
-    if needs_conversion(options.model):
-        start = time.perf_counter()
-        MODELS.convert(options.model)
-        timings["convert model"] = time.perf_counter() - start
-        yield "convert model", {"model": options.model, "timings": {k: round(v, 3) for k, v in timings.items()}}
-    check_stop(should_stop, "load model")
-    start = time.perf_counter()
-    loaded = MODELS.get(options.model)
-    timings["load model"] = time.perf_counter() - start
+    loaded = yield from load_stages(options.model, timings, should_stop)
     for stage, result in sweep_stages(options, depths, loaded, should_stop=should_stop):
         report = result.to_json()
-        report["timings"] = {k: round(v, 3) for k, v in timings.items()} | {
-            k: v for k, v in report["timings"].items() if k not in timings}
+        report["timings"] = with_app_timings(report["timings"], timings)
         yield stage, report
 
 

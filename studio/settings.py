@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ghosted_core.advice import default_depth
-from ghosted_core.estimate import zerogpu
 from ghosted_core.models import DEFAULT_MODEL, EMBEDDED
 from ghosted_core.operators import OPERATORS
 from ghosted_core.pipeline import SEQUENTIAL_SUFFIX
@@ -84,8 +83,3 @@ def _sweep_seconds(options, depths, *args, **kwargs) -> int:
 
 gpu_run = _spaces_gpu(_run_seconds)  # decorates studio.runner.run_job
 gpu_sweep = _spaces_gpu(_sweep_seconds)  # decorates studio.runner.run_sweep_job
-
-
-def zerogpu_space() -> bool:
-    """True on a ZeroGPU Space, where each run's GPU time is asked for (and bounded) up front."""
-    return zerogpu()

@@ -13,7 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from studio.charts import base_figure, empty_figure
-from studio.tables import DENSE_COLOR, corpus_tag, fmt, tokens_text, variant_colors, worse_boundaries
+from studio.tables import DENSE_COLOR, blocks_text, corpus_tag, fmt, tokens_text, variant_colors, worse_boundaries
 
 CORPUS_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 
@@ -74,7 +74,6 @@ def curve_figure(report: dict) -> go.Figure:
     return fig
 
 
-
 def _add_depth_lines(fig: go.Figure, results: list[dict], operators: list[str], corpus: str, key: str, dash: str,
                      colors: dict[str, str], hover: str, legend: bool) -> None:
     """One line per operator through the depths: the `key` entry ("ppl" or "recovered") on `corpus`."""
@@ -84,6 +83,7 @@ def _add_depth_lines(fig: go.Figure, results: list[dict], operators: list[str], 
         fig.add_scatter(x=depths, y=ys, mode="lines+markers", name=name, legendgroup=name, showlegend=legend,
                         line=dict(color=colors[name], dash=dash, width=2), marker=dict(size=6),
                         hovertemplate=f"{name} · {corpus}<br>{hover}<extra></extra>")
+
 
 def recovered_figure(report: dict) -> go.Figure:
     """Share of the pruning damage each operator recovers, (ppl_none − ppl_op) / (ppl_none − ppl_dense), per depth."""
@@ -113,9 +113,7 @@ def sweep_table(report: dict) -> pd.DataFrame:
     columns.append("held-out boundary error")
     rows = []
     for result in _depth_results(report):
-        removed = result["removed_layers"]
-        which = f"{min(removed)}–{max(removed)}" if removed == list(range(min(removed), max(removed) + 1)) else \
-            ", ".join(map(str, removed))
+        which = blocks_text(result["removed_layers"])
         for name, entry in result["variants"].items():
             row = [result["n"], which, name]
             for corpus in corpora:
