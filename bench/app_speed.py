@@ -47,7 +47,7 @@ def main() -> int:
     from gradio_client import Client
 
     from studio.cache import MODELS
-    from studio.callbacks import OUTPUT_NAMES
+    from studio.outputs import OUTPUT_NAMES
     from studio.settings import DEFAULTS
     from studio.speed import machine
 

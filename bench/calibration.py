@@ -41,8 +41,8 @@ def peak_bytes() -> int:
 
 
 def _ours(model, windows, boundary, batch_size):
-    from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches
-    from ghosted_core.operators import FitOptions, get_operator
+    from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+    from ghosted_core.recovery.operators import FitOptions, get_operator
 
     stats = collect_stats(model, [boundary], make_batches(windows, None, batch_size), CalibrationOptions(quiet=True))
     return get_operator("ghost").fit(stats[0], FitOptions()).update
@@ -75,13 +75,13 @@ def worker(method: str, tokens: int, start: int, end: int, batch_size: int, out:
     import ghosted_core  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads
     import torch
 
-    from ghosted_core import data
-    from ghosted_core.models import load_model
+    from ghosted_core.data import corpora
+    from ghosted_core.model.loading import load_model
     from ghosted_core.plan import Boundary
 
     torch.set_grad_enabled(False)
     loaded = load_model("smollm2-135m")
-    windows, _ = data.calibration_windows(loaded.tokenizer, "ptb", max(1, tokens // SEQLEN), SEQLEN, seed=0)
+    windows, _ = corpora.calibration_windows(loaded.tokenizer, "ptb", max(1, tokens // SEQLEN), SEQLEN, seed=0)
     base = rss_bytes()
     clock = time.perf_counter()
     update = (_ours if method == "ours" else _baseline)(loaded.model, windows, Boundary(start, end), batch_size)

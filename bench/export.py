@@ -36,12 +36,13 @@ import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches  # noqa: E402
-from ghosted_core.export import export_variant, load_recovered  # noqa: E402
-from ghosted_core.operators import needs_of  # noqa: E402
-from ghosted_core.pipeline import RunOptions, VariantSpec, build_recovered, fit_variant  # noqa: E402
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.export.folder import export_variant, load_recovered
+from ghosted_core.recovery.operators import needs_of
+from ghosted_core.run.options import RunOptions, VariantSpec
+from ghosted_core.run.fitting import build_recovered, fit_variant
 from ghosted_core.plan import PruningPlan  # noqa: E402
-from ghosted_core.rotation_fold import fold_upstream_rotation, procrustes_map  # noqa: E402
+from rotation_fold import fold_upstream_rotation, procrustes_map  # noqa: E402  (an experiment kept beside its bench)
 
 
 @contextmanager

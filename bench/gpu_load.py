@@ -68,10 +68,11 @@ def build(folder: Path, args) -> int:
 
 def pipeline_on(model, removed: tuple[int, ...], seed: int = 0) -> dict:
     """Calibrate, fit every operator and evaluate perplexity on random tokens; what came out, and where."""
-    from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches
-    from ghosted_core.evaluation import perplexity
-    from ghosted_core.operators import FitOptions, get_operator, needs_of
-    from ghosted_core.pipeline import VariantSpec, build_recovered
+    from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+    from ghosted_core.evaluation.perplexity import perplexity
+    from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
+    from ghosted_core.run.options import VariantSpec
+    from ghosted_core.run.fitting import build_recovered
     from ghosted_core.plan import PruningPlan
 
     generator = torch.Generator().manual_seed(seed)
@@ -111,7 +112,7 @@ def input_device(model) -> torch.device:
 
 
 def worker(method: str, folder: str, out: str, removed: tuple[int, ...], gpu_cap: str) -> None:
-    from ghosted_core.models import LoadOptions, load_model
+    from ghosted_core.model.loading import LoadOptions, load_model
 
     torch.zeros(1, device="cuda")  # CUDA start-up is not part of loading
     torch.cuda.reset_peak_memory_stats()

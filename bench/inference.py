@@ -28,11 +28,12 @@ from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the scri
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
-from ghosted_core import data  # noqa: E402
-from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches  # noqa: E402
-from ghosted_core.models import load_model  # noqa: E402
-from ghosted_core.operators import OPERATORS, FitOptions, get_operator  # noqa: E402
-from ghosted_core.pipeline import VariantSpec, build_recovered  # noqa: E402
+from ghosted_core.data import corpora
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.model.loading import load_model
+from ghosted_core.recovery.operators import OPERATORS, FitOptions, get_operator
+from ghosted_core.run.options import VariantSpec
+from ghosted_core.run.fitting import build_recovered
 from ghosted_core.plan import PruningPlan  # noqa: E402
 
 
@@ -61,14 +62,14 @@ def main() -> None:
     loaded = load_model(args.model)
     dense = loaded.model
     plan = PruningPlan(loaded.num_layers, tuple(int(i) for i in args.removed.split(",")), "manual")
-    fit_ids, _ = data.calibration_windows(loaded.tokenizer, "mix", 8, 256, seed=0)
+    fit_ids, _ = corpora.calibration_windows(loaded.tokenizer, "mix", 8, 256, seed=0)
     stats = collect_stats(dense, plan.boundaries, make_batches(fit_ids, None, 8), CalibrationOptions(quiet=True))
     variants = {"dense": dense}
     for name in OPERATORS:
         fits = [get_operator(name).fit(s, FitOptions()) for s in stats]
         variants[name] = build_recovered(dense, plan, VariantSpec(name, name), fits)
 
-    windows = data.evaluation_windows(loaded.tokenizer, "wiki", args.prefill)
+    windows = corpora.evaluation_windows(loaded.tokenizer, "wiki", args.prefill)
     prompts = windows[: args.batch]  # (B, prefill)
     prompt = windows[0:1, :32]
     times: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": []} for name in variants}

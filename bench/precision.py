@@ -32,13 +32,14 @@ from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the scri
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
-from ghosted_core import data  # noqa: E402
-from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches  # noqa: E402
-from ghosted_core.evaluation import perplexity  # noqa: E402
-from ghosted_core.models import LoadOptions, load_model  # noqa: E402
-from ghosted_core.operators import Fit, needs_of  # noqa: E402
-from ghosted_core.pipeline import RunOptions, build_recovered, fit_variant, parse_variants  # noqa: E402
-from ghosted_core.selection import SelectionRequest, select_blocks  # noqa: E402
+from ghosted_core.data import corpora
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.evaluation.perplexity import perplexity
+from ghosted_core.model.loading import LoadOptions, load_model
+from ghosted_core.recovery.operators import Fit, needs_of
+from ghosted_core.run.options import RunOptions, parse_variants
+from ghosted_core.run.fitting import build_recovered, fit_variant
+from ghosted_core.selection.criteria import SelectionRequest, select_blocks
 
 OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
 CORPORA = ("ptb", "wiki")
@@ -49,7 +50,7 @@ def run_dtype(dtype: str, plan, args) -> dict:
     """One dtype through select → calibrate → fit → build → perplexity; fits kept for the comparison."""
     loaded = load_model("smollm2-135m", LoadOptions(device="cpu", dtype=dtype))
     dense, tokenizer = loaded.model, loaded.tokenizer
-    fit_ids, held_ids = data.calibration_windows(tokenizer, "mix", args.train_size, args.seqlen, args.seed,
+    fit_ids, held_ids = corpora.calibration_windows(tokenizer, "mix", args.train_size, args.seqlen, args.seed,
                                                  heldout=max(1, args.train_size // 8))
     batches = make_batches(fit_ids, held_ids, 8)
     clock = time.perf_counter()
@@ -65,7 +66,7 @@ def run_dtype(dtype: str, plan, args) -> dict:
         fits[spec.name], reports[spec.name] = fit_variant(dense, plan, spec, stats, batches, options)
         models[spec.name] = build_recovered(dense, plan, spec, fits[spec.name])
     clock = time.perf_counter()
-    ppl = {corpus: perplexity(dense, models, data.evaluation_windows(tokenizer, corpus, args.seqlen, args.eval_tokens),
+    ppl = {corpus: perplexity(dense, models, corpora.evaluation_windows(tokenizer, corpus, args.seqlen, args.eval_tokens),
                               quiet=True) for corpus in CORPORA}
     timings["perplexity"] = time.perf_counter() - clock
     return {"plan": plan, "chosen": list(chosen.removed), "fits": fits, "reports": reports, "perplexity": ppl,
@@ -118,7 +119,7 @@ def main() -> None:
               "chosen": {dtype: runs[dtype]["chosen"] for dtype in DTYPES},
               "calibration": {"corpus": "mix (stand-in for C4)", "sequences": args.train_size, "seqlen": args.seqlen,
                               "seed": args.seed},
-              "evaluation": {"tokens_per_corpus": args.eval_tokens, "corpora": data.describe(CORPORA)},
+              "evaluation": {"tokens_per_corpus": args.eval_tokens, "corpora": corpora.describe(CORPORA)},
               "stats_dtype": {dtype: runs[dtype]["stats_dtype"] for dtype in DTYPES},
               "variant_logits_dtype": {dtype: runs[dtype]["variant_logits_dtype"] for dtype in DTYPES},
               "timings": {dtype: runs[dtype]["timings"] for dtype in DTYPES}, "operators": operators,

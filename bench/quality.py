@@ -38,17 +38,18 @@ from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the scri
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
-from ghosted_core import data  # noqa: E402
-from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches  # noqa: E402
-from ghosted_core.evaluation import perplexity  # noqa: E402
-from ghosted_core.fold import stock_blockers  # noqa: E402
-from ghosted_core.models import load_model  # noqa: E402
-from ghosted_core.operators import FitOptions  # noqa: E402
-from ghosted_core.pipeline import RunOptions, VariantSpec, build_recovered, fit_variant, parse_variants  # noqa: E402
+from ghosted_core.data import corpora
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.evaluation.perplexity import perplexity
+from ghosted_core.export.fold import stock_blockers
+from ghosted_core.model.loading import load_model
+from ghosted_core.recovery.operators import FitOptions
+from ghosted_core.run.options import RunOptions, VariantSpec, parse_variants
+from ghosted_core.run.fitting import build_recovered, fit_variant
 from ghosted_core.plan import PruningPlan  # noqa: E402
-from ghosted_core.rotation_fold import LLAMA_STYLE, orthogonal_fold_variants  # noqa: E402
-from ghosted_core.selection import SelectionRequest, select_blocks  # noqa: E402
-from ghosted_core.tasks import evaluate_tasks  # noqa: E402
+from rotation_fold import LLAMA_STYLE, orthogonal_fold_variants  # noqa: E402  (an experiment kept beside its bench)
+from ghosted_core.selection.criteria import SelectionRequest, select_blocks
+from ghosted_core.evaluation.tasks import evaluate_tasks
 
 EVAL_CORPORA = ("ptb", "wiki", "books", "brown")
 # Gemma-3's 262k-entry LM head makes every evaluated token cost ~1.6 SmolLM2 forwards per variant:
@@ -72,7 +73,7 @@ def variant_specs(plan: PruningPlan) -> tuple[VariantSpec, ...]:
 def fit_all(dense, plan: PruningPlan, tokenizer, calibration: str, args, specs) -> tuple[dict, dict, dict]:
     """Variants named `<operator>@<calibration>`, their fit reports, and the orthogonal-fold variants
     (which carry their own rotated embeddings, so they are evaluated apart)."""
-    fit_ids, held_ids = data.calibration_windows(tokenizer, calibration, args.train_size, args.seqlen, args.seed,
+    fit_ids, held_ids = corpora.calibration_windows(tokenizer, calibration, args.train_size, args.seqlen, args.seed,
                                                  heldout=max(1, args.train_size // 8))
     batches = make_batches(fit_ids, held_ids, 8)
     options = RunOptions(calibrate=CalibrationOptions(quiet=True), fit=FitOptions(), quiet=True)
@@ -98,7 +99,7 @@ def evaluate(dense, models: dict, tokenizer, corpora, args, rotated: dict | None
     for name, model in (rotated or {}).items():
         groups.setdefault(name.split("@")[1], {})[name] = model
     for corpus in corpora:
-        windows = data.evaluation_windows(tokenizer, corpus, args.seqlen, args.eval_tokens)
+        windows = corpora.evaluation_windows(tokenizer, corpus, args.seqlen, args.eval_tokens)
         table[corpus] = perplexity(dense, models, windows, quiet=True)
         for calibration, group in groups.items():
             table[corpus] |= perplexity(group[f"ghost_orth@{calibration}"], group, windows, quiet=True)
@@ -108,7 +109,7 @@ def evaluate(dense, models: dict, tokenizer, corpora, args, rotated: dict | None
 def run_setting(loaded, criterion: str, n: int, args) -> dict:
     dense, tokenizer = loaded.model, loaded.tokenizer
     clock = time.perf_counter()
-    select_ids, _ = data.calibration_windows(tokenizer, "mix", args.select_size, args.seqlen, args.seed)
+    select_ids, _ = corpora.calibration_windows(tokenizer, "mix", args.select_size, args.seqlen, args.seed)
     plan, _ = select_blocks(dense, criterion, SelectionRequest(loaded.num_layers, n), make_batches(select_ids, None, 8),
                             quiet=True)
     specs = variant_specs(plan)
@@ -185,11 +186,11 @@ def fold_gap(setting: dict) -> dict[str, dict]:
 def calibration_sweep(loaded, args) -> dict:
     """ghost and ghost_capped fitted on the first 8 … 128 windows of mix (SmolLM2, streamline n=11)."""
     dense, tokenizer = loaded.model, loaded.tokenizer
-    select_ids, _ = data.calibration_windows(tokenizer, "mix", args.select_size, args.seqlen, args.seed)
+    select_ids, _ = corpora.calibration_windows(tokenizer, "mix", args.select_size, args.seqlen, args.seed)
     plan, _ = select_blocks(dense, "streamline", SelectionRequest(loaded.num_layers, args.sweep_n),
                             make_batches(select_ids, None, 8), quiet=True)
     sizes = [s for s in SWEEP if s <= args.sweep_max]
-    fit_ids, _ = data.calibration_windows(tokenizer, "mix", sizes[-1], args.seqlen, args.seed)
+    fit_ids, _ = corpora.calibration_windows(tokenizer, "mix", sizes[-1], args.seqlen, args.seed)
     options = RunOptions(calibrate=CalibrationOptions(quiet=True), quiet=True)
     models = {"dense": dense, "none": build_recovered(dense, plan, VariantSpec("none", "none"), [])}
     total = None
@@ -204,7 +205,7 @@ def calibration_sweep(loaded, args) -> dict:
             models[f"{op}@{size}"] = build_recovered(dense, plan, spec, fits)
     table = {}
     for corpus in ("ptb", "wiki"):
-        windows = data.evaluation_windows(tokenizer, corpus, args.seqlen, args.eval_tokens)
+        windows = corpora.evaluation_windows(tokenizer, corpus, args.seqlen, args.eval_tokens)
         table[corpus] = perplexity(dense, models, windows, quiet=True)
     return {"model": loaded.name, "criterion": "streamline", "n": args.sweep_n, "removed": list(plan.removed),
             "sizes": sizes, "perplexity": table}
@@ -236,8 +237,8 @@ def main() -> None:
     report = {"sizes": {"seqlen": args.seqlen, "calibration_sequences": args.train_size,
                         "selection_sequences": args.select_size,
                         "eval_tokens_per_corpus": args.eval_tokens, "task_limit": args.task_limit, "seed": args.seed},
-              "corpora": data.describe(EVAL_CORPORA),
-              "calibration_corpora": data.describe(CALIBRATIONS, "calibration"), "settings": []}
+              "corpora": corpora.describe(EVAL_CORPORA),
+              "calibration_corpora": corpora.describe(CALIBRATIONS, "calibration"), "settings": []}
     for model_name, combos in settings.items():
         loaded = load_model(model_name)
         for criterion, n in combos:

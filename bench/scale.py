@@ -78,7 +78,7 @@ def build_model(shape: str, layers: int, device: str = "cpu", dtype: str = "floa
 def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0):
     import torch
 
-    from ghosted_core.calibration import make_batches
+    from ghosted_core.calibration.collect import make_batches
 
     generator = torch.Generator().manual_seed(seed)
     fit = torch.randint(0, vocab, (tokens // SEQLEN, SEQLEN), generator=generator)
@@ -88,10 +88,11 @@ def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0):
 
 def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators: tuple[str, ...] = OPERATORS) -> dict:
     """The pipeline's calibration stage for `operators` at independent boundaries: stats, fits, held-out pass."""
-    from ghosted_core.calibration import collect_stats
-    from ghosted_core.heldout import measure_errors
-    from ghosted_core.operators import get_operator, needs_of
-    from ghosted_core.pipeline import RunOptions, VariantBuild, parse_variants
+    from ghosted_core.calibration.collect import collect_stats
+    from ghosted_core.recovery.heldout import measure_errors
+    from ghosted_core.recovery.operators import get_operator, needs_of
+    from ghosted_core.run.options import RunOptions, parse_variants
+    from ghosted_core.run.fitting import VariantBuild
 
     needs = needs_of(operators)
     live: list = []
@@ -121,7 +122,7 @@ def fit_store_all(model, boundaries, batches) -> dict:
     """Keep every activation (fp32, CPU), concatenate, float64 normal equations: ghost per boundary."""
     import torch
 
-    from ghosted_core.capture import capture, run_forward
+    from ghosted_core.calibration.capture import capture, run_forward
 
     kept = {b: ([], []) for b in boundaries}
     clock = time.perf_counter()
@@ -147,8 +148,8 @@ def products_difference(model, boundaries, batches, options) -> dict:
     """ghost and ghost_capped M from fp32 per-batch products summed in float64, against pure float64."""
     import dataclasses
 
-    from ghosted_core.calibration import collect_stats
-    from ghosted_core.operators import FitOptions, get_operator, needs_of
+    from ghosted_core.calibration.collect import collect_stats
+    from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
 
     needs = needs_of(["ghost"])
     exact = collect_stats(model, boundaries, batches, options, needs)
@@ -167,13 +168,13 @@ def smollm2_products(args) -> None:
     """fp32 products vs float64 on the real SmolLM2 (streamline n = 7 boundary, mix calibration)."""
     import ghosted_core  # noqa: F401
 
-    from ghosted_core import data
-    from ghosted_core.calibration import CalibrationOptions, make_batches
-    from ghosted_core.models import load_model
+    from ghosted_core.data import corpora
+    from ghosted_core.calibration.collect import CalibrationOptions, make_batches
+    from ghosted_core.model.loading import load_model
     from ghosted_core.plan import Boundary
 
     loaded = load_model("smollm2-135m")
-    fit_ids, _ = data.calibration_windows(loaded.tokenizer, "mix", 32, SEQLEN, 0)
+    fit_ids, _ = corpora.calibration_windows(loaded.tokenizer, "mix", 32, SEQLEN, 0)
     boundaries = [Boundary(20, 27)]
     options = CalibrationOptions(quiet=True, batch_size=8, pipeline="full")
     result = products_difference(loaded.model, boundaries, make_batches(fit_ids, None, 8), options)
@@ -187,9 +188,9 @@ def worker(args) -> None:
     import ghosted_core  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads
     import torch
 
-    from ghosted_core.calibration import CalibrationOptions
+    from ghosted_core.calibration.collect import CalibrationOptions
     from ghosted_core.memory import plan_memory
-    from ghosted_core.operators import needs_of
+    from ghosted_core.recovery.operators import needs_of
     from ghosted_core.plan import Boundary
 
     model = build_model(args.shape, 4)
@@ -266,7 +267,7 @@ def cuda_main(args) -> None:
     import ghosted_core  # noqa: F401
     import torch
 
-    from ghosted_core.calibration import CalibrationOptions
+    from ghosted_core.calibration.collect import CalibrationOptions
     from ghosted_core.plan import Boundary, boundaries_of
 
     dry = args.dry_run

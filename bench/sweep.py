@@ -45,8 +45,8 @@ SIZES = {  # (calibration sequences, sequence length, perplexity tokens per corp
 
 
 def options_for(size: str):
-    from ghosted_core.calibration import CalibrationOptions
-    from ghosted_core.pipeline import RunOptions
+    from ghosted_core.calibration.collect import CalibrationOptions
+    from ghosted_core.run.options import RunOptions
 
     train, seqlen, eval_tokens = SIZES[size]
     return RunOptions(model="smollm2-135m", train_size=train, seqlen=seqlen, eval_max_tokens=eval_tokens,
@@ -59,9 +59,9 @@ def worker(method: str, size: str, out: str) -> None:
     import ghosted_core  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads
     import torch
 
-    from ghosted_core.models import load_model
-    from ghosted_core.pipeline import run
-    from ghosted_core.sweep import run_sweep
+    from ghosted_core.model.loading import load_model
+    from ghosted_core.run.pipeline import run
+    from ghosted_core.run.sweep import run_sweep
 
     torch.set_grad_enabled(False)
     options = options_for(size)
@@ -124,8 +124,8 @@ def main() -> None:
         runs[method].append(json.loads(path.read_text()) | {"load_average": os.getloadavg()[0]})
     sweep, singles = (_combined(runs[m]) for m in ("sweep", "singles"))
 
-    from ghosted_core.estimate import current_device, estimate_time
-    from ghosted_core.models import peek_config
+    from ghosted_core.planning.estimate import current_device, estimate_time
+    from ghosted_core.model.loading import peek_config
 
     options = options_for(size)
     estimate = estimate_time(peek_config(options.model), options, current_device(), DEPTHS)

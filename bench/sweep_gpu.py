@@ -78,7 +78,7 @@ def forward_efficiency(model, device_info, tokens: int, seqlen: int) -> float:
     """Measured FLOP/s of the blocks' forward pass over the measured matmul rate."""
     import torch
 
-    from ghosted_core.models import estimate_parameters
+    from ghosted_core.memory import estimate_parameters
 
     ids = torch.randint(0, model.config.vocab_size, (tokens // seqlen, seqlen), device=model.device)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
@@ -108,12 +108,13 @@ def main() -> None:
     import ghosted_core  # noqa: F401  first: sets OMP_WAIT_POLICY before torch loads
     import torch
 
-    from ghosted_core.calibration import CalibrationOptions
-    from ghosted_core.estimate import current_device, estimate_time
-    from ghosted_core.models import LoadedModel
-    from ghosted_core.pipeline import RunOptions, run
-    from ghosted_core.sweep import run_sweep
-    from ghosted_core.user_text import USER_CORPUS, from_text
+    from ghosted_core.calibration.collect import CalibrationOptions
+    from ghosted_core.planning.estimate import current_device, estimate_time
+    from ghosted_core.model.loading import LoadedModel
+    from ghosted_core.run.options import RunOptions
+    from ghosted_core.run.pipeline import run
+    from ghosted_core.run.sweep import run_sweep
+    from ghosted_core.data.user_text import USER_CORPUS, from_text
 
     torch.set_grad_enabled(False)
     cuda = args.device.startswith("cuda")

@@ -24,9 +24,10 @@ from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the scri
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
-from ghosted_core.models import load_model  # noqa: E402
-from ghosted_core.pipeline import RunOptions, parse_variants, run  # noqa: E402
-from ghosted_core.tasks import PAPER_TASKS, TASKS, evaluate_tasks  # noqa: E402
+from ghosted_core.model.loading import load_model
+from ghosted_core.run.options import RunOptions, parse_variants
+from ghosted_core.run.pipeline import run
+from ghosted_core.evaluation.tasks import PAPER_TASKS, TASKS, evaluate_tasks
 
 
 def main() -> None:

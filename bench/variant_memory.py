@@ -26,11 +26,12 @@ from process_memory import rss_bytes  # noqa: E402
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
 
-from ghosted_core import data  # noqa: E402
-from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches  # noqa: E402
-from ghosted_core.models import load_model  # noqa: E402
-from ghosted_core.operators import FitOptions, get_operator  # noqa: E402
-from ghosted_core.pipeline import DEFAULT_VARIANTS, build_recovered, parse_variants  # noqa: E402
+from ghosted_core.data import corpora
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.model.loading import load_model
+from ghosted_core.recovery.operators import FitOptions, get_operator
+from ghosted_core.run.options import DEFAULT_VARIANTS, parse_variants
+from ghosted_core.run.fitting import build_recovered
 from ghosted_core.plan import PruningPlan  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     gc.collect()
     base = rss_bytes()
     plan = PruningPlan(loaded.num_layers, tuple(int(i) for i in args.removed.split(",")), "manual")
-    fit_ids, _ = data.calibration_windows(loaded.tokenizer, "ptb", 8, 128, 0)
+    fit_ids, _ = corpora.calibration_windows(loaded.tokenizer, "ptb", 8, 128, 0)
     stats = collect_stats(dense, plan.boundaries, make_batches(fit_ids, None, 8), CalibrationOptions(quiet=True))
     del fit_ids
     gc.collect()

@@ -13,19 +13,23 @@ import logging
 import sys
 from pathlib import Path
 
-from ghosted_core import data
-from ghosted_core.calibration import CalibrationOptions
-from ghosted_core.calibration_pipelines import CALIBRATION_PIPELINES
+from ghosted_core.data import corpora
+from ghosted_core.calibration.collect import CalibrationOptions
+from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
-from ghosted_core.evaluation import GenerationOptions
-from ghosted_core.export import EXPORT_MODES, check_export, export_variant
-from ghosted_core.models import DEFAULT_MODEL, LoadOptions, embedded_names, parse_max_memory
-from ghosted_core.operators import HELDOUT_FLAG, OPERATORS, FitOptions
-from ghosted_core.pipeline import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run
-from ghosted_core.selection import COSINE_AXES, CRITERIA, parse_layers
-from ghosted_core.sweep import SweepResult, parse_depths, run_sweep
-from ghosted_core.tasks import parse_tasks
-from ghosted_core.user_text import USER_CORPUS, canonical, from_file
+from ghosted_core.evaluation.generation import GenerationOptions
+from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
+from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
+from ghosted_core.model.loading import LoadOptions, parse_max_memory
+from ghosted_core.recovery.assessment import HELDOUT_FLAG
+from ghosted_core.recovery.operators import OPERATORS, FitOptions
+from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
+from ghosted_core.run.result import RunResult
+from ghosted_core.run.pipeline import run
+from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, parse_layers
+from ghosted_core.run.sweep import SweepResult, parse_depths, run_sweep
+from ghosted_core.evaluation.tasks import parse_tasks
+from ghosted_core.data.user_text import USER_CORPUS, canonical, from_file
 
 log = logging.getLogger("ghosted_core")
 
@@ -57,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"recovery operator(s), comma list of {', '.join(OPERATORS)}; "
                         f"append {SEQUENTIAL_SUFFIX} for the sequential fit (e.g. ghost{SEQUENTIAL_SUFFIX})")
     p.add_argument("--calibration_data", default="mix",
-                   help="calibration corpus: " + ", ".join(data.corpus_names()) + ", or yours (with --user_text)")
+                   help="calibration corpus: " + ", ".join(corpora.corpus_names()) + ", or yours (with --user_text)")
     p.add_argument("--user_text", default=None, metavar="FILE",
                    help="your own text (.txt, or .jsonl with a \"text\" field per line; at most 5 MB), used where "
                         "--calibration_data or --eval_ppl names yours; kept in memory only")
@@ -306,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     report = result.to_json()
     (outdir / "results.json").write_text(json.dumps(report, indent=2))
     if isinstance(result, SweepResult):
-        from studio.sweep_view import write_sweep_html  # the app's charts, drawn once more into a file
+        from ghosted_core.report.sweep import write_sweep_html  # the app's charts, drawn once more into a file
 
         print(sweep_summary(result))
         print(f"charts: {write_sweep_html(report, outdir / 'sweep.html')}")

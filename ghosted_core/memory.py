@@ -102,7 +102,7 @@ def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: 
 
 def logits_bytes(config: PretrainedConfig, batch: int, seqlen: int) -> int:
     """Float32 logits of one perplexity chunk, and cross-entropy's copy of them."""
-    from ghosted_core.evaluation import LOGITS_BUDGET
+    from ghosted_core.memory import LOGITS_BUDGET
 
     full = 4 * config.vocab_size * batch * max(seqlen - 1, 1)
     return 2 * min(full, max(LOGITS_BUDGET, 4 * config.vocab_size * batch))
@@ -244,3 +244,6 @@ def _name(dtype: torch.dtype) -> str:
 def min_calibration_sequences(width: int, seqlen: int, factor: int = 4, floor: int = 64) -> int:
     """Sequences that give a fit at least `factor`·C tokens (a well-posed C×C least squares), at least `floor`."""
     return max(floor, math.ceil(factor * width / max(seqlen, 1)))
+
+
+LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once

@@ -6,7 +6,8 @@ import logging
 import threading
 from collections import OrderedDict
 
-from ghosted_core.models import EMBEDDED, LoadedModel, convert_embedded, load_model, needs_conversion, peek_config
+from ghosted_core.model.embedded import EMBEDDED, convert_embedded, needs_conversion
+from ghosted_core.model.loading import LoadedModel, load_model, peek_config
 from studio.presets_view import find_preset
 from studio.settings import CACHE_SIZE
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from studio.tables import blocks_text, corpus_tag
+from ghosted_core.report.tables import blocks_text, corpus_tag
 
 HISTORY_LIMIT = 50  # runs kept per session (the oldest go first)
 

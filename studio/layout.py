@@ -6,24 +6,24 @@ import logging
 
 import gradio as gr
 
-from ghosted_core import data
-from ghosted_core.pipeline import SEQUENTIAL_SUFFIX
-from ghosted_core.selection import CRITERIA
-from ghosted_core.tasks import TASKS
+from ghosted_core.data import corpora
+from ghosted_core.run.options import SEQUENTIAL_SUFFIX
+from ghosted_core.selection.criteria import CRITERIA
+from ghosted_core.evaluation.tasks import TASKS
 from studio.cache import num_blocks
-from ghosted_core.export import EXPORT_MODES
-from studio.callbacks import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES, depth_info, model_note, \
-    on_criterion_change, on_history_select, on_mode_change, on_model_change, on_run, on_settings_change, on_stop, \
-    on_submit, on_upload, upload_available
+from ghosted_core.export.folder import EXPORT_MODES
+from studio.outputs import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES
+from studio.handlers import depth_info, model_note, on_criterion_change, on_history_select, on_mode_change, \
+    on_model_change, on_run, on_settings_change, on_stop, on_submit, on_upload, upload_available
 from studio.history import history_table
 from studio.presets_view import model_choices
-from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, MODES, NO_SAVE, OPERATOR_CHOICES, QUEUE_SIZE, \
-    RUN_CONCURRENCY, SEQLENS
+from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, MODES, NO_SAVE, QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS
+from ghosted_core.run.options import OPERATOR_CHOICES
 from studio.user_input import USES
 from studio.speed import default_run_note
 from studio.status import NOTHING_SHOWN
-from studio.sweep_view import sweep_table
-from studio.tables import empty_perplexity_table
+from ghosted_core.report.sweep import sweep_table
+from ghosted_core.report.tables import empty_perplexity_table
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def read_prompts() -> list[str]:
 
 def corpus_choices(split: str) -> list[tuple[str, str]]:
     """(label, name) pairs from the corpus registry; the label says stand-in or exact."""
-    return [(f"{name} — {label}", name) for name, label in data.describe(data.corpus_names(), split).items()]
+    return [(f"{name} — {label}", name) for name, label in corpora.describe(corpora.corpus_names(), split).items()]
 
 
 # After Run, bring the status panel into view: on a phone the results column sits below every control.

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import functools
 
-from ghosted_core.estimate import DeviceInfo, current_device
-from ghosted_core.models import EMBEDDED
-from ghosted_core.pipeline import RunOptions
-from ghosted_core.presets import PRESETS, Preset, preset_status
+from ghosted_core.planning.estimate import DeviceInfo, current_device
+from ghosted_core.model.embedded import EMBEDDED
+from ghosted_core.run.options import RunOptions
+from ghosted_core.planning.presets import PRESETS, Preset, preset_status
 
 GIB = 2**30
 

@@ -7,20 +7,23 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ghosted_core.advice import Advice, calibration_advice, cut_advice
-from ghosted_core.calibration import CalibrationOptions
+from ghosted_core.planning.advice import Advice, calibration_advice, cut_advice
+from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
-from ghosted_core.estimate import zerogpu
-from ghosted_core.evaluation import GenerationOptions
-from ghosted_core.export import archive_export, check_export
-from ghosted_core.models import EMBEDDED, LoadedModel, needs_conversion
-from ghosted_core.operators import OPERATORS
-from ghosted_core.pipeline import SEQUENTIAL_SUFFIX, RunOptions, RunResult, parse_variants, run_stages, validate
-from ghosted_core.presets import check_preset, gpu_seconds
-from ghosted_core.selection import parse_layers
+from ghosted_core.planning.estimate import zerogpu
+from ghosted_core.evaluation.generation import GenerationOptions
+from ghosted_core.export.folder import archive_export, check_export
+from ghosted_core.model.embedded import EMBEDDED, needs_conversion
+from ghosted_core.model.loading import LoadedModel
+from ghosted_core.recovery.operators import OPERATORS
+from ghosted_core.run.options import SEQUENTIAL_SUFFIX, RunOptions, parse_variants, validate
+from ghosted_core.run.result import RunResult
+from ghosted_core.run.pipeline import run_stages
+from ghosted_core.planning.presets import check_preset, gpu_seconds
+from ghosted_core.selection.criteria import parse_layers
 from ghosted_core.stopping import StopCheck, check_stop
-from ghosted_core.sweep import check_sweep, parse_depths, sweep_stages
-from ghosted_core.sweep import planned_stages as sweep_planned
+from ghosted_core.run.sweep import check_sweep, parse_depths, sweep_stages
+from ghosted_core.run.sweep import planned_stages as sweep_planned
 from studio.cache import MODELS, model_shape, num_blocks
 from studio.presets_view import device, find_preset
 from studio.settings import DEFAULTS, NO_SAVE, SWEEP, gpu_run, gpu_sweep

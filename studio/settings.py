@@ -7,11 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ghosted_core.advice import default_depth
-from ghosted_core.models import DEFAULT_MODEL, EMBEDDED
-from ghosted_core.operators import OPERATORS
-from ghosted_core.pipeline import SEQUENTIAL_SUFFIX
-from ghosted_core.presets import gpu_seconds
+from ghosted_core.planning.advice import default_depth
+from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED
+from ghosted_core.planning.presets import gpu_seconds
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -53,7 +51,6 @@ RUN_CONCURRENCY = int(os.environ.get("GHOSTED_APP_CONCURRENCY", "1"))  # runs co
 QUEUE_SIZE = int(os.environ.get("GHOSTED_APP_QUEUE", "16"))  # runs waiting at most
 STOP_WAIT_SECONDS = 30  # Stop waits this long for a run to reach its next batch before answering
 
-OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]
 CRITERION_HELP = {  # short dropdown labels; the registry's paper names are longer
     "streamline": "contiguous run (LLM-Streamline)",
     "shortgpt": "lowest block influence (ShortGPT)",

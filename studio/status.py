@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ghosted_core.advice import Advice, calibration_advice, cut_advice, disagreements
-from studio.tables import context_line, held_out_error, worse_boundaries
+from ghosted_core.planning.advice import Advice, calibration_advice, cut_advice, disagreements
+from ghosted_core.report.tables import context_line, held_out_error, worse_boundaries
 
 NOTHING_SHOWN = {"context": "", "state": "", "stages": []}  # the page before any run
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ghosted_core import user_text
+from ghosted_core.data import user_text
 from ghosted_core.errors import GhostedError
-from ghosted_core.user_text import USER_CORPUS, UserText
+from ghosted_core.data.user_text import USER_CORPUS, UserText
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,11 @@ import pytest
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.plan import PruningPlan
+from ghosted_core.recovery.operators import OPERATORS, FitOptions, get_operator
+from ghosted_core.run.fitting import build_recovered
+from ghosted_core.run.options import VariantSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub, and say so quickly
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -88,7 +93,7 @@ def all_threads():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded SmolLM2-135M (converted from GGUF once, then cached)."""
-    from ghosted_core.models import load_model
+    from ghosted_core.model.loading import load_model
 
     return load_model("smollm2-135m")
 
@@ -100,7 +105,7 @@ def smollm2_tokenizer():
 
     from transformers import AutoTokenizer
 
-    from ghosted_core.models import EMBEDDED
+    from ghosted_core.model.embedded import EMBEDDED
 
     spec = EMBEDDED["smollm2-135m"]
     folder = importlib.util.find_spec(spec.package).submodule_search_locations[0]
@@ -147,3 +152,15 @@ def run_blocks(model, hidden: torch.Tensor, blocks) -> torch.Tensor:
             out = block(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
             hidden = out[0] if isinstance(out, tuple) else out
     return hidden
+
+
+def recovered_variants(model, removed):
+    """Every registered operator fitted on the tiny model for one plan."""
+    plan = PruningPlan(TINY_LAYERS, removed, "manual")
+    stats = collect_stats(model, plan.boundaries, make_batches(random_tokens(4, 12), None, 4),
+                          CalibrationOptions(quiet=True))
+    variants = {}
+    for name in OPERATORS:
+        fits = [get_operator(name).fit(s, FitOptions()) for s in stats]
+        variants[name] = build_recovered(model, plan, VariantSpec(name, name), fits)
+    return plan, variants

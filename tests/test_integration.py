@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ghosted_core.models import LoadOptions, load_model
-from ghosted_core.modeling_ghosted import PatchedBlock
-from ghosted_core.pipeline import RunOptions, parse_variants, run
+from ghosted_core.model.loading import LoadOptions, load_model
+from ghosted_core.model.modeling_ghosted import PatchedBlock
+from ghosted_core.run.options import RunOptions, parse_variants
+from ghosted_core.run.pipeline import run
 
 pytestmark = pytest.mark.slow
 

@@ -11,12 +11,13 @@ import torch
 from transformers import LlamaConfig
 
 from conftest import TINY_WIDTH, random_tokens
-from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory import (MemoryPlan, block_parameters, estimate_parameters, max_boundaries,
                                  min_calibration_sequences, plan_memory)
-from ghosted_core.operators import needs_of
-from ghosted_core.pipeline import RunOptions, memory_plan, parse_variants, run
+from ghosted_core.recovery.operators import needs_of
+from ghosted_core.run.options import RunOptions, memory_plan, parse_variants
+from ghosted_core.run.pipeline import run
 from ghosted_core.plan import Boundary
 from ghosted_core.statistics import StatNeeds
 

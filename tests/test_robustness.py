@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, random_tokens
-from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches
-from ghosted_core.evaluation import GenerationOptions
-from ghosted_core.models import load_model
-from ghosted_core.operators import FitOptions, get_operator
-from ghosted_core.pipeline import RunOptions, parse_variants, run, run_stages
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.evaluation.generation import GenerationOptions
+from ghosted_core.model.loading import load_model
+from ghosted_core.recovery.operators import FitOptions, get_operator
+from ghosted_core.run.options import RunOptions, parse_variants
+from ghosted_core.run.pipeline import run, run_stages
 from ghosted_core.plan import Boundary
 from ghosted_core.stopping import RunStopped
 

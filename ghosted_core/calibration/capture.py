@@ -1,0 +1,102 @@
+"""The only place calibration hooks live: record residual streams and MLP branch outputs.
+
+`capture` hooks the residual stream entering the blocks we need (and the MLP branch output of
+a block), and `run_forward` stops the forward pass right after the last of them: nothing
+downstream is computed. The hooks fire only in the thread that opened the context and are
+removed on exit, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ghosted_core.model.modeling_ghosted import PatchedBlock
+
+
+class StopForward(Exception):
+    """Raised by a capture hook once everything needed was seen: ends the forward early."""
+
+
+def branch_module(block: nn.Module) -> nn.Module:
+    """The module whose output is the MLP branch added to the residual (ReplaceMe regresses it).
+
+    Gemma3 normalizes the MLP output (`post_feedforward_layernorm`) before adding it.
+    """
+    block = unwrap(block)
+    post_norm = getattr(block, "post_feedforward_layernorm", None)
+    return block.mlp if post_norm is None else post_norm
+
+
+@contextlib.contextmanager
+def capture(model: PreTrainedModel, residuals: Iterable[int], branches: Iterable[int] = (),
+            on_tensor: Callable[[tuple[str, int], torch.Tensor], None] | None = None) -> Iterator[dict]:
+    """Hook `model` to record residual streams and MLP branch outputs during `run_forward`.
+
+    `residuals`: layer-list indices whose incoming residual (as the block sees it, after any
+    boundary operator) is wanted; index len(layers) means the input of the final norm.
+    `branches`: layer-list indices whose MLP branch output is wanted. Tensors go to
+    `on_tensor(key, tensor)` if given, else into the yielded dict under ("residual", j) /
+    ("branch", j). Hooks fire only in the thread that opened the context (other users of a
+    shared model are not disturbed) and are removed on exit, whatever happens.
+    """
+    residuals, branches = sorted(set(residuals)), sorted(set(branches))
+    layers = model.model.layers
+    store: dict[tuple[str, int], torch.Tensor] = {}
+    sink = on_tensor or store.__setitem__
+    owner = threading.get_ident()
+    last = max([*residuals, *(j + 1 for j in branches)], default=-1)
+    handles = []
+
+    def residual_hook(j: int):
+        def hook(_module, args, kwargs):
+            if threading.get_ident() != owner:
+                return None
+            sink(("residual", j), (args[0] if args else kwargs["hidden_states"]).detach())
+            if j == last:
+                raise StopForward
+            return None
+        return hook
+
+    def branch_hook(j: int):
+        def hook(_module, _args, output):
+            if threading.get_ident() == owner:
+                sink(("branch", j), (output[0] if isinstance(output, tuple) else output).detach())
+        return hook
+
+    try:
+        for j in residuals:
+            target = unwrap(layers[j]) if j < len(layers) else unwrap(model.model.norm)
+            handles.append(target.register_forward_pre_hook(residual_hook(j), with_kwargs=True))
+        for j in branches:
+            handles.append(branch_module(layers[j]).register_forward_hook(branch_hook(j)))
+        yield store
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+    """A cache-free forward of the base model (no LM head) that ends early at a capture's last hook."""
+    device = model.model.embed_tokens.weight.device
+    if device.type == "meta":  # offloaded embeddings: accelerate moves inputs itself
+        device = input_ids.device
+    with torch.no_grad():
+        try:
+            model.model(input_ids=input_ids.to(device),
+                        attention_mask=None if attention_mask is None else attention_mask.to(device),
+                        use_cache=False)
+        except StopForward:
+            pass
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The decoder block (or norm) inside any boundary wrapper."""
+    while isinstance(module, PatchedBlock):
+        module = module.inner
+    return module

@@ -1,0 +1,235 @@
+"""One streamed pass over calibration tokens → the statistics each boundary's operators asked for.
+
+Steps, per batch of token windows:
+1. A calibration pipeline (`calibration_pipelines`: `full` or `blocks`) brings each boundary
+   the residual entering its first removed block (x_pre), the one entering its first surviving
+   block (x_post) and, for the ReplaceMe family, the MLP branch output m of the block before.
+2. Tokens are split into ordinary tokens and massive-activation "sink" tokens (norm far above
+   the batch median, or a fixed position), each sink with the cap factor that brings it down to
+   the sink threshold.
+3. Each boundary's `BoundarySums` accumulates only what `StatNeeds` asks for (statistics.py):
+   float64 ordinary-token moments, per-channel sums, and the sink tokens as rows. Memory is
+   O(C²) per boundary whatever the number of tokens, and no other activation is kept.
+
+Held-out sequences do not feed the statistics: once the fits exist, `heldout.measure_errors`
+streams them once more and measures each fit's boundary error directly.
+
+`collect_stats` does every boundary at once from the dense model (the paper's independent
+fit); `collect_boundary_stats` takes the inputs of one boundary from another model (an
+already pruned-and-recovered view) for the `sequential` fit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES, get_pipeline
+from ghosted_core.calibration.capture import StopForward, branch_module, capture, run_forward
+from ghosted_core.errors import GhostedError
+from ghosted_core.plan import Boundary
+from ghosted_core.statistics import ALL_NEEDS, PRODUCT_DTYPES, STATS_DTYPE, BoundarySums, BoundaryStats, Moments, \
+    SinkRows, StatNeeds, statistics_bytes
+
+log = logging.getLogger(__name__)
+
+SINK_ROWS_PER_SEQUENCE = 4  # default sink-row capacity per calibration sequence (a sink at position 0, a few delimiters)
+MIN_SINK_CAPACITY = 64
+STATS_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """How tokens are grouped while statistics stream in, and where they are summed."""
+
+    sink_rule: str = "norm"  # "norm": ‖x‖ > sink_ratio · batch median; "position": the first sink_positions tokens; "none"
+    sink_ratio: float = 10.0  # a token is a sink when its residual norm exceeds this multiple of the batch median
+    sink_positions: int = 1  # for sink_rule="position"
+    batch_size: int = 8  # sequences per forward pass
+    quiet: bool = False  # hide progress bars
+    sink_capacity: int | None = None  # sink rows kept per boundary (None: 4 per calibration sequence, at least 64)
+    stats_device: str = "auto"  # where sums live: "auto" (where the activations arrive), "cpu", "cuda" or "cuda:N"
+    products: str = "float64"  # "float32": per-batch products in fp32, added into float64 sums (GPUs with slow FP64)
+    pipeline: str = "auto"  # calibration pipeline: "full", "blocks" (see calibration_pipelines) or "auto" (the memory plan picks; full here)
+    compute_device: str | None = None  # "blocks": where each block runs (None: the first block's device)
+
+    def __post_init__(self) -> None:
+        if self.sink_rule not in {"norm", "position", "none"}:
+            raise GhostedError(f"unknown sink rule {self.sink_rule!r}; use norm, position or none")
+        if self.products not in PRODUCT_DTYPES:
+            raise GhostedError(f"unknown product precision {self.products!r}; use float64 or float32")
+        if self.pipeline != "auto" and self.pipeline not in CALIBRATION_PIPELINES:
+            raise GhostedError(f"unknown calibration pipeline {self.pipeline!r}; use {' or '.join(CALIBRATION_PIPELINES)}")
+        if self.stats_device.split(":")[0] not in STATS_DEVICES:
+            raise GhostedError(f"unknown statistics device {self.stats_device!r}; use auto, cpu or cuda")
+        if self.batch_size < 1:
+            raise GhostedError(f"--batch_size must be at least 1 (sequences per calibration forward pass; got {self.batch_size})")
+
+    @property
+    def sink_label(self) -> str:
+        return self.sink_rule if self.sink_rule != "norm" else f"norm > {self.sink_ratio:g}x batch median"
+
+    def capacity(self, sequences: int) -> int:
+        """Sink rows kept per boundary for `sequences` calibration sequences."""
+        if self.sink_capacity is not None:
+            return self.sink_capacity
+        return max(MIN_SINK_CAPACITY, SINK_ROWS_PER_SEQUENCE * sequences)
+
+
+def sink_mask(x_pre: torch.Tensor, x_post: torch.Tensor, valid: torch.Tensor, options: CalibrationOptions) -> torch.Tensor:
+    """(B, T) bool: massive-activation tokens, which would otherwise dominate XᵀX and XᵀΔ."""
+    if options.sink_rule == "none":
+        return torch.zeros_like(valid)
+    if options.sink_rule == "position":
+        positions = torch.arange(valid.shape[1], device=valid.device)
+        return (positions < options.sink_positions).expand_as(valid) & valid
+    return (sink_cap(x_pre, x_post, valid, options) < 1) & valid
+
+
+def sink_cap(x_pre: torch.Tensor, x_post: torch.Tensor, valid: torch.Tensor, options: CalibrationOptions) -> torch.Tensor:
+    """(B, T) factor ≤ 1 that brings each token's norm (of X_pre and of X_post) down to the sink threshold,
+    sink_ratio × the batch median norm; 1 for tokens already below it."""
+    cap = torch.ones(valid.shape, dtype=torch.float32, device=valid.device)
+    for x in (x_pre, x_post):
+        norms = x.float().norm(dim=-1)  # (B, T)
+        threshold = options.sink_ratio * norms[valid].median()
+        cap = torch.minimum(cap, threshold / norms.clamp_min(1e-30))
+    return cap.clamp(max=1.0)
+
+
+@dataclass(frozen=True)
+class CalibrationBatch:
+    """Token windows for one forward pass; `heldout` sequences only serve the held-out boundary errors."""
+
+    input_ids: torch.Tensor  # (B, T)
+    attention_mask: torch.Tensor | None  # (B, T) 1 = real token, 0 = padding
+    heldout: bool
+
+
+def make_batches(fit_ids: torch.Tensor, heldout_ids: torch.Tensor | None, batch_size: int) -> list[CalibrationBatch]:
+    """Split fit and held-out windows into forward-pass batches (no padding: windows are full)."""
+    batches = [CalibrationBatch(chunk, None, False) for chunk in fit_ids.split(batch_size)]
+    if heldout_ids is not None and len(heldout_ids):
+        batches += [CalibrationBatch(chunk, None, True) for chunk in heldout_ids.split(batch_size)]
+    return batches
+
+
+def valid_mask(batch: CalibrationBatch) -> torch.Tensor:
+    if batch.attention_mask is None:
+        return torch.ones(batch.input_ids.shape, dtype=torch.bool)
+    return batch.attention_mask.bool()
+
+
+def pipeline_name(options: CalibrationOptions) -> str:
+    """The pipeline that runs: as asked, "full" for an unresolved "auto"."""
+    return "full" if options.pipeline == "auto" else options.pipeline
+
+
+def resolve_stats_device(options: CalibrationOptions, arriving: torch.device) -> torch.device:
+    """Where a boundary's sums live: as asked, or where its activations arrive ("auto")."""
+    if options.stats_device == "auto":
+        return arriving
+    if options.stats_device.startswith("cuda") and not torch.cuda.is_available():
+        raise GhostedError("--stats_device cuda asked for, but no CUDA GPU is visible; use --stats_device cpu or auto")
+    return torch.device(options.stats_device)
+
+
+class BoundaryAccumulator:
+    """Sink detection plus the running sums of one boundary, created at its first batch."""
+
+    def __init__(self, boundary: Boundary, options: CalibrationOptions, needs: StatNeeds = ALL_NEEDS,
+                 sequences: int = 0):
+        self.boundary = boundary
+        self.options = options
+        self.needs = needs
+        self.capacity = options.capacity(sequences)
+        self.sums: BoundarySums | None = None
+
+    def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None, valid: torch.Tensor) -> None:
+        """One batch: x_pre, x_post, branch (B, T, C), valid (B, T) bool (False = padding)."""
+        if self.sums is None:
+            device = resolve_stats_device(self.options, x_pre.device)
+            self.sums = BoundarySums(self.boundary, x_pre.shape[-1], device, self.needs, self.capacity,
+                                     self.options.products)
+        x_post = x_post.to(x_pre.device)
+        valid = valid.to(x_pre.device)
+        sinks = sink_mask(x_pre, x_post, valid, self.options)
+        cap = sink_cap(x_pre, x_post, valid, self.options) if self.needs.sink_rows and sinks.any() \
+            else torch.ones(valid.shape, device=valid.device)
+        if valid.all():  # no padding: (B·T, C) views, no copy
+
+            def pick(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(-1, *t.shape[2:])
+        else:
+
+            def pick(t: torch.Tensor) -> torch.Tensor:
+                return t[valid]
+        branch = None if branch is None else pick(branch.to(x_pre.device))
+        self.sums.add(pick(x_pre), pick(x_post), branch, pick(sinks), pick(cap))
+
+    def nbytes(self) -> int:
+        return 0 if self.sums is None else self.sums.nbytes()
+
+    def freeze(self) -> BoundaryStats:
+        if self.sums is None or self.sums.tokens == [0, 0]:
+            raise GhostedError("no calibration tokens reached the statistics; give more calibration text")
+        return self.sums.freeze(self.options.sink_label)
+
+
+def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batches: Sequence[CalibrationBatch],
+                  options: CalibrationOptions = CalibrationOptions(), needs: StatNeeds = ALL_NEEDS,
+                  accumulators: list[BoundaryAccumulator] | None = None) -> list[BoundaryStats]:
+    """Statistics for every boundary from one pass of the dense model (independent fit).
+
+    `needs` (see `operators.needs_of`) says which statistics to keep; held-out batches are
+    skipped (their errors are measured directly once the fits exist). Statistics are strictly
+    per boundary, so the boundaries of several plans can share one pass. `accumulators`, if
+    given, receives the live accumulators (the memory bench reads their allocated bytes).
+    """
+    if not boundaries:
+        return []
+    fit_batches = [b for b in batches if not b.heldout]
+    sequences = sum(len(b.input_ids) for b in fit_batches)
+    live = [BoundaryAccumulator(b, options, needs, sequences) for b in boundaries]
+    if accumulators is not None:
+        accumulators.extend(live)
+
+    def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch) -> None:
+        live[k].add(x_pre, x_post, branch, valid_mask(batch))
+
+    compute = None if options.compute_device is None else torch.device(options.compute_device)
+    get_pipeline(pipeline_name(options)).run(dense, list(boundaries), needs.branch, fit_batches, consume, compute,
+                                             options.quiet)
+    stats = [acc.freeze() for acc in live]
+    for s in stats:
+        for note in s.notes:
+            log.warning(note)
+    return stats
+
+
+def collect_boundary_stats(source: PreTrainedModel, source_start: int, dense: PreTrainedModel, boundary: Boundary,
+                           batches: Sequence[CalibrationBatch], options: CalibrationOptions = CalibrationOptions(),
+                           needs: StatNeeds = ALL_NEEDS) -> BoundaryStats:
+    """Statistics of one boundary with X_pre (and m) from `source` at its layer `source_start`
+    and the target X_post from the dense model (the sequential fit; two `full` forwards per batch)."""
+    fit_batches = [b for b in batches if not b.heldout]
+    acc = BoundaryAccumulator(boundary, options, needs, sum(len(b.input_ids) for b in fit_batches))
+    branches = {source_start - 1} if boundary.start > 0 and needs.branch else set()
+    for batch in tqdm(fit_batches, desc=f"calibrate {boundary} (sequential)", disable=options.quiet, leave=False):
+        with capture(dense, {boundary.end}) as target:
+            run_forward(dense, batch.input_ids, batch.attention_mask)
+        with capture(source, {source_start}, branches) as seen:
+            run_forward(source, batch.input_ids, batch.attention_mask)
+        acc.add(seen[("residual", source_start)], target[("residual", boundary.end)],
+                seen.get(("branch", source_start - 1)), valid_mask(batch))
+    return acc.freeze()
+
+
+__all__ = ["ALL_NEEDS", "STATS_DTYPE", "BoundaryAccumulator", "BoundaryStats", "CalibrationBatch", "CalibrationOptions",
+           "Moments", "SinkRows", "StatNeeds", "StopForward", "branch_module", "capture", "collect_boundary_stats",
+           "collect_stats", "make_batches", "run_forward", "sink_cap", "sink_mask", "statistics_bytes", "valid_mask"]

@@ -1,0 +1,219 @@
+"""Perplexity, per-block drift and generation for many variants of one dense model.
+
+Variants differ from the dense model only from their first modified block on, and they
+share the module objects before it. Perplexity therefore runs the common prefix once per
+batch of windows and only each variant's own suffix after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ghosted_core.calibration.collect import CalibrationOptions, sink_mask
+from ghosted_core.calibration.capture import capture, run_forward
+from ghosted_core.errors import GhostedError
+from ghosted_core.plan import PruningPlan
+from ghosted_core.stopping import StopCheck, check_stop
+from ghosted_core.model.surgery import slice_view
+from ghosted_core.memory import LOGITS_BUDGET
+
+log = logging.getLogger(__name__)
+
+
+def shared_prefix(dense: PreTrainedModel, variant: PreTrainedModel) -> int:
+    """Number of leading blocks the variant runs exactly as the dense model (same module objects)."""
+    count = 0
+    for mine, theirs in zip(variant.model.layers, dense.model.layers):
+        if mine is not theirs:
+            break
+        count += 1
+    return count
+
+
+def input_device(model: PreTrainedModel) -> torch.device:
+    weight = model.model.embed_tokens.weight
+    return weight.device if weight.device.type != "meta" else torch.device("cpu")
+
+
+def _token_nll(model: PreTrainedModel, hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL of the windows from the final hidden states, LM head in chunks.
+
+    The head runs in the model's dtype; its logits are cast to fp32 before the log-softmax,
+    and the sum is accumulated in fp32 per chunk, then in a Python float.
+    """
+    head = model.lm_head
+    batch, length, _ = hidden.shape
+    vocab = model.config.vocab_size
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    per_logit = 4 + (hidden.element_size() if hidden.dtype != torch.float32 else 0)  # fp32 copy + the head's own output
+    chunk = max(1, LOGITS_BUDGET // (per_logit * vocab * batch))  # memory: chunk·batch·vocab·per_logit ≤ LOGITS_BUDGET
+    labels = input_ids[:, 1:].to(hidden.device)  # (B, T-1)
+    total = 0.0
+    for lo in range(0, length - 1, chunk):
+        hi = min(lo + chunk, length - 1)
+        logits = head(hidden[:, lo:hi]).float()  # (B, t, V)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        target = labels[:, lo:hi].to(logits.device)
+        total += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"))
+    return total, batch * (length - 1)
+
+
+def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], windows: torch.Tensor,
+               batch_size: int = 4, quiet: bool = False, desc: str = "perplexity",
+               should_stop: StopCheck = None) -> dict[str, float]:
+    """exp(mean NLL) over non-overlapping windows (N, T) for every variant, sharing the dense prefix.
+
+    `should_stop` is polled before every batch and variant (`RunStopped` when it says so).
+    """
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise GhostedError("perplexity needs windows of at least 2 tokens")
+    prefix_len = min((shared_prefix(dense, v) for v in variants.values()), default=0)
+    prefix = slice_view(dense, dense, 0, prefix_len, final_norm=False)
+    suffixes = {name: slice_view(model, dense, prefix_len) for name, model in variants.items()}
+    nll = dict.fromkeys(variants, 0.0)
+    count = 0
+    device = input_device(dense)
+    with torch.no_grad():
+        for ids in tqdm(windows.split(batch_size), desc=desc, disable=quiet, leave=False):
+            check_stop(should_stop, "perplexity")
+            ids = ids.to(device)
+            h = prefix.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C) entering block prefix_len
+            count += _add_suffix_nll(nll, suffixes, variants, h, ids, should_stop)
+    return {name: math.exp(value / count) for name, value in nll.items()}
+
+
+def _add_suffix_nll(nll: dict[str, float], suffixes: Mapping[str, PreTrainedModel],
+                    variants: Mapping[str, PreTrainedModel], h: torch.Tensor, ids: torch.Tensor,
+                    should_stop: StopCheck = None) -> int:
+    """Add each variant's summed NLL of one batch, its suffix fed the shared prefix output h; returns the token count."""
+    tokens = 0
+    for name, suffix in suffixes.items():
+        check_stop(should_stop, "perplexity")  # a batch runs every variant: stop between them too
+        out = suffix.model(inputs_embeds=h, use_cache=False).last_hidden_state  # (B, T, C) after final norm
+        total, tokens = _token_nll(variants[name], out, ids)
+        nll[name] += total
+    return tokens
+
+
+@dataclass
+class PrefixStates:
+    """The dense model's residual stream entering some blocks, for every batch of evaluation windows.
+
+    Several groups of variants (the depths of a sweep) that differ from the dense model only
+    after different blocks can then each run only their own suffix, and the dense model runs
+    once. Memory: tokens × C × dtype bytes per kept index (8192 tokens at C = 4096 in bf16:
+    64 MiB per index), on the model's device.
+    """
+
+    windows: torch.Tensor  # (N, T) evaluation windows
+    batch_size: int
+    states: dict[int, list[torch.Tensor]]  # dense block index → per batch (B, T, C) residual entering it
+    dense_perplexity: float
+    tokens: int  # next-token predictions the perplexities rest on: N × (T − 1)
+
+    def drop(self, index: int) -> None:
+        """Free the states at one index once no variant needs them."""
+        self.states.pop(index, None)
+
+
+def dense_prefix_states(dense: PreTrainedModel, windows: torch.Tensor, indices: Iterable[int], batch_size: int = 4,
+                        quiet: bool = False, desc: str = "perplexity dense") -> PrefixStates:
+    """One dense pass over the windows: its perplexity, and the residual entering each block in `indices`."""
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise GhostedError("perplexity needs windows of at least 2 tokens")
+    num_layers = len(dense.model.layers)
+    wanted = sorted({int(j) for j in indices if 0 <= j < num_layers})
+    states: dict[int, list[torch.Tensor]] = {j: [] for j in wanted}
+    nll, count = 0.0, 0
+    device = input_device(dense)
+    with torch.no_grad():
+        for ids in tqdm(windows.split(batch_size), desc=desc, disable=quiet, leave=False):
+            ids = ids.to(device)
+            with capture(dense, [*wanted, num_layers]) as seen:  # stops at the final norm's input
+                run_forward(dense, ids)
+            for j in wanted:
+                states[j].append(seen[("residual", j)])  # (B, T, C)
+            out = dense.model.norm(seen[("residual", num_layers)])  # (B, T, C) as the full forward ends
+            total, tokens = _token_nll(dense, out, ids)
+            nll += total
+            count += tokens
+    return PrefixStates(windows, batch_size, states, math.exp(nll / count), count)
+
+
+def perplexity_from_states(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], cached: PrefixStates,
+                           quiet: bool = False, desc: str = "perplexity", should_stop: StopCheck = None) -> dict[str, float]:
+    """`perplexity` of variants that share the dense prefix up to a cached index: only their suffixes run."""
+    prefix_len = min((shared_prefix(dense, v) for v in variants.values()), default=0)
+    start = max((j for j in cached.states if j <= prefix_len), default=None)
+    if start is None:
+        raise ValueError(f"no cached dense state at or before block {prefix_len}")
+    suffixes = {name: slice_view(model, dense, start) for name, model in variants.items()}
+    nll = dict.fromkeys(variants, 0.0)
+    count = 0
+    device = input_device(dense)
+    with torch.no_grad():
+        batches = zip(cached.windows.split(cached.batch_size), cached.states[start])
+        for ids, h in tqdm(list(batches), desc=desc, disable=quiet, leave=False):  # stop checks: per variant, inside
+            count += _add_suffix_nll(nll, suffixes, variants, h, ids.to(device), should_stop)
+    return {name: math.exp(value / count) for name, value in nll.items()}
+
+
+@dataclass(frozen=True)
+class BlockDrift:
+    """Relative error of a variant's residual stream against the dense one, per dense block index."""
+
+    blocks: tuple[int, ...]  # dense index j (num_layers = final-norm input)
+    error: tuple[float, ...]  # ‖h_j − h_j^dense‖ / ‖h_j^dense‖ over all tokens
+    error_ordinary: tuple[float, ...]  # … with massive-activation tokens left out
+
+    def to_json(self) -> dict:
+        return {"blocks": list(self.blocks), "error": list(self.error), "error_ordinary": list(self.error_ordinary)}
+
+
+def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], plan: PruningPlan,
+                windows: torch.Tensor, options: CalibrationOptions = CalibrationOptions(),
+                should_stop: StopCheck = None) -> dict[str, BlockDrift]:
+    """Per-block drift downstream of the first boundary, for every variant (dense = 0 by definition)."""
+    if not plan.boundaries:
+        return {}
+    first = plan.boundaries[0].start
+    kept = list(plan.kept) + [plan.num_layers]  # pruned layer i sits at dense index kept[i]; the last is the final norm
+    wanted = [(i, j) for i, j in enumerate(kept) if j >= first]
+
+    def layer_of(model: PreTrainedModel, j: int) -> int:
+        return j if len(model.model.layers) == plan.num_layers else kept.index(j)
+
+    diff = {name: torch.zeros(len(wanted), 2, dtype=torch.float64) for name in variants}
+    ref = torch.zeros(len(wanted), 2, dtype=torch.float64)
+    with torch.no_grad():
+        for ids in windows.split(1):
+            check_stop(should_stop, "drift")
+            with capture(dense, [j for _, j in wanted]) as seen_dense:
+                run_forward(dense, ids)
+            valid = torch.ones(ids.shape, dtype=torch.bool)
+            masks = []
+            for k, (_, j) in enumerate(wanted):
+                h = seen_dense[("residual", j)].double()
+                ordinary = (~sink_mask(h, h, valid.to(h.device), options)).to(h.device)
+                masks.append(ordinary)
+                ref[k, 0] += float((h * h).sum())
+                ref[k, 1] += float((h[ordinary] ** 2).sum())
+            for name, model in variants.items():
+                with capture(model, [layer_of(model, j) for _, j in wanted]) as seen:
+                    run_forward(model, ids)
+                for k, (_, j) in enumerate(wanted):
+                    d = seen[("residual", layer_of(model, j))].double().to(seen_dense[("residual", j)].device) - seen_dense[("residual", j)].double()
+                    diff[name][k, 0] += float((d * d).sum())
+                    diff[name][k, 1] += float((d[masks[k]] ** 2).sum())
+    ratios = {name: (d / ref.clamp_min(1e-30)).sqrt() for name, d in diff.items()}
+    blocks = tuple(j for _, j in wanted)
+    return {name: BlockDrift(blocks, tuple(r[:, 0].tolist()), tuple(r[:, 1].tolist())) for name, r in ratios.items()}

@@ -1,0 +1,292 @@
+"""Export a pruned or recovered variant as a folder that loads without ghosted_core.
+
+Two formats, chosen per variant (`mode="auto"`) or asked for:
+- **stock**: a plain Hugging Face checkpoint of the same architecture class with fewer
+  `num_hidden_layers` (per-layer config lists sliced), ReplaceMe's map folded into the
+  down_proj of the block before each cut, tied embeddings still tied. Plain transformers and
+  serving engines load it. Possible for plain pruning and the replaceme family (see `fold`).
+- **remote_code**: the variant's own module tree, with `modeling_ghosted.py` (self-contained)
+  registered through `auto_map`; `AutoModelForCausalLM.from_pretrained(folder,
+  trust_remote_code=True)` loads it. Its model type (`ghosted_llama`, …) is not a stock one,
+  so loading it without remote code fails loudly instead of loading random blocks.
+
+Every export also holds the tokenizer, the generation config, a model card (README.md) and
+`ghosted.json` (the variant's record). No file names a path of the machine that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from ghosted_core.model import modeling_ghosted
+from ghosted_core.data.assets import cache_dir
+from ghosted_core.export.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, export_config, write_json
+from ghosted_core.errors import GhostedError
+from ghosted_core.export.fold import operator_layout, stock_blockers, stock_tensors, variant_tensors
+from ghosted_core.hub import hub_reachable
+from ghosted_core.export.model_card import model_card
+from ghosted_core.recovery.operators import get_operator
+
+log = logging.getLogger(__name__)
+
+EXPORT_MODES = ("auto", "stock", "remote_code")
+MODELING_FILE = "modeling_ghosted.py"
+RECORD_FILE = "ghosted.json"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What `export_variant` wrote, and why in that format."""
+
+    folder: Path
+    mode: str  # "stock" or "remote_code"
+    variant: str  # the variant's name (operator, "+seq" for the sequential fit)
+    reason: str  # what folded, or why it could not
+    files: tuple[str, ...]
+    weight_bytes: int
+    archive: Path | None = None  # the zip, for archive_export
+
+    def to_json(self) -> dict:
+        return {"folder": str(self.folder), "mode": self.mode, "variant": self.variant, "reason": self.reason,
+                "files": list(self.files), "weight_bytes": self.weight_bytes,
+                "archive": None if self.archive is None else str(self.archive)}
+
+
+def _record(model: PreTrainedModel) -> dict:
+    record = dict(getattr(model.config, "ghosted", None) or {})
+    if not record:
+        raise GhostedError("only pruned variants built by ghosted_core can be exported (no 'ghosted' record in the config)")
+    return record
+
+
+def variant_name(record: dict) -> str:
+    return record.get("variant") or record.get("operator", "variant") + ("+seq" if record.get("sequential") else "")
+
+
+def choose_mode(model: PreTrainedModel, mode: str = "auto") -> tuple[str, str]:
+    """(format, reason): stock where the variant folds, remote_code otherwise (or as asked)."""
+    if mode not in EXPORT_MODES:
+        raise GhostedError(f"unknown export format {mode!r}; use one of {', '.join(EXPORT_MODES)}")
+    blockers = stock_blockers(model)
+    if blockers and mode == "stock":
+        raise GhostedError(f"{variant_name(_record(model))} cannot be exported as a stock checkpoint: {blockers[0]}; "
+                           "use --export remote_code (or auto)")
+    if blockers:
+        return "remote_code", blockers[0]
+    if mode == "remote_code":
+        return "remote_code", "remote code was asked for (this variant would also fold into a stock checkpoint)"
+    operator = _record(model).get("operator", "none")
+    if operator == "none":
+        return "stock", "plain pruning: the kept blocks are unchanged"
+    return "stock", (f"{operator}'s map on the MLP output of the block before each cut is folded into that block's "
+                     "down_proj (exact: the projection writes only to the residual stream)")
+
+
+def check_export(operators: Sequence[str], mode: str) -> None:
+    """Refuse, before any work, an export format that the requested operators cannot have."""
+    if mode not in EXPORT_MODES:
+        raise GhostedError(f"unknown export format {mode!r}; use one of {', '.join(EXPORT_MODES)}")
+    never = [name for name in dict.fromkeys(operators) if not get_operator(name).stock]
+    if mode == "stock" and never:
+        raise GhostedError(f"--export stock: {', '.join(never)} cannot fold into a stock checkpoint (a map on the whole "
+                           "residual stream); use --export remote_code or auto, or only none and the replaceme family")
+
+
+def _expected_keys(model: PreTrainedModel, config_values: dict, remote: bool) -> set[str]:
+    """State-dict keys transformers will look for when it loads the exported config (built on meta)."""
+    if remote:
+        config_cls, model_cls = modeling_ghosted.FAMILIES[model.config.model_type]
+    else:
+        config_cls, model_cls = type(model.config), type(model)
+    config = config_cls.from_dict({k: v for k, v in config_values.items() if k not in ("auto_map", "model_type")})
+    with torch.device("meta"):
+        skeleton = model_cls(config)
+    keys = set(skeleton.state_dict())
+    if getattr(config, "tie_word_embeddings", False):
+        keys.discard("lm_head.weight")
+    return keys
+
+
+def _write_weights(model: PreTrainedModel, folder: Path, remote: bool, shard_bytes: int) -> tuple[list[str], int, set[str]]:
+    writer = ShardWriter(folder, shard_bytes)
+    keys: set[str] = set()
+    for chunk in (variant_tensors(model) if remote else stock_tensors(model)):
+        keys |= set(chunk)
+        writer.add(chunk)
+    return writer.close(), writer.total_bytes, keys
+
+
+def _config_values(model: PreTrainedModel, record: dict, remote: bool) -> dict:
+    architecture = type(model).__name__
+    if not remote:
+        return export_config(model.config, record, architectures=[architecture])
+    model_type = model.config.model_type
+    config_cls, model_cls = modeling_ghosted.FAMILIES[model_type]
+    module = Path(MODELING_FILE).stem
+    return export_config(model.config, record, model_type=config_cls.model_type, architectures=[model_cls.__name__],
+                         auto_map={"AutoConfig": f"{module}.{config_cls.__name__}",
+                                   "AutoModelForCausalLM": f"{module}.{model_cls.__name__}"},
+                         ghosted_layout=operator_layout(model))
+
+
+def _local_paths(model: PreTrainedModel, folder: Path) -> set[str]:
+    """Paths of this machine that must not appear in an export."""
+    paths = {str(folder.resolve().parent), str(cache_dir().resolve()), str(Path.home()) + "/"}
+    source = str(getattr(model.config, "_name_or_path", "") or "")
+    if source and Path(source).expanduser().exists():
+        paths.add(str(Path(source).expanduser().resolve()))
+    return {p for p in paths if len(p) > 1}
+
+
+def _check_no_paths(folder: Path, paths: set[str]) -> None:
+    for file in folder.iterdir():
+        if file.suffix == ".safetensors":
+            continue
+        text = file.read_text(errors="replace")
+        leaked = [p for p in paths if p in text and not (file.name == "tokenizer.json" and p.endswith("/"))]
+        if leaked:
+            raise RuntimeError(f"export file {file.name} names a local path ({leaked[0]}); refusing to write it")
+
+
+def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: str = "auto",
+                   shard_bytes: int = DEFAULT_SHARD_BYTES) -> ExportResult:
+    """Write `model` (a variant built by ghosted_core) to `folder` as a stock or remote-code checkpoint.
+
+    `mode`: "auto" (stock where the variant folds, remote_code otherwise), "stock" (refused
+    with the reason when it does not fold) or "remote_code". Weights are written block by
+    block in shards of ≤ `shard_bytes`, read from the offload when accelerate offloaded them.
+    The folder is staged beside `folder` and moved into place once complete.
+    """
+    folder = Path(folder)
+    record = _record(model)
+    chosen, reason = choose_mode(model, mode)
+    remote = chosen == "remote_code"
+    architecture = type(model).__name__
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}-") as tmp:
+        staged = Path(tmp) / "model"
+        staged.mkdir()
+        weight_files, weight_bytes, keys = _write_weights(model, staged, remote, shard_bytes)
+        config_values = _config_values(model, record, remote)
+        expected = _expected_keys(model, config_values, remote)
+        if keys != expected:  # a bug: transformers would warn and initialise the difference at random
+            raise RuntimeError(f"exported keys do not match the {chosen} model: missing {sorted(expected - keys)[:3]}, "
+                               f"unexpected {sorted(keys - expected)[:3]}")
+        write_json(staged / "config.json", config_values)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(staged)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staged)
+        if remote:
+            shutil.copyfile(modeling_ghosted.__file__, staged / MODELING_FILE)
+        clean_record = {k: v for k, v in record.items() if k != "layout"}
+        write_json(staged / RECORD_FILE, clean_record | {"export": {"mode": chosen, "reason": reason}})
+        (staged / "README.md").write_text(model_card(clean_record, chosen, reason, architecture))
+        _check_no_paths(staged, _local_paths(model, folder))
+        files = tuple(sorted(p.name for p in staged.iterdir()))
+        if folder.exists():
+            shutil.rmtree(folder)
+        staged.rename(folder)
+    name = variant_name(record)
+    log.info("exported %s as %s (%s) to %s: %d weight file(s), %.1f MB", name, chosen, reason, folder,
+             len(weight_files), weight_bytes / 1e6)
+    return ExportResult(folder, chosen, name, reason, files, weight_bytes)
+
+
+def zip_export(folder: str | Path, path: str | Path) -> Path:
+    """One uncompressed zip of an exported folder (fp32 weights barely compress), its files under `path`'s stem."""
+    folder, path = Path(folder), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for file in sorted(folder.rglob("*")):
+            if file.is_file():
+                archive.write(file, Path(path.stem) / file.relative_to(folder))
+    return path
+
+
+def archive_export(model: PreTrainedModel, tokenizer, path: str | Path, mode: str = "auto") -> ExportResult:
+    """`export_variant` straight into a zip at `path` (for downloads); the folder is not kept.
+
+    The zip holds one folder named after the zip's stem; the result's `folder` is that name.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}-") as tmp:
+        result = export_variant(model, tokenizer, Path(tmp) / path.stem, mode)
+        zip_export(result.folder, path)
+    return replace(result, folder=Path(path.stem), archive=path)
+
+
+def archive_recovered(model: PreTrainedModel, tokenizer, path: str | Path) -> Path:
+    """The zip of `archive_export` in auto mode (stock where the variant folds); kept for the app."""
+    return archive_export(model, tokenizer, path).archive
+
+
+def export_mode(folder: str | Path) -> str:
+    """"stock" or "remote_code" for an exported folder (GhostedError if it is not one)."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.exists():
+        raise GhostedError(f"{folder} is not an exported model folder (no config.json)")
+    config = json.loads(config_file.read_text())
+    if "ghosted" in config:
+        raise GhostedError(f"{folder} was written in an earlier Ghosted Layers format that plain transformers cannot "
+                           "load; run the pruning again and export it (--save_model)")
+    return "remote_code" if "auto_map" in config and str(config.get("model_type", "")).startswith("ghosted_") else "stock"
+
+
+def load_recovered(folder: str | Path, device: str = "cpu", dtype: torch.dtype | None = None):
+    """(model, tokenizer) of an export. Remote-code folders are loaded with ghosted_core's own copy
+    of the modeling code, so the folder's code is never executed."""
+    folder = Path(folder)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    if export_mode(folder) == "remote_code":
+        model_type = json.loads((folder / "config.json").read_text())["model_type"]
+        families = {config_cls.model_type: model_cls for config_cls, model_cls in modeling_ghosted.FAMILIES.values()}
+        if model_type not in families:
+            raise GhostedError(f"{folder} has an unknown Ghosted model type {model_type!r}")
+        model = families[model_type].from_pretrained(folder, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    model.to(device).eval().requires_grad_(False)
+    if (folder / RECORD_FILE).exists():  # the variant's record, as the in-memory variant had it
+        model.config.ghosted = {k: v for k, v in json.loads((folder / RECORD_FILE).read_text()).items() if k != "export"}
+    tokenizer = AutoTokenizer.from_pretrained(folder) if (folder / "tokenizer_config.json").exists() else None
+    return model, tokenizer
+
+
+def upload_export(folder: str | Path, repo_id: str, token: str, private: bool = False) -> str:
+    """Upload an exported folder (with its model card) to a new Hub model repo; returns its URL.
+
+    The token is passed to huggingface_hub only: never logged, stored or put in a message.
+    """
+    folder = Path(folder)
+    export_mode(folder)  # refuses what is not an export
+    if not token or not token.strip():
+        raise GhostedError("uploading needs a Hugging Face write token")
+    if not repo_id or repo_id.count("/") > 1 or not repo_id.strip("/"):
+        raise GhostedError(f"{repo_id!r} is not a Hub repo id (name or org/name)")
+    if not hub_reachable():
+        raise GhostedError("the Hugging Face Hub is not reachable from here, so nothing can be uploaded")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi(token=token.strip())
+    try:
+        url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=False)
+        api.upload_folder(folder_path=str(folder), repo_id=url.repo_id, repo_type="model",
+                          commit_message="Upload a model exported by Ghosted Layers Studio")
+    except HfHubHTTPError as err:
+        message = str(err).replace(token.strip(), "***").splitlines()[0]
+        raise GhostedError(f"upload to {repo_id} failed: {message}") from None
+    log.info("uploaded %s to %s", folder.name, url)
+    return str(url)

@@ -1,0 +1,149 @@
+"""The model card (README.md) of an export, and the run facts a variant's record carries for it.
+
+`run_record` collects what a card states from a finished run: the base model (a Hub id
+where one is known, never a local path), the calibration corpus with its stand-in label and
+size, the boundary errors and the perplexities with their corpus labels. The pipeline adds
+it to each variant's `config.ghosted` record, so any saved variant can describe itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ghosted_core.model.embedded import EMBEDDED
+from ghosted_core.recovery.operators import OPERATORS
+
+# Hub ids of the embedded models' sources (their weights here are dequantized 4-bit GGUF copies of these)
+EMBEDDED_HUB_IDS = {
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "gemma3-270m": "google/gemma-3-270m",
+}
+
+
+def base_model_facts(name: str) -> dict[str, Any]:
+    """Where the dense model came from, without naming a path of this machine."""
+    if name in EMBEDDED:
+        return {"source": "embedded", "name": name, "hub_id": EMBEDDED_HUB_IDS.get(name),
+                "description": EMBEDDED[name].description}
+    if Path(name).expanduser().is_dir():
+        return {"source": "local", "name": Path(name).name, "hub_id": None, "description": "a local model folder"}
+    return {"source": "hub", "name": name, "hub_id": name, "description": f"Hugging Face Hub model {name}"}
+
+
+def run_record(report: Mapping[str, Any], variant: str) -> dict[str, Any]:
+    """Facts of a run (`RunResult.to_json()`) about one variant, for its `ghosted` record and card."""
+    entry = report["variants"].get(variant, {})
+    dense, none = report["variants"].get("dense", {}), report["variants"].get("none", {})
+    perplexity = {}
+    for corpus, info in report.get("corpora", {}).items():
+        if corpus in entry.get("ppl", {}):
+            perplexity[corpus] = {"label": info["label"], "real": info["real"], "tokens": info.get("tokens"),
+                                  "dense": dense.get("ppl", {}).get(corpus), "none": none.get("ppl", {}).get(corpus),
+                                  "variant": entry["ppl"][corpus]}
+    calibration = {key: report["calibration"][key] for key in ("corpus", "label", "sequences", "seqlen", "tokens", "seed")}
+    return {
+        "variant": variant,
+        "base_model": base_model_facts(report["model"]),
+        "dense_layers": report["num_layers"],
+        "criterion": report["criterion"],
+        "calibration": calibration,
+        "boundary_error": entry.get("boundary_error", []),
+        "fit_notes": list(dict.fromkeys(n for fit in entry.get("fits", []) for n in fit.get("notes", []))),
+        "perplexity": perplexity,
+    }
+
+
+def fmt_ppl(value: float | None) -> str:
+    """A perplexity as the card shows it."""
+    return "-" if value is None else f"{value:.2f}" if value < 1e5 else f"{value:.3g}"
+
+
+def _yaml_list(items: list[str]) -> str:
+    return "\n".join(f"- {item}" for item in items)
+
+
+def _changes(record: Mapping[str, Any]) -> list[str]:
+    operator = record.get("operator", "none")
+    spec = OPERATORS.get(operator)
+    removed = record.get("removed_layers", [])
+    dense_layers = record.get("dense_layers")
+    kept = f" ({dense_layers} → {dense_layers - len(removed)} blocks)" if dense_layers else ""
+    runs = ", ".join(f"{start}–{end - 1}" for start, end in record.get("boundaries", []))
+    lines = [f"- **Removed blocks**: {removed}{kept}; contiguous runs: {runs or '-'}"
+             + (f", chosen by `{record['criterion']}`" if record.get("criterion") else "")]
+    if spec is not None:
+        fit = "sequential (each boundary fitted on the already recovered model upstream)" if record.get("sequential") \
+            else "independent (every boundary fitted on the dense model)"
+        lines.append(f"- **Recovery operator**: `{operator}` ({spec.paper}): {spec.description}; fit: {fit}")
+    cal = record.get("calibration")
+    if cal:
+        lines.append(f"- **Calibration**: {cal['label']} (`{cal['corpus']}`), {cal['sequences']} sequences × "
+                     f"{cal['seqlen']} tokens = {cal['tokens']} tokens, seed {cal['seed']}")
+    for err in record.get("boundary_error", []):
+        if err.get("heldout") is not None:
+            lines.append(f"- **Boundary {err['boundary']} error** (held-out calibration text, 1 = plain pruning): "
+                         f"{err['heldout']:.3f} all tokens" + ("" if err.get("heldout_ordinary") is None
+                                                                  else f", {err['heldout_ordinary']:.3f} ordinary tokens"))
+    lines += [f"- Note from the fit: {note}" for note in record.get("fit_notes", [])]
+    return lines
+
+
+def _perplexity_table(record: Mapping[str, Any]) -> list[str]:
+    table = record.get("perplexity") or {}
+    if not table:
+        return ["No perplexity was measured in the run that made this model."]
+    lines = ["Measured by the run that made this model (exp of the mean token NLL; lower is better):", "",
+             "| corpus | tokens | dense model | plain pruning | this model |", "|---|---|---|---|---|"]
+    for corpus, row in table.items():
+        label = row["label"] if row.get("real") or "stand-in" in row["label"] else f"{row['label']} (stand-in)"
+        lines.append(f"| {corpus}: {label} | {row.get('tokens') or '-'} | {fmt_ppl(row.get('dense'))} | "
+                     f"{fmt_ppl(row.get('none'))} | {fmt_ppl(row.get('variant'))} |")
+    lines += ["", "Stand-in corpora are offline substitutes (e.g. Wikipedia paragraphs for WikiText-2); their "
+              "numbers are not comparable with published WikiText-2 or C4 figures."]
+    return lines
+
+
+def _loading(mode: str, reason: str, architecture: str) -> list[str]:
+    remote = mode == "remote_code"
+    flag = ", trust_remote_code=True" if remote else ""
+    lines = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             'path = "path/to/this/folder"  # or the Hub repo id it was uploaded to',
+             f"model = AutoModelForCausalLM.from_pretrained(path{flag})",
+             "tokenizer = AutoTokenizer.from_pretrained(path)",
+             'ids = tokenizer("The capital of France is", return_tensors="pt").input_ids',
+             "print(tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0]))", "```", ""]
+    if remote:
+        lines += [f"**This model needs remote code** (`trust_remote_code=True`): {reason}. "
+                  "`modeling_ghosted.py` in this folder (it imports only torch and transformers) builds the stock "
+                  f"`{architecture}` with fewer blocks and inserts the recovery operators as modules; `config.json` "
+                  "points at it through `auto_map`. Without `trust_remote_code=True`, transformers refuses the folder "
+                  "(its model type is not a stock one) instead of loading it wrongly. Serving engines that load only "
+                  "stock architectures (vLLM, TGI, llama.cpp) cannot serve it; a stock-foldable operator "
+                  "(`none` or the `replaceme` family) gives a stock checkpoint instead."]
+    else:
+        lines += [f"A stock `{architecture}` checkpoint: fewer `num_hidden_layers`, per-layer config lists sliced, "
+                  f"{reason}. It loads in plain transformers and in engines that serve this architecture "
+                  "(vLLM, TGI; llama.cpp after its `convert_hf_to_gguf.py`)."]
+    return lines
+
+
+def model_card(record: Mapping[str, Any], mode: str, reason: str, architecture: str) -> str:
+    """README.md for an export: YAML metadata, what was removed and fitted, the run's numbers, how to load."""
+    base = record.get("base_model") or {}
+    operator = record.get("operator", "none")
+    tags = ["ghosted-layers", "layer-pruning", "depth-pruning", operator.replace("_", "-")]
+    tags += ["custom_code"] if mode == "remote_code" else []
+    meta = ["---", f"base_model: {base['hub_id']}" if base.get("hub_id") else None, "library_name: transformers",
+            "pipeline_tag: text-generation", "tags:", _yaml_list(tags), "---"]
+    removed = record.get("removed_layers", [])
+    title = base.get("hub_id") or base.get("name") or "a causal LM"
+    lines = [line for line in meta if line is not None]
+    lines += ["", f"# {title}, {len(removed)} blocks removed, recovered with `{operator}`", "",
+              f"Made with Ghosted Layers Studio from {base.get('description', 'a causal LM')}: decoder blocks removed "
+              "and a training-free recovery operator fitted at each cut. Export format: "
+              f"**{'remote code' if mode == 'remote_code' else 'stock checkpoint'}**.", "",
+              "## What was changed", "", *_changes(record), "", "## Perplexity", "", *_perplexity_table(record), "",
+              "## How to load", "", *_loading(mode, reason, architecture), ""]
+    return "\n".join(lines)

@@ -1,0 +1,255 @@
+"""Load a causal LM (embedded alias, local folder or Hub id) and find its decoder blocks.
+
+The embedded models ship as 4-bit GGUF files inside PyPI packages. The first load
+dequantizes the GGUF to fp32 (~20-40 s) and caches a safetensors copy under
+`assets.cache_dir()/models/<alias>`, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate.utils import convert_file_size_to_int
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from ghosted_core.data.assets import cache_dir
+from ghosted_core.errors import GhostedError
+from ghosted_core.hub import hub_reachable
+from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED, converted_embedded
+from ghosted_core.memory import check_fits
+
+log = logging.getLogger(__name__)
+
+
+# model_type -> family name; all share `model.model.layers` / `model.model.norm` and pre-norm residual blocks.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma3_text": "Gemma3",
+}
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to place a model: straight onto one device, or an accelerate device map with offload.
+
+    Weights go from the checkpoint to their target without a staging copy on the CPU:
+    `from_pretrained(device_map=...)` materializes each tensor where it will live.
+    """
+
+    device: str = "auto"  # "auto" (cuda if present, else cpu), "cpu", "cuda", "cuda:N", or "map" (accelerate device_map="auto")
+    dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16", "float16"
+    max_memory: dict | None = None  # device="map": cap per device, e.g. {0: "20GiB", "cpu": "60GiB"}; the rest goes to disk
+    offload_folder: str | None = None  # device="map": where weights that must be re-saved for disk offload go
+
+    def __post_init__(self) -> None:
+        if self.device != "map" and (self.max_memory or self.offload_folder):
+            raise GhostedError("--max_memory and --offload_folder apply to --device map only")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded causal LM and its tokenizer, with where they came from."""
+
+    name: str  # what the user asked for: alias, folder or Hub id
+    source: str  # "embedded", "local" or "hub"
+    description: str
+    model: PreTrainedModel
+    tokenizer: object
+
+    @property
+    def num_layers(self) -> int:
+        return len(decoder_blocks(self.model))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+
+def decoder_blocks(model: PreTrainedModel) -> nn.ModuleList:
+    """The list of decoder blocks of a supported causal LM."""
+    check_supported(model.config)
+    return model.model.layers
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse architectures whose block layout we have not verified."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        families = ", ".join(sorted(set(SUPPORTED_MODEL_TYPES.values())))
+        raise GhostedError(
+            f"unsupported architecture {model_type!r}: Ghosted Layers supports decoder-only {families} models"
+        )
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """fp32 on CPU and bf16 on GPU unless the user says otherwise."""
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") or device == "map" and torch.cuda.is_available() else torch.float32
+    if dtype not in names:
+        raise GhostedError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
+    return names[dtype]
+
+
+def resolve_device(device: str) -> str:
+    """'auto' becomes 'cuda' when a GPU is present, else 'cpu'; a GPU asked for but absent is an error."""
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GhostedError(f"device {device!r} asked for, but no CUDA GPU is visible; use --device cpu")
+    if device != "map" and not device.startswith(("cpu", "cuda")):
+        raise GhostedError(f"unknown device {device!r}; use auto, cpu, cuda, cuda:N or map (accelerate offload)")
+    return device
+
+
+def parse_max_memory(text: str | None) -> dict | None:
+    """'0=20GiB,cpu=60GiB' → {0: 21474836480, "cpu": 64424509440} (accelerate's max_memory, in bytes).
+
+    Keys: a GPU index, `cpu` or `disk`; sizes: bytes, or a number with KB/MB/GB or KiB/MiB/GiB.
+    None or '' → None (accelerate's own defaults).
+    """
+    if not text or not text.strip():
+        return None
+    caps: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, size = (s.strip() for s in part.partition("="))
+        try:
+            if not sep or not (key.isdigit() or key.lower() in {"cpu", "disk"}):
+                raise ValueError(part)
+            value = int(size) if size.isdigit() else convert_file_size_to_int(size)
+            if value <= 0:
+                raise ValueError(part)
+        except ValueError:
+            raise GhostedError(f"cannot read --max_memory {text!r}: write DEVICE=SIZE pairs such as 0=20GiB,cpu=60GiB "
+                               "(DEVICE: a GPU index, cpu or disk)") from None
+        caps[int(key) if key.isdigit() else key.lower()] = value
+    return caps
+
+
+def default_offload_folder(name: str) -> Path:
+    """`cache_dir()/offload/<model>`: used only for weights that cannot be read from their safetensors file."""
+    return cache_dir() / "offload" / re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
+def check_load_options(options: LoadOptions) -> tuple[str, torch.dtype]:
+    """The resolved (device, dtype), refusing what cannot work before anything is read."""
+    device = resolve_device(options.device)
+    dtype = resolve_dtype(options.dtype, device)
+    if device != "map" and (options.max_memory or options.offload_folder):
+        raise GhostedError("--max_memory and --offload_folder apply to --device map only")
+    return device, dtype
+
+
+def placement(name: str, options: LoadOptions) -> dict:
+    """Keyword arguments of `from_pretrained` that put the weights where `options` says, in one step.
+
+    One device: `device_map=<device>` loads each tensor straight onto it (no whole-model copy
+    on the CPU first). `map`: accelerate's `device_map="auto"` fills GPUs, then the CPU, up to
+    `max_memory`, and leaves the rest on disk, read block by block during each forward pass.
+    """
+    device, dtype = check_load_options(options)
+    if device != "map":
+        return {"dtype": dtype, "device_map": device}
+    folder = Path(options.offload_folder) if options.offload_folder else default_offload_folder(name)
+    return {"dtype": dtype, "device_map": "auto", "max_memory": options.max_memory, "offload_folder": str(folder)}
+
+
+def _locate(name: str) -> tuple[str, str, str]:
+    """(source, folder or hub id, description) for what the user typed."""
+    if name in EMBEDDED:
+        spec = EMBEDDED[name]
+        return "embedded", str(converted_embedded(spec)), spec.description
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise GhostedError(f"{name} is a folder without config.json; point at a saved Hugging Face model folder")
+        return "local", str(path), f"local folder {path}"
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        if not hub_reachable():
+            raise GhostedError(
+                f"{name} looks like a Hugging Face Hub id, but the Hub is not reachable from here; "
+                f"use a local model folder or an embedded model ({', '.join(EMBEDDED)})"
+            )
+        return "hub", name, f"Hugging Face Hub model {name}"
+    raise GhostedError(
+        f"unknown model {name!r}: not an embedded model ({', '.join(EMBEDDED)}), a local folder, or a Hub id (org/name)"
+    )
+
+
+@contextlib.contextmanager
+def _readable(name: str) -> Iterator[None]:
+    """Turn what transformers raises for an unusable model (missing, gated, custom code, unreadable) into one line."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        cause, text = err.__cause__, str(err)
+        if isinstance(cause, GatedRepoError) or isinstance(err, GatedRepoError):
+            raise GhostedError(f"{name} is a gated model on the Hugging Face Hub: request access at "
+                               f"https://huggingface.co/{name} and log in (hf auth login or HF_TOKEN)") from None
+        if isinstance(cause, RepositoryNotFoundError) or isinstance(err, RepositoryNotFoundError):
+            raise GhostedError(f"{name} is not a model on the Hugging Face Hub (or it is private and you are not "
+                               "logged in); check the id, or use a local folder or an embedded model") from None
+        if "trust_remote_code" in text or "custom code" in text:
+            families = ", ".join(sorted(set(SUPPORTED_MODEL_TYPES.values())))
+            raise GhostedError(f"{name} needs its own modelling code (trust_remote_code), which Ghosted Layers does "
+                               f"not run; use a {families} checkpoint") from None
+        if "does not recognize this architecture" in text:
+            raise GhostedError(f"unsupported architecture in {name}: this transformers version does not know it") from None
+        if isinstance(err, OSError):
+            first = next((line for line in text.splitlines() if line.strip()), type(err).__name__)
+            raise GhostedError(f"cannot read {name}: {first}") from None
+        raise
+
+
+def _read_config(name: str, where: str) -> PretrainedConfig:
+    with _readable(name):
+        config = AutoConfig.from_pretrained(where, trust_remote_code=False)  # never run a repository's own code
+    check_supported(config)
+    return config
+
+
+def peek_config(name: str) -> PretrainedConfig:
+    """The config of `name` without loading its weights, checked to be a supported architecture."""
+    _source, where, _description = _locate(name)
+    return _read_config(name, where)
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's position embeddings cover (None: no limit stated)."""
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) -> LoadedModel:
+    """Load `name` (alias, local folder or Hub id) for inference, checked to be a supported architecture.
+
+    The weights go straight to where they will compute (see `placement`): bf16 on a GPU, fp32
+    on the CPU unless `options.dtype` says otherwise.
+    """
+    device = resolve_device(options.device)
+    kwargs = placement(name, options)
+    source, where, description = _locate(name)
+    config = _read_config(name, where)
+    if source == "hub":
+        check_fits(config, device, kwargs["dtype"], name)
+    with _readable(name):
+        model = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=False, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
+    model.eval()
+    model.requires_grad_(False)
+    where_to = f"device map {getattr(model, 'hf_device_map', {})}" if device == "map" else device
+    log.info("loaded %s (%s, %d blocks, hidden %d, %s on %s)", name, source, config.num_hidden_layers,
+             config.hidden_size, str(kwargs["dtype"]).removeprefix("torch."), where_to)
+    return LoadedModel(name=name, source=source, description=description, model=model, tokenizer=tokenizer)

@@ -1,0 +1,154 @@
+"""Pruned and recovered models as views that share the dense model's weights.
+
+A view is a new module tree over the dense model's own parameter tensors: only the module
+objects whose state must differ are new (shallow copies), the weights never are. A kept
+block after a removed run gets a shallow copy whose attention carries its new `layer_idx`
+(so the KV cache has one slot per surviving block); the boundary operator wraps the first
+surviving block after the run (or the final norm) as a real submodule; the config is a copy
+with the right `num_hidden_layers` and `layer_types`. The dense model is never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
+from ghosted_core.model.loading import decoder_blocks
+from ghosted_core.plan import Boundary
+
+log = logging.getLogger(__name__)
+
+
+def shallow_view(module: nn.Module, **children: nn.Module) -> nn.Module:
+    """A new module of the same class sharing every tensor and child with `module`, but `children`.
+
+    The registries (parameters, buffers, submodules, hooks) are copied so that changing the
+    view never changes the original. A module dispatched by accelerate gets its hook
+    re-attached to the view, so the view's forward runs the view, not the original.
+    """
+    view = copy.copy(module)
+    for key, value in vars(module).items():
+        if key.startswith("_") and isinstance(value, (dict, set)):
+            view.__dict__[key] = copy.copy(value)
+    for name, child in children.items():
+        view._modules[name] = child
+    hook = module.__dict__.get("_hf_hook")
+    if hook is not None:
+        from accelerate.hooks import add_hook_to_module
+
+        for attr in ("forward", "_old_forward", "_hf_hook"):
+            view.__dict__.pop(attr, None)
+        add_hook_to_module(view, hook)
+    return view
+
+
+def replace_submodules(module: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:
+    """A view of `module` with the submodules at the given dotted paths replaced."""
+    direct = {path: new for path, new in replacements.items() if "." not in path}
+    nested: dict[str, dict[str, nn.Module]] = {}
+    for path, new in replacements.items():
+        if "." in path:
+            head, rest = path.split(".", 1)
+            nested.setdefault(head, {})[rest] = new
+    for head, inner in nested.items():
+        direct[head] = replace_submodules(module.get_submodule(head), inner)
+    return shallow_view(module, **direct)
+
+
+def reindexed(block: nn.Module, index: int) -> nn.Module:
+    """A view of `block` whose `layer_idx` attributes (block and attention) read `index`."""
+    if _layer_index(block) == index:
+        return block
+    paths = [name for name, sub in block.named_modules() if name and hasattr(sub, "layer_idx")]
+    targets = {path: shallow_view(block.get_submodule(path)) for path in paths}
+    for sub in targets.values():
+        sub.layer_idx = index
+    view = replace_submodules(block, targets)
+    if hasattr(view, "layer_idx"):
+        view.layer_idx = index
+    return view
+
+
+def _layer_index(block: nn.Module) -> int | None:
+    for sub in block.modules():
+        if hasattr(sub, "layer_idx"):
+            return sub.layer_idx
+    return None
+
+
+def assemble(dense: PreTrainedModel, layers: Sequence[nn.Module], layer_types: Sequence[str] | None,
+             norm: nn.Module, record: Mapping | None = None) -> PreTrainedModel:
+    """A causal LM view over `dense` with the given block list and final norm.
+
+    `record` is stored in the config as `ghosted` (what was removed and how it was recovered)
+    so that saved configs carry it.
+    """
+    config = copy.deepcopy(dense.config)
+    config.num_hidden_layers = len(layers)
+    if layer_types is not None:
+        config.layer_types = list(layer_types)
+    if record is not None:
+        config.ghosted = dict(record)
+    base = shallow_view(dense.model, layers=nn.ModuleList(layers), norm=norm)
+    base.config = config
+    view = shallow_view(dense, model=base)
+    view.config = config
+    return view
+
+
+def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mapping[int, nn.Module] | None = None,
+                  replacements: Mapping[int, Mapping[str, nn.Module]] | None = None,
+                  record: Mapping | None = None) -> PreTrainedModel:
+    """The dense model without the `removed` blocks, sharing its weights.
+
+    `patches[j]` is applied to the residual stream entering dense block j (j = num_layers:
+    before the final norm). `replacements[j]` maps dotted paths inside dense block j to new
+    submodules (ReplaceMe's folded down projection).
+    """
+    patches = dict(patches or {})
+    replacements = dict(replacements or {})
+    blocks = decoder_blocks(dense)
+    num_layers = len(blocks)
+    removed_set = set(removed)
+    dense_types = getattr(dense.config, "layer_types", None)
+    layers: list[nn.Module] = []
+    kept_types: list[str] = []
+    for j in range(num_layers):
+        if j in removed_set:
+            continue
+        block = blocks[j]
+        if j in replacements:
+            block = replace_submodules(block, replacements[j])
+        block = reindexed(block, len(layers))
+        if j in patches:
+            block = PatchedBlock(patches[j], block)
+        layers.append(block)
+        if dense_types is not None:
+            kept_types.append(dense_types[j])
+    norm = dense.model.norm
+    if num_layers in patches:
+        norm = PatchedBlock(patches[num_layers], norm)
+    return assemble(dense, layers, kept_types if dense_types is not None else None, norm, record)
+
+
+def patch_site(boundary: Boundary) -> int:
+    """Dense index of the module whose input a boundary's operator transforms (num_layers = final norm)."""
+    return boundary.end
+
+
+def slice_view(model: PreTrainedModel, dense: PreTrainedModel, start: int, stop: int | None = None,
+               final_norm: bool = True) -> PreTrainedModel:
+    """Blocks `start:stop` of a model (dense or variant) as a model of their own, for prefix sharing.
+
+    Fed `inputs_embeds=h_start`, it returns the residual after block `stop-1` (normed only
+    when `final_norm`). Only for cache-free forwards: layer indices are left as they are.
+    """
+    layers = list(model.model.layers)[start:stop]
+    types = getattr(model.config, "layer_types", None)
+    norm = model.model.norm if final_norm else nn.Identity()
+    return assemble(dense, layers, list(types)[start:stop] if types is not None else None, norm)

@@ -1,0 +1,205 @@
+"""Curated Hugging Face Hub models for a GPU Space, from 0.36B to 8B parameters.
+
+Each preset carries the numbers the memory plan and the time estimate need, written down
+here because offline we cannot fetch a config: they are copied from each model's published
+`config.json` on the Hub (hidden_size, num_hidden_layers, num_attention_heads,
+num_key_value_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings).
+Each is double-checked in tests/test_presets.py: the parameter count computed from these
+shapes must match the size the model card publishes (`published_params`) within 1%.
+
+`preset_status` says, before anything downloads, whether a preset can run here and why not
+(offline, gated without a token, too big for the device); `check_preset` raises that reason as
+a GhostedError.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from transformers import AutoConfig, PretrainedConfig
+
+from ghosted_core.errors import GhostedError
+from ghosted_core.planning.estimate import DeviceInfo, MemoryEstimate, TimeEstimate, current_device, estimate_memory, \
+    estimate_time, gpu_duration
+from ghosted_core.hub import hub_reachable
+from ghosted_core.memory import HEADROOM
+from ghosted_core.memory import estimate_parameters
+from ghosted_core.model.loading import peek_config
+from ghosted_core.run.options import RunOptions
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One curated Hub model and the config numbers that size it."""
+
+    key: str  # short name shown in the app
+    hub_id: str
+    family: str  # Llama, Mistral, Qwen2, Qwen3
+    model_type: str  # transformers' config model_type
+    published_params: float  # the size on the model card (e.g. 7.61e9)
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    license: str
+    gated: bool = False  # the Hub asks to accept terms first: a token of an account that did is needed
+    published_non_embedding: float | None = None  # where the model card also states it (Qwen)
+
+    def config(self) -> PretrainedConfig:
+        """A transformers config with these numbers (for the memory plan and the time estimate)."""
+        return AutoConfig.for_model(
+            self.model_type, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+            tie_word_embeddings=self.tied_embeddings)
+
+    @property
+    def params(self) -> int:
+        """Parameters counted from the shapes (biases and norms of Qwen2's attention aside)."""
+        return estimate_parameters(self.config())
+
+    @property
+    def label(self) -> str:
+        """'Qwen2.5-7B (7.6B, Qwen2)' and a lock for gated models."""
+        return f"{self.hub_id.split('/')[1]} ({self.published_params / 1e9:.2g}B, {self.family})" + \
+            (" 🔒 needs a token" if self.gated else "")
+
+
+def _p(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied, license,
+       gated=False, non_embedding=None) -> Preset:
+    return Preset(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied,
+                  license, gated, non_embedding)
+
+
+PRESETS: dict[str, Preset] = {p.key: p for p in (
+    #  key              hub id                            family     type     size     C    L   H   KV  hd   I      vocab   tied
+    _p("smollm2-360m", "HuggingFaceTB/SmolLM2-360M", "Llama", "llama", 362e6, 960, 32, 15, 5, 64, 2560, 49152, True,
+       "apache-2.0"),
+    _p("smollm2-1.7b", "HuggingFaceTB/SmolLM2-1.7B", "Llama", "llama", 1.71e9, 2048, 24, 32, 32, 64, 8192, 49152, True,
+       "apache-2.0"),
+    _p("qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B", "Qwen2", "qwen2", 0.49e9, 896, 24, 14, 2, 64, 4864, 151936, True,
+       "apache-2.0", non_embedding=0.36e9),
+    _p("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", "Qwen2", "qwen2", 1.54e9, 1536, 28, 12, 2, 128, 8960, 151936, True,
+       "apache-2.0", non_embedding=1.31e9),
+    _p("qwen2.5-3b", "Qwen/Qwen2.5-3B", "Qwen2", "qwen2", 3.09e9, 2048, 36, 16, 2, 128, 11008, 151936, True,
+       "qwen-research", non_embedding=2.77e9),
+    _p("qwen2.5-7b", "Qwen/Qwen2.5-7B", "Qwen2", "qwen2", 7.61e9, 3584, 28, 28, 4, 128, 18944, 152064, False,
+       "apache-2.0", non_embedding=6.53e9),
+    _p("qwen3-1.7b", "Qwen/Qwen3-1.7B", "Qwen3", "qwen3", 1.7e9, 2048, 28, 16, 8, 128, 6144, 151936, True,
+       "apache-2.0", non_embedding=1.4e9),
+    _p("qwen3-4b", "Qwen/Qwen3-4B", "Qwen3", "qwen3", 4.0e9, 2560, 36, 32, 8, 128, 9728, 151936, True, "apache-2.0",
+       non_embedding=3.6e9),
+    _p("qwen3-8b", "Qwen/Qwen3-8B", "Qwen3", "qwen3", 8.2e9, 4096, 36, 32, 8, 128, 12288, 151936, False,
+       "apache-2.0", non_embedding=6.95e9),
+    _p("mistral-7b", "mistralai/Mistral-7B-v0.3", "Mistral", "mistral", 7.25e9, 4096, 32, 32, 8, 128, 14336, 32768,
+       False, "apache-2.0 (the Hub asks to accept Mistral's terms first)", gated=True),
+    _p("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "Llama", "llama", 1.24e9, 2048, 16, 32, 8, 64, 8192, 128256, True,
+       "llama3.2", gated=True),
+    _p("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "Llama", "llama", 3.21e9, 3072, 28, 24, 8, 128, 8192, 128256, True,
+       "llama3.2", gated=True),
+    _p("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "Llama", "llama", 8.03e9, 4096, 32, 32, 8, 128, 14336, 128256,
+       False, "llama3.1", gated=True),
+)}
+
+
+def get_preset(name: str) -> Preset:
+    """A preset by key or Hub id; GhostedError listing the known ones."""
+    for preset in PRESETS.values():
+        if name in (preset.key, preset.hub_id):
+            return preset
+    raise GhostedError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+
+
+def config_for(model: str) -> PretrainedConfig:
+    """The config of a run's model: a preset's written-down numbers (no download), else `models.peek_config`."""
+    for preset in PRESETS.values():
+        if model in (preset.key, preset.hub_id):
+            return preset.config()
+    return peek_config(model)
+
+
+def gpu_seconds(options: RunOptions, depths: tuple[int, ...] | None = None) -> int:
+    """The `@spaces.GPU(duration=…)` of one run (or sweep) of `options`, from its model's config (see
+    `estimate.gpu_duration`); GhostedError when it would exceed what a ZeroGPU call may hold."""
+    return gpu_duration(config_for(options.model), options, depths)
+
+
+def hub_token() -> str | None:
+    """The Hugging Face token this process would use (HF_TOKEN, or a saved login), None without one."""
+    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
+    if token:
+        return token
+    try:
+        from huggingface_hub import get_token
+    except ImportError:
+        return None
+    return get_token()
+
+
+@dataclass(frozen=True)
+class PresetStatus:
+    """Whether a preset can run here, why not, and what it would cost (estimates)."""
+
+    preset: Preset
+    available: bool
+    reason: str  # empty when available
+    memory: MemoryEstimate
+    seconds: TimeEstimate
+    device: DeviceInfo
+
+    def to_json(self) -> dict:
+        return {"key": self.preset.key, "hub_id": self.preset.hub_id, "family": self.preset.family,
+                "params": self.preset.params, "published_params": self.preset.published_params,
+                "gated": self.preset.gated, "available": self.available, "reason": self.reason,
+                "memory": self.memory.to_json(), "seconds": self.seconds.to_json(), "device": self.device.to_json()}
+
+
+def preset_status(preset: Preset, options: RunOptions = RunOptions(), device: DeviceInfo | None = None,
+                  depths: tuple[int, ...] | None = None, token: str | None = None,
+                  online: bool | None = None) -> PresetStatus:
+    """Memory and time estimates of `options` on `preset`, and whether it can run here (no download)."""
+    device = device or current_device()
+    online = hub_reachable() if online is None else online
+    token = token if token is not None else hub_token()
+    config = preset.config()
+    memory = estimate_memory(config, options, depths, device)
+    seconds = estimate_time(config, options, device, depths)
+    plan = memory.plan
+    model_bytes = plan.weights_bytes + plan.activation_bytes + plan.logits_bytes  # evaluation runs it on the device
+    reason = ""
+    if not online:
+        reason = "the Hugging Face Hub cannot be reached from here, so its weights cannot be downloaded"
+    elif preset.gated and not token:
+        reason = (f"{preset.hub_id} is gated: accept its terms at https://huggingface.co/{preset.hub_id} and give "
+                  "a token of that account (HF_TOKEN, or hf auth login)")
+    elif model_bytes > HEADROOM * device.memory_bytes:
+        reason = (f"{preset.hub_id} is too big for {device.name}: its weights and one batch take about "
+                  f"{model_bytes / 2**30:.1f} GiB of its {device.memory_bytes / 2**30:.1f} GiB; pick a smaller model")
+    elif memory.on_device > HEADROOM * device.memory_bytes or not plan.fits:
+        reason = (f"{preset.hub_id} with these settings needs about {memory.on_device / 2**30:.1f} GiB on "
+                  f"{device.name} (statistics {plan.stats_bytes / 2**30:.1f} GiB for {plan.boundaries} boundaries) "
+                  f"of its {device.memory_bytes / 2**30:.1f} GiB; remove fewer blocks, sweep fewer depths or ask "
+                  "for fewer operators")
+    return PresetStatus(preset, not reason, reason, memory, seconds, device)
+
+
+def preset_statuses(options: RunOptions = RunOptions(), device: DeviceInfo | None = None,
+                    depths: tuple[int, ...] | None = None) -> list[PresetStatus]:
+    """Every preset's status for the app's model list (one Hub check, one device measurement)."""
+    device = device or current_device()
+    online, token = hub_reachable(), hub_token()
+    return [preset_status(p, options, device, depths, token, online) for p in PRESETS.values()]
+
+
+def check_preset(name: str, options: RunOptions = RunOptions(), device: DeviceInfo | None = None,
+                 depths: tuple[int, ...] | None = None) -> Preset:
+    """The preset, or a GhostedError saying why it cannot run here, before anything downloads."""
+    status = preset_status(get_preset(name), options, device, depths)
+    if not status.available:
+        raise GhostedError(status.reason)
+    return status.preset

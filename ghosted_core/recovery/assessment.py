@@ -1,0 +1,170 @@
+"""Recovery operators: a registry of fits from boundary statistics to a linear map.
+
+Every operator is one decorated function `(stats, opts) -> Fit`. A fit is an update A (C×C,
+float64) applied at one of two sites:
+- "residual": the stream entering the first surviving block becomes x ↦ x (I + A);
+- "branch": block s−1's MLP branch output becomes m ↦ m (I + A) (ReplaceMe), folded into
+  its down projection where the architecture allows.
+Each operator declares the statistics it needs (`StatNeeds`); `needs_of` unions them so the
+calibration pass keeps nothing else. Fits are pure tensor maths; `residual_module` and
+`branch_replacement` turn a fit into the `nn.Module`s a variant needs, and `assess` measures it
+(errors on calibration tokens from the statistics, on held-out tokens from a direct pass).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ghosted_core.hadamard import hadamard_transform
+from ghosted_core.plan import Boundary
+from ghosted_core.statistics import BoundaryErrors, BoundaryStats, Moments, relative
+from ghosted_core.recovery.operators import Fit, calibration_errors, squared_error
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class BoundaryMap:
+    """What a fit does at its boundary, kept in the least memory that applies it: u ↦ u (I + A).
+
+    A per-channel fit keeps its scale (C,) and basis; a full fit keeps A in float32 (4·C² B,
+    half the float64 fit; applied in float64, added to I there). For direct error passes.
+    """
+
+    boundary: Boundary
+    site: str  # "residual" (u = x_pre) or "branch" (u = m)
+    update: torch.Tensor | None  # (C, C) A, float32; None with a scale or for the identity
+    scale: torch.Tensor | None = None  # (C,) r in `basis`
+    basis: str | None = None  # "channel" or "hadamard"
+
+    @classmethod
+    def of(cls, fit: Fit) -> BoundaryMap:
+        if fit.scale is not None and fit.basis is not None:
+            return cls(fit.boundary, fit.site, None, fit.scale, fit.basis)
+        return cls(fit.boundary, fit.site, None if fit.update is None else fit.update.to(torch.float32))
+
+    def error_rows(self, x: torch.Tensor, m: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor | None:
+        """(T, C) u (I + A) − (u + Δ), float64; the identity gives −Δ. None: a branch map with no m here."""
+        u = x if self.site == "residual" else m
+        if self.update is None and self.scale is None:
+            return -delta
+        if u is None:
+            return None
+        if self.scale is not None:
+            s = self.scale.to(u.device, u.dtype)
+            if self.basis == "channel":
+                return u * (s - 1) - delta
+            return hadamard_transform(u) * s - hadamard_transform(u + delta)  # ‖·‖ is the same in the rotated basis
+        return u @ self.update.to(u.device, u.dtype) - delta
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """Numbers shown per boundary and operator."""
+
+    operator: str
+    boundary: str
+    fit_error: float | None  # relative boundary error on calibration tokens, all tokens
+    fit_error_ordinary: float | None  # … on calibration tokens that are not sinks
+    heldout_error: float | None  # … on held-out sequences, all tokens
+    heldout_error_ordinary: float | None  # … on held-out sequences, sinks left out
+    antisym_fraction: float
+    singular_values: tuple[float, ...]  # of M = W − I (or T − I), descending; empty for identity or C > 4096
+    condition_number: float | None
+    tokens_used: int
+    sink_tokens: int
+    sink_handling: str
+    ridge: float
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    ridge_fallback: str | None = None  # why the fit used the relative ridge instead of the paper's ε (None: it did not)
+    heldout_worse_than_pruning: bool = False  # held-out boundary error above 1: worse than plain pruning on unseen text
+    sink_directions: int | None = None  # replaceme_keepsink: sink directions kept as identity
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Short warnings to show next to the numbers."""
+        flags = []
+        if self.heldout_worse_than_pruning:
+            flags.append(HELDOUT_FLAG)
+        if self.ridge_fallback:
+            flags.append("relative ridge (rank-deficient fit)")
+        return tuple(flags)
+
+    def to_json(self) -> dict:
+        def clean(value):
+            return None if isinstance(value, float) and not math.isfinite(value) else value
+        return {key: clean(value) for key, value in self.__dict__.items()} | {
+            "notes": list(self.notes), "singular_values": list(self.singular_values), "flags": list(self.flags)}
+
+
+HELDOUT_FLAG = "worse than plain pruning on held-out calibration text"
+
+
+def relative_error(fit: Fit, moments: Moments | None) -> float | None:
+    """‖X_pre W − X_post‖ / ‖X_post − X_pre‖ over a token group (1 = no better than pruning)."""
+    if moments is None or moments.tokens == 0 or float(moments.dd) == 0.0:
+        return None
+    return math.sqrt(squared_error(fit, moments) / float(moments.dd))
+
+
+def antisymmetric_fraction(update: torch.Tensor | None) -> float:
+    """‖(M − Mᵀ)/2‖_F / ‖M‖_F: the part no symmetric operator (LinearPatch) can represent."""
+    if update is None:
+        return 0.0
+    norm = float(torch.linalg.matrix_norm(update))
+    return 0.0 if norm == 0 else float(torch.linalg.matrix_norm((update - update.T) / 2)) / norm
+
+
+def singular_values(update: torch.Tensor | None, max_width: int = 4096) -> tuple[float, ...]:
+    """Singular values of the update, descending, for the app's structure chart (skipped for very
+    wide models).
+
+    Taken as √eig(MᵀM) in float64: a third of an SVD's time at C = 4096 (4.3 s against 12.8 s on
+    2 cores), the largest cost of a fit before this. Each value is exact to about 1e-8·σ_max
+    (round-off of MᵀM), more than a chart on a log axis can show. Memory: one C×C float64 product
+    beside M (128 MiB at C = 4096), freed on return; time O(C³).
+    """
+    if update is None or update.shape[0] > max_width:
+        return ()
+    matrix = update.double()
+    eigenvalues = torch.linalg.eigvalsh(matrix.T @ matrix)  # ascending
+    return tuple(eigenvalues.clamp(min=0).sqrt().flip(0).tolist())
+
+
+def scale_singular_values(fit: Fit) -> tuple[float, ...]:
+    """Singular values of B diag(r − 1) Bᵀ (B orthogonal): |r − 1| in descending order, no O(C³) SVD."""
+    return tuple(torch.sort((fit.scale - 1).abs(), descending=True).values.tolist())
+
+
+def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None) -> FitReport:
+    """Boundary errors of a fit (calibration tokens from the statistics; held-out tokens as
+    measured by `heldout.measure_errors`, all and ordinary tokens) and its structure."""
+    errors = calibration_errors(fit, stats)
+    held = None if heldout is None else heldout.relative
+    return FitReport(
+        operator=fit.operator,
+        boundary=str(stats.boundary),
+        fit_error=None if errors is None else relative(errors[0], stats.dd),
+        fit_error_ordinary=None if errors is None else relative(errors[1], stats.ordinary.dd),
+        heldout_error=held,
+        heldout_error_ordinary=None if heldout is None else heldout.relative_ordinary,
+        antisym_fraction=0.0 if fit.scale is not None else antisymmetric_fraction(fit.update),  # B diag(r) Bᵀ is symmetric
+        singular_values=scale_singular_values(fit) if fit.scale is not None else singular_values(fit.update),
+        condition_number=fit.condition_number if math.isfinite(fit.condition_number) else None,
+        tokens_used=fit.tokens_used,
+        sink_tokens=fit.sink_tokens,
+        sink_handling=fit.sink_handling,
+        ridge=fit.ridge,
+        notes=fit.notes + stats.notes,
+        ridge_fallback=fit.ridge_fallback,
+        heldout_worse_than_pruning=held is not None and held > 1.0,
+        sink_directions=fit.sink_directions,
+    )
+
+
+# ---------------------------------------------------------------- modules

@@ -1,0 +1,98 @@
+"""Held-out boundary errors measured directly, once the fits exist: no held-out C×C moments.
+
+The held-out sequences stream through the model once more (through the same calibration
+pipeline as the statistics); at each boundary every fit is applied to the token rows and
+‖x_pre W − x_post‖² is summed over all tokens and over ordinary (non-sink) tokens. Memory:
+one batch's rows (T·C·8 B) per fit at a time, plus the fits themselves; time O(T·C²) per fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from ghosted_core.calibration.collect import CalibrationBatch, CalibrationOptions, pipeline_name, sink_mask, \
+    valid_mask
+from ghosted_core.calibration.pipelines import get_pipeline
+from ghosted_core.calibration.capture import capture, run_forward
+from ghosted_core.recovery.assessment import BoundaryMap
+from ghosted_core.recovery.operators import Fit
+from ghosted_core.statistics import STATS_DTYPE, BoundaryErrors
+
+
+class _ErrorSums:
+    """Running squared errors of one map: [all, ordinary] for the map and for plain pruning."""
+
+    def __init__(self, target: BoundaryMap):
+        self.target = target
+        self.sums = torch.zeros(2, 2, dtype=STATS_DTYPE)  # rows: map error, ‖Δ‖²; columns: all, ordinary
+        self.tokens = [0, 0]
+
+    def add(self, x: torch.Tensor, m: torch.Tensor | None, d: torch.Tensor, ordinary: torch.Tensor) -> None:
+        error = self.target.error_rows(x, m, d)  # (T, C)
+        fit_sq = (error * error).sum(-1) if error is not None else torch.full_like(d[:, 0], float("nan"))
+        per_token = torch.stack([fit_sq, (d * d).sum(-1)])  # (2, T)
+        self.sums[:, 0] += per_token.sum(-1).cpu()
+        self.sums[:, 1] += per_token[:, ordinary].sum(-1).cpu()
+        self.tokens[0] += int(ordinary.numel())
+        self.tokens[1] += int((~ordinary).sum())
+
+    def freeze(self) -> BoundaryErrors:
+        s = self.sums.tolist()
+        return BoundaryErrors(self.tokens[0], self.tokens[1], s[0][0], s[0][1], s[1][0], s[1][1])
+
+
+def _rows(x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None, batch: CalibrationBatch,
+          options: CalibrationOptions, device: torch.device):
+    """float64 (T, C) rows of the valid tokens and their ordinary-token mask, on `device`."""
+    x_post = x_post.to(x_pre.device)
+    valid = valid_mask(batch).to(x_pre.device)
+    ordinary = ~sink_mask(x_pre, x_post, valid, options)[valid]  # (T,)
+    x = x_pre[valid].to(device, STATS_DTYPE)  # (T, C)
+    d = x_post[valid].to(device, STATS_DTYPE) - x  # (T, C)
+    m = None if branch is None else branch.to(x_pre.device)[valid].to(device, STATS_DTYPE)
+    return x, m, d, ordinary.to(device)
+
+
+def measure_errors(dense: PreTrainedModel, fits: Sequence[Fit | BoundaryMap], batches: Sequence[CalibrationBatch],
+                   options: CalibrationOptions = CalibrationOptions(), source: PreTrainedModel | None = None,
+                   source_start: int | None = None) -> list[BoundaryErrors | None]:
+    """Boundary errors of each fit on the held-out batches (None for all when there are none).
+
+    Fits may be given as `BoundaryMap`s (what the pipeline keeps once the variants are built).
+    Every fit's boundary comes from the dense model in one pass, fits of several variants and
+    depths together. With `source` (the sequential fit: one fit), x_pre and m come from that
+    model's layer `source_start` and x_post from the dense model.
+    """
+    held = [b for b in batches if b.heldout]
+    if not held or not fits:
+        return [None] * len(fits)
+    sums = [_ErrorSums(f if isinstance(f, BoundaryMap) else BoundaryMap.of(f)) for f in fits]
+    branches = any(f.site == "branch" for f in fits)
+    if source is not None:
+        (only,) = sums
+        boundary = only.target.boundary
+        wanted = {source_start - 1} if branches and boundary.start > 0 else set()
+        for batch in held:
+            with capture(dense, {boundary.end}) as target:
+                run_forward(dense, batch.input_ids, batch.attention_mask)
+            with capture(source, {source_start}, wanted) as seen:
+                run_forward(source, batch.input_ids, batch.attention_mask)
+            x_pre = seen[("residual", source_start)]
+            only.add(*_rows(x_pre, target[("residual", boundary.end)], seen.get(("branch", source_start - 1)), batch,
+                            options, x_pre.device))
+        return [only.freeze()]
+    boundaries = list(dict.fromkeys(f.boundary for f in fits))
+    by_boundary = {b: [s for s in sums if s.target.boundary == b] for b in boundaries}
+
+    def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch) -> None:
+        device = x_pre.device if options.stats_device == "auto" else torch.device(options.stats_device)
+        rows = _rows(x_pre, x_post, branch, batch, options, device)
+        for s in by_boundary[boundaries[k]]:
+            s.add(*rows)
+
+    compute = None if options.compute_device is None else torch.device(options.compute_device)
+    get_pipeline(pipeline_name(options)).run(dense, boundaries, branches, held, consume, compute, True)
+    return [s.freeze() for s in sums]

@@ -1,0 +1,401 @@
+"""Recovery operators: a registry of fits from boundary statistics to a linear map.
+
+Every operator is one decorated function `(stats, opts) -> Fit`. A fit is an update A (C×C,
+float64) applied at one of two sites:
+- "residual": the stream entering the first surviving block becomes x ↦ x (I + A);
+- "branch": block s−1's MLP branch output becomes m ↦ m (I + A) (ReplaceMe), folded into
+  its down projection where the architecture allows.
+Each operator declares the statistics it needs (`StatNeeds`); `needs_of` unions them so the
+calibration pass keeps nothing else. Fits are pure tensor maths; `residual_module` and
+`branch_replacement` turn a fit into the `nn.Module`s a variant needs, and `assess` measures it
+(errors on calibration tokens from the statistics, on held-out tokens from a direct pass).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ghosted_core.errors import GhostedError
+from ghosted_core.hadamard import hadamard_factors, hadamard_transform
+from ghosted_core.plan import Boundary
+from ghosted_core.registry import add, check_signature, lookup
+from ghosted_core.statistics import ALL_NEEDS, BoundaryErrors, BoundaryStats, Moments, StatNeeds, relative
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """Numerical choices of the least-squares fits."""
+
+    epsilon: float = 1e-6  # the paper's absolute ridge: (XᵀX + εI) M = XᵀΔ
+    ridge: str = "absolute"  # "absolute" (paper) or "relative": ε = ridge_lambda · tr(XᵀX) / C
+    ridge_lambda: float = 1e-4  # relative ridge, also the fallback for rank-deficient fits
+    max_condition: float = 1e12  # cond(XᵀX) above which an absolute-ridge fit falls back to the relative ridge
+    sink_directions: tuple[int, ...] = (0, 1, 2, 3, 4)  # replaceme_keepsink: candidate counts k, chosen by held-out error
+
+    def __post_init__(self) -> None:
+        if self.ridge not in {"absolute", "relative"}:
+            raise GhostedError(f"unknown ridge {self.ridge!r}; use absolute or relative")
+        if not self.sink_directions or min(self.sink_directions) < 0:
+            raise GhostedError(f"sink direction counts must be ≥ 0 (got {self.sink_directions})")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What one operator found at one boundary."""
+
+    operator: str
+    boundary: Boundary
+    site: str  # "residual" or "branch"
+    update: torch.Tensor | None  # (C, C) float64 A; None = identity (plain pruning)
+    diagonal: bool = False  # A is diagonal: realized as a per-channel scale
+    tokens_used: int = 0
+    sink_tokens: int = 0  # massive-activation tokens treated specially (see sink_handling)
+    sink_handling: str = "included"  # "included" (paper), "excluded" or "capped" (weight capped at the threshold norm)
+    ridge: float = 0.0  # ε actually added to the Gram matrix
+    condition_number: float = float("nan")  # of the Gram matrix the fit solved with
+    notes: tuple[str, ...] = ()  # warnings and fallbacks, shown to the user
+    scale: torch.Tensor | None = None  # (C,) per-channel scale r when W = B diag(r) Bᵀ (diag, rotate)
+    basis: str | None = None  # the basis B of `scale`: "channel" (B = I) or "hadamard" (B = H)
+    ridge_fallback: str | None = None  # why the fit switched to the relative ridge (None: it did not)
+    sink_directions: int | None = None  # replaceme_keepsink: sink MLP-output directions on which T = I
+    # alternatives of this fit (e.g. each k of replaceme_keepsink); the pipeline keeps the one with the lowest
+    # held-out boundary error (`choose_by_heldout`). Memory: one C×C float64 update each, until chosen.
+    candidates: tuple[Fit, ...] = ()
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    name: str
+    fit: Callable[[BoundaryStats, FitOptions], Fit]
+    paper: str
+    description: str
+    needs: StatNeeds = ALL_NEEDS  # statistics the fit (and its error report) reads
+    stock: bool = False  # its variants fold into a stock checkpoint (plain pruning, maps on the MLP branch)
+
+
+OPERATORS: dict[str, OperatorSpec] = {}
+
+
+def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS, stock: bool = False):
+    """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import.
+
+    `needs` names the statistics the fit reads; calibration keeps only the union over the
+    requested operators (an operator that does not say gets every statistic). `stock`: the
+    operator's variants fold into a stock checkpoint (see `fold`).
+    """
+
+    def decorator(fn):
+        check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
+        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock), "operator")
+        return fn
+
+    return decorator
+
+
+def get_operator(name: str) -> OperatorSpec:
+    return lookup(OPERATORS, name, "operator")
+
+
+def needs_of(operators: Iterable[str]) -> StatNeeds:
+    """The statistics a set of operators needs: the union of what each declares."""
+    needs = StatNeeds()
+    for name in operators:
+        needs = needs | get_operator(name).needs
+    return needs
+
+
+# ---------------------------------------------------------------- shared maths
+
+
+def condition_number(gram: torch.Tensor) -> float:
+    """λ_max / λ_min of a symmetric PSD matrix (inf when singular)."""
+    eig = torch.linalg.eigvalsh(gram)
+    low, high = float(eig[0]), float(eig[-1])
+    return math.inf if low <= high * 1e-18 else high / low
+
+
+RIDGE_FALLBACK = "rank-deficient fit"  # how a ridge-fallback note starts (FitReport.ridge_fallback finds it)
+
+
+def solve_ridge(gram: torch.Tensor, cross: torch.Tensor, tokens: int, opts: FitOptions) -> tuple[torch.Tensor, float, float, tuple[str, ...]]:
+    """(A, ε, cond, notes) with (gram + εI) A = cross; falls back to a relative ridge when the
+    fit is rank-deficient (fewer tokens than channels) or ill-conditioned, never NaN."""
+    width = gram.shape[0]
+    cond = condition_number(gram)
+    relative = opts.ridge_lambda * float(torch.trace(gram)) / width
+    notes: tuple[str, ...] = ()
+    if opts.ridge == "relative":
+        eps = relative
+    elif tokens < width or cond > opts.max_condition:
+        eps = relative
+        reason = f"{tokens} tokens < {width} channels" if tokens < width else f"cond(XᵀX) = {cond:.2g}"
+        notes = (f"{RIDGE_FALLBACK} ({reason}): used a relative ridge ε = {opts.ridge_lambda:g}·tr(XᵀX)/C "
+                 f"= {eps:.3g} instead of ε = {opts.epsilon:g}",)
+        log.warning(notes[0])
+    else:
+        eps = opts.epsilon
+    if not math.isfinite(eps) or eps <= 0:
+        eps = opts.epsilon
+    regularized = gram.clone()  # (C, C): one copy, the statistics stay as they are
+    regularized.diagonal().add_(eps)
+    update = torch.linalg.solve(regularized, cross)
+    del regularized
+    if not torch.isfinite(update).all():
+        raise GhostedError("the least-squares fit produced non-finite values; use more calibration text or --ridge relative")
+    return update, eps, cond, notes
+
+
+def _least_squares_fit(name: str, stats: BoundaryStats, tokens: str, opts: FitOptions, site: str = "residual",
+                       sink_handling: str = "included") -> Fit:
+    """The unconstrained optimum (XᵀX + εI) M = XᵀΔ (or with m at the branch site) on a token set.
+
+    Memory at fit time: the assembled Gram and cross matrices (2·C²·8 B for "all"/"capped"),
+    a regularized copy and the solution; time O(C³).
+    """
+    equations = stats.normal_equations(tokens, site)
+    update, eps, cond, notes = solve_ridge(equations.gram, equations.cross, equations.tokens, opts)
+    sinks = stats.sinks.tokens if sink_handling != "included" else 0
+    return Fit(name, stats.boundary, site, update, tokens_used=equations.tokens, sink_tokens=sinks,
+               sink_handling=sink_handling, ridge=eps, condition_number=cond, notes=notes,
+               ridge_fallback=next((n for n in notes if n.startswith(RIDGE_FALLBACK)), None))
+
+
+def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """Per-channel numerator/denominator, 1 where the denominator vanishes."""
+    safe = denominator > 0
+    return torch.where(safe, numerator / torch.where(safe, denominator, 1.0), torch.ones_like(numerator))
+
+
+# ---------------------------------------------------------------- the operators
+
+
+@register_operator("none", paper="plain pruning", description="no recovery: W = I", needs=StatNeeds(), stock=True)
+def fit_none(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return Fit("none", stats.boundary, "residual", None, tokens_used=stats.tokens)
+
+
+def _channel_sums(stats: BoundaryStats, basis: str):
+    sums = stats.channel if basis == "channel" else stats.rotated
+    if sums is None and basis == "hadamard" and hadamard_factors(stats.width) is None:
+        hadamard_transform(torch.zeros(1, stats.width))  # raises the user-facing explanation
+    if sums is None:
+        raise GhostedError(f"boundary {stats.boundary}: the {basis}-basis sums were not collected "
+                           f"(statistics asked for: {stats.needs.describe()}); pass the operator's needs to collect_stats")
+    return sums
+
+
+@register_operator("diag", paper="LinearPatch-D", description="per-channel scale mean|X_post| / mean|X_pre| (symmetric)",
+                   needs=StatNeeds(channel=True))
+def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    sums = _channel_sums(stats, "channel")
+    scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens
+    return Fit("diag", stats.boundary, "residual", torch.diag(scale - 1.0), diagonal=True, tokens_used=stats.tokens,
+               scale=scale, basis="channel")
+
+
+@register_operator("rotate", paper="LinearPatch-R",
+                   description="per-channel scale in a Hadamard-rotated basis: H diag(r) Hᵀ (symmetric)",
+                   needs=StatNeeds(rotated=True))
+def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    sums = _channel_sums(stats, "hadamard")
+    scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens, rotated basis
+    eye = torch.eye(stats.width, dtype=scale.dtype, device=scale.device)
+    rot = hadamard_transform(eye)  # (C, C) H, built once here, not cached
+    update = (rot * scale) @ rot.T  # H diag(r) Hᵀ
+    update.diagonal().sub_(1.0)
+    return Fit("rotate", stats.boundary, "residual", update, tokens_used=stats.tokens, scale=scale, basis="hadamard")
+
+
+LEAST_SQUARES = StatNeeds(residual=True)
+
+
+@register_operator("ghost", paper="Ghosted Layers",
+                   description="least-squares optimum W = I + M, (XᵀX + εI) M = XᵀΔ over all calibration tokens",
+                   needs=LEAST_SQUARES)
+def fit_ghost(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _least_squares_fit("ghost", stats, "all", opts)
+
+
+@register_operator("ghost_capped", paper="Ghosted Layers, sink-aware (this project)",
+                   description="ghost with each massive-activation (attention-sink) token scaled down to the sink "
+                               "threshold norm: sinks still constrain W but no longer dominate XᵀX",
+                   needs=LEAST_SQUARES)
+def fit_ghost_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _least_squares_fit("ghost_capped", stats, "capped", opts, sink_handling="capped")
+
+
+@register_operator("ghost_nosink", paper="Ghosted Layers, sink-free (this project)",
+                   description="ghost fit on ordinary tokens only: massive-activation tokens left out of the statistics",
+                   needs=LEAST_SQUARES)
+def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _least_squares_fit("ghost_nosink", stats, "ordinary", opts, sink_handling="excluded")
+
+
+BRANCH = StatNeeds(branch=True)
+
+
+def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit | None:
+    """ReplaceMe's family needs block s−1: a boundary at block 0 stays unrecovered (None: the fit can run)."""
+    if stats.boundary.start > 0:
+        return None
+    note = f"ReplaceMe needs the block before the boundary; boundary {stats.boundary} starts at block 0 and is left unrecovered"
+    log.warning(note)
+    return Fit(name, stats.boundary, "branch", None, tokens_used=stats.tokens, notes=(note,))
+
+
+@register_operator("replaceme", paper="ReplaceMe-LS",
+                   description="least-squares map on block s−1's MLP output, folded into its down projection",
+                   needs=BRANCH, stock=True)
+def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
+    return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
+
+
+def principal_directions(rows: torch.Tensor | None, extra_gram: torch.Tensor | None, count: int,
+                         width: int) -> torch.Tensor:
+    """(C, k) orthonormal top eigenvectors of rowsᵀrows (+ extra_gram), k ≤ count, only those with weight.
+
+    From the rows alone: an SVD of the (n, C) rows, O(n²·C) time, O(n·C) memory. With a C×C
+    extra Gram matrix (sinks that spilled past the kept rows): one eigendecomposition, O(C³).
+    """
+    if extra_gram is None:
+        if rows is None or rows.shape[0] == 0:
+            return torch.zeros(width, 0, dtype=torch.float64)
+        _, values, vh = torch.linalg.svd(rows, full_matrices=False)  # descending
+        weights, vectors = values * values, vh.T  # (n,), (C, n)
+    else:
+        gram = extra_gram if rows is None else extra_gram + rows.T @ rows  # (C, C)
+        weights, vectors = torch.linalg.eigh(gram)  # ascending
+        weights, vectors = weights.flip(0), vectors.flip(1)
+    top = float(weights[0]) if weights.numel() else 0.0
+    useful = int((weights > top * 1e-9).sum()) if top > 0 else 0
+    return vectors[:, : min(count, useful)]
+
+
+def sink_directions(stats: BoundaryStats, count: int) -> torch.Tensor:
+    """(C, k) top directions of the sink tokens' MLP outputs m (kept rows, plus spilled moments)."""
+    sinks = stats.sinks
+    spilled = None if sinks.spill is None else sinks.spill.mtm
+    return principal_directions(sinks.branch, spilled, count, stats.width)
+
+
+def solve_keeping(gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, tokens: int,
+                  opts: FitOptions) -> tuple[torch.Tensor, float, float, tuple[str, ...]]:
+    """A = P B minimizing ‖m P B − Δ‖² + ε‖B‖², P = I − UUᵀ, U = `keep` (C, k) orthonormal.
+
+    Then T = I + A is the identity on the directions U (u T = u) and the least-squares optimum
+    on the rest. In the basis [Q U] with Q spanning range(P), the normal equations are
+    (QᵀGQ + εI) B̃ = QᵀR, A = Q B̃: the same solution as (PGP + c·UUᵀ + εI) A = P R (any c > 0
+    makes the U block invertible and its right-hand side is 0, so UᵀA = 0), which needs no Q.
+    Memory: four C×C float64 matrices beyond the statistics (PGP, PR, the regularized copy, A);
+    time O(C²·k) plus one solve and one condition number, O(C³).
+    """
+    if keep.shape[1] == 0:
+        return solve_ridge(gram, cross, tokens, opts)
+    gu = gram @ keep  # (C, k) G U
+    pgp = gram - keep @ gu.T - gu @ keep.T + keep @ (keep.T @ gu) @ keep.T  # (C, C) P G P
+    pgp += (float(torch.trace(gram)) / gram.shape[0]) * (keep @ keep.T)  # c·UUᵀ: U block invertible
+    rhs = cross - keep @ (keep.T @ cross)  # (C, C) P R
+    update, eps, cond, notes = solve_ridge(pgp, rhs, tokens, opts)
+    update -= keep @ (keep.T @ update)  # exactly 0 on U (it already is up to rounding)
+    return update, eps, cond, notes
+
+
+def keepsink_note(k: int, errors: dict[int, float | None], where: str) -> str:
+    table = ", ".join(f"{j}: {'-' if e is None else f'{e:.3f}'}" for j, e in errors.items())
+    return f"kept {k} sink direction(s) as identity (boundary error on {where} tokens by count: {table})"
+
+
+@register_operator("replaceme_keepsink", paper="ReplaceMe-LS, sink-preserving (this project)",
+                   description="ReplaceMe fitted on ordinary tokens with T = I on the sink tokens' top MLP-output "
+                               "directions (their number chosen by held-out error); folded into block s−1's down "
+                               "projection", needs=BRANCH, stock=True)
+def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    """The sink token's MLP output is massive; any T ≠ I on it breaks the sink for every block after.
+
+    Fit on ordinary tokens only, T = I + P·B with P = I − UUᵀ, U the top-k directions of the
+    sink tokens' MLP outputs. One candidate per k in `opts.sink_directions`; the fit returned is
+    the best on calibration tokens (all of them), and carries every candidate so that the
+    pipeline keeps the one with the lowest held-out boundary error (`choose_by_heldout`).
+    Memory O(C²) per candidate; time one SVD of the sink rows plus one O(C³) solve per k.
+    """
+    name = "replaceme_keepsink"
+    unrecovered = _unrecovered_branch(name, stats)
+    if unrecovered is not None:
+        return unrecovered
+    ordinary = stats.token_set("ordinary", "branch")
+    directions = sink_directions(stats, max(opts.sink_directions))
+    candidates, errors = [], {}
+    for k in sorted({min(k, directions.shape[1]) for k in opts.sink_directions}):
+        update, eps, cond, notes = solve_keeping(ordinary.mtm, ordinary.mtd, directions[:, :k], ordinary.tokens, opts)
+        fit = Fit(name, stats.boundary, "branch", update, tokens_used=ordinary.tokens, sink_tokens=stats.sinks.tokens,
+                  sink_handling="identity", ridge=eps, condition_number=cond, notes=notes,
+                  ridge_fallback=next((n for n in notes if n.startswith(RIDGE_FALLBACK)), None), sink_directions=k)
+        squared = calibration_errors(fit, stats)
+        errors[k] = None if squared is None else relative(squared[0], stats.dd)
+        candidates.append(fit)
+    best = min(candidates, key=lambda f: math.inf if errors[f.sink_directions] is None else errors[f.sink_directions])
+    note = keepsink_note(best.sink_directions, errors, "calibration")
+    log.info("%s at %s: %s", name, stats.boundary, note)
+    return replace(best, notes=(*best.notes, note), candidates=tuple(candidates) if len(candidates) > 1 else ())
+
+
+def choose_by_heldout(fit: Fit, errors: list[BoundaryErrors | None]) -> Fit:
+    """The candidate of `fit` with the lowest held-out boundary error (all tokens), `errors` in
+    the order of `fit.candidates`; `fit` itself when there are none or nothing was held out."""
+    if not fit.candidates or any(e is None or e.relative is None for e in errors):
+        return replace(fit, candidates=())
+    by_count = {c.sink_directions: e.relative for c, e in zip(fit.candidates, errors)}
+    best = min(zip(fit.candidates, errors), key=lambda pair: pair[1].relative)[0]
+    note = keepsink_note(best.sink_directions, by_count, "held-out")
+    log.info("%s at %s: %s", fit.operator, fit.boundary, note)
+    return replace(best, notes=(*best.notes, note), candidates=())
+
+
+# ---------------------------------------------------------------- assessment
+
+
+def squared_error(fit: Fit, moments: Moments) -> float:
+    """‖U(I + A) − (U + Δ)‖² = tr(AᵀUᵀUA) − 2 tr(AᵀUᵀΔ) + ‖Δ‖², U = X_pre or m, from the moments alone."""
+    if fit.update is None:
+        return float(moments.dd)
+    gram, cross = (moments.xtx, moments.xtd) if fit.site == "residual" else (moments.mtm, moments.mtd)
+    a = fit.update.to(gram.device)
+    value = (gram @ a * a).sum() - 2 * (a * cross).sum() + moments.dd
+    return max(float(value), 0.0)
+
+
+def calibration_errors(fit: Fit, stats: BoundaryStats) -> tuple[float, float] | None:
+    """(Σ‖x W − y‖² over all calibration tokens, … over ordinary tokens), from the statistics alone.
+
+    A per-channel fit reads its basis' sums (no C×C); a full fit the ordinary moments plus the
+    sink rows, applied directly (O(k·C²)). None when the statistics needed were not collected.
+    """
+    if fit.update is None:
+        return stats.dd, stats.ordinary.dd
+    if fit.basis is not None and fit.scale is not None:
+        sums = stats.channel if fit.basis == "channel" else stats.rotated
+        if sums is None:
+            return None
+        return sums.scale_error(fit.scale), sums.scale_error(fit.scale, slice(0, 1))
+    residual = fit.site == "residual"
+    if (stats.ordinary.xtx if residual else stats.ordinary.mtm) is None:
+        return None
+    ordinary = squared_error(fit, stats.ordinary)
+    sinks = stats.sinks
+    a = fit.update.to(sinks.delta.device)
+    rows = sinks.x_pre if residual else sinks.branch
+    sink = 0.0
+    if rows is not None and sinks.kept:
+        sink = float(((rows @ a - sinks.delta) ** 2).sum())  # (k, C): ‖U A − Δ‖² on the kept rows
+    if sinks.spill is not None:
+        sink += squared_error(fit, sinks.spill)
+    return ordinary + sink, ordinary

@@ -1,0 +1,206 @@
+"""The one entry point the CLI and the app share: load → select → calibrate → fit → evaluate.
+
+`run_stages` is a generator: after each stage it yields the stage's name and the result
+so far, so the app can fill its page while later stages run; `run` just drains it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from ghosted_core.data import corpora
+from ghosted_core.calibration.collect import CalibrationOptions
+from ghosted_core.errors import GhostedError
+from ghosted_core.evaluation.generation import GenerationOptions
+from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
+from ghosted_core.model.embedded import DEFAULT_MODEL
+from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_options, peek_config, resolve_device, resolve_dtype
+from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
+from ghosted_core.recovery.modules import module_device
+from ghosted_core.selection.criteria import SelectionRequest, check_request, get_criterion
+from ghosted_core.evaluation.tasks import parse_tasks
+from ghosted_core.data.user_text import USER_CORPUS, UserText
+from ghosted_core.recovery.operators import OPERATORS
+from ghosted_core.statistics import statistics_bytes
+
+log = logging.getLogger(__name__)
+
+
+SEQUENTIAL_SUFFIX = "+seq"
+DEFAULT_VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One recovered variant: an operator, fitted independently (paper) or sequentially."""
+
+    name: str  # as shown in results, e.g. "ghost" or "ghost+seq"
+    operator: str
+    sequential: bool = False
+
+
+def parse_variants(names: str | Sequence[str]) -> tuple[VariantSpec, ...]:
+    """'none,ghost,ghost+seq' → specs; unknown operators are refused with the known names."""
+    items = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    if not items:
+        raise GhostedError("no recovery operator given; e.g. --insert_type none,diag,rotate,ghost,replaceme")
+    specs = []
+    for item in dict.fromkeys(items):
+        operator = item.removesuffix(SEQUENTIAL_SUFFIX)
+        get_operator(operator)
+        specs.append(VariantSpec(item, operator, item.endswith(SEQUENTIAL_SUFFIX)))
+    return tuple(specs)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything one run needs; defaults are sized for a 2-core CPU and the embedded SmolLM2."""
+
+    model: str = DEFAULT_MODEL
+    load: LoadOptions = LoadOptions()
+    criterion: str = "streamline"
+    num_prune: int = 7  # blocks to remove (similarity criteria)
+    layers: tuple[int, ...] = ()  # blocks to remove (manual criterion)
+    cosine: str = "hidden"  # "hidden" (papers) or "token-axis" (reference repos)
+    variants: tuple[VariantSpec, ...] = parse_variants(DEFAULT_VARIANTS)
+    calibration: str = "mix"  # calibration corpus
+    train_size: int | None = None  # calibration sequences (None: enough for 4·C fit tokens, at least 64; the paper: 128)
+    seqlen: int = 512  # calibration sequence length (the paper: 2048)
+    heldout_size: int | None = None  # held-out calibration sequences for boundary errors (None: train_size // 8, at least 1)
+    seed: int = 0
+    eval_corpora: tuple[str, ...] = ("ptb", "wiki")
+    eval_seqlen: int | None = None  # perplexity window length (None: seqlen)
+    eval_max_tokens: int | None = 8192  # perplexity token cap per corpus (None: the whole split)
+    eval_batch_size: int = 4
+    drift_windows: int = 2  # windows of the first evaluation corpus used for per-block drift
+    tasks: tuple[str, ...] = ()  # zero-shot tasks through lm-eval (see tasks.parse_tasks); empty: none
+    task_limit: int | None = None  # examples per task (a seeded subset, the same for every variant); None: all
+    task_batch_size: int = 8
+    prompt: str | None = None  # generation prompt (None: no generation)
+    generation: GenerationOptions = GenerationOptions()
+    fit: FitOptions = FitOptions()
+    calibrate: CalibrationOptions = CalibrationOptions()
+    user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
+    quiet: bool = False
+
+    @property
+    def heldout(self) -> int:
+        return self.heldout_size if self.heldout_size is not None else max(1, (self.train_size or 64) // 8)
+
+    def corpus(self, name: str, split: str) -> str | corpora.Corpus:
+        """What the data functions read for corpus `name`: its registered name, or the user's text
+        (disjoint calibration and evaluation parts when this run uses it for both)."""
+        if name != USER_CORPUS:
+            return name
+        if self.user_text is None:
+            raise GhostedError(f"the corpus {USER_CORPUS!r} needs your text: paste or upload it "
+                               "(command line: --user_text FILE.txt or FILE.jsonl)")
+        shared = self.calibration == USER_CORPUS and USER_CORPUS in self.eval_corpora
+        return self.user_text.corpus(split, shared)
+
+
+def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
+    """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
+    get_criterion(options.criterion)
+    check_load_options(options.load)
+    for name in (options.calibration, *options.eval_corpora):
+        if name == USER_CORPUS:
+            options.corpus(name, "evaluation")  # refuses "your text" without the text
+        elif name not in corpora.corpus_names():
+            raise GhostedError(f"unknown corpus {name!r}; known corpora: {', '.join(corpora.corpus_names())}, "
+                               f"or {USER_CORPUS!r} with your own text")
+    if options.tasks:
+        parse_tasks(",".join(options.tasks))  # unknown task names fail before any work
+        if options.task_limit is not None and options.task_limit < 1:
+            raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
+    if options.train_size is not None and options.train_size < 1 or options.seqlen < 2:
+        raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
+    sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
+             "--task_batch_size": options.task_batch_size}
+    for flag, size in sizes.items():
+        if size < 1:
+            raise GhostedError(f"{flag} must be at least 1 (got {size})")
+    longest = max(options.seqlen, options.eval_seqlen or 0)
+    if max_positions is not None and longest > max_positions:
+        raise GhostedError(f"sequences of {longest} tokens exceed the model's {max_positions} positions "
+                           f"(max_position_embeddings); use --seqlen/--eval_seqlen of at most {max_positions}")
+    if num_layers is not None:
+        check_request(options.criterion, selection_request(options, num_layers))
+
+
+def selection_request(options: RunOptions, num_layers: int) -> SelectionRequest:
+    return SelectionRequest(num_layers, options.num_prune, options.layers, options.cosine)
+
+
+def sized(options: RunOptions, width: int) -> RunOptions:
+    """Options with the calibration size resolved: enough sequences for 4·C fit tokens, at least 64."""
+    if options.train_size is not None:
+        return options
+    return dataclasses.replace(options, train_size=min_calibration_sequences(width, options.seqlen))
+
+
+def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None,
+                boundaries: int | None = None) -> MemoryPlan:
+    """The run's memory plan from the config (before loading: device and dtype as the load options say)."""
+    device = device or resolve_device(options.load.device)
+    dtype = dtype or resolve_dtype(options.load.dtype, device)
+    if boundaries is None:
+        boundaries = max_boundaries(options.criterion, config.num_hidden_layers, options.num_prune, options.layers)
+    sequences = options.train_size or min_calibration_sequences(config.hidden_size, options.seqlen)
+    cal = options.calibrate
+    return plan_memory(config, options.model, device, dtype, needs_of(v.operator for v in options.variants),
+                       boundaries, sequences, options.seqlen, cal.batch_size, cal.capacity(sequences),
+                       options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
+
+
+def planned(options: RunOptions, loaded: LoadedModel | None = None,
+            boundaries: int | None = None) -> tuple[RunOptions, MemoryPlan]:
+    """Options with the calibration size resolved and calibration placed, and the memory plan behind them.
+
+    Before loading (`loaded` None) the plan comes from the config alone; a plan that cannot fit
+    is refused here, before any weight is read. `boundaries`: how many boundaries the statistics
+    hold at once (None: the most this criterion and depth can make).
+    """
+    if loaded is None:
+        config = peek_config(options.model)
+        options = sized(options, config.hidden_size)
+        plan = memory_plan(options, config, boundaries=boundaries)
+    else:
+        options = sized(options, loaded.hidden_size)
+        plan = memory_plan(options, loaded.model.config, *loaded_placement(loaded.model), boundaries=boundaries)
+    plan.check()
+    log.info(plan.summary())
+    return _placed(plan, options), plan
+
+
+def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
+    """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
+    cal = options.calibrate
+    stats_device = plan.stats_device if cal.stats_device == "auto" and plan.device != "cpu" else cal.stats_device
+    compute = cal.compute_device
+    if plan.pipeline == "blocks" and compute is None and plan.device.startswith("cuda"):
+        compute = plan.device
+    return dataclasses.replace(options, calibrate=dataclasses.replace(cal, pipeline=plan.pipeline,
+                                                                      stats_device=stats_device, compute_device=compute))
+
+
+def loaded_placement(model: PreTrainedModel) -> tuple[str, object]:
+    """(device, dtype) of an already loaded model, as the memory plan names them."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "map", model.dtype
+    return str(module_device(model.model.embed_tokens)), model.dtype
+
+
+OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]
+
+
+def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool = True) -> int:
+    """Bytes one boundary's accumulator allocates for the operators `options` asks for."""
+    needs = needs_of(v.operator for v in options.variants)
+    sequences = options.train_size or min_calibration_sequences(width, options.seqlen)
+    return statistics_bytes(width, needs, options.calibrate.capacity(sequences), branch)

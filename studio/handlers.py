@@ -1,0 +1,240 @@
+"""What the page's events call: Run (streaming a run into every output), Stop, and the settings widgets.
+
+Run streams one update per stage. Each update also stores, per browser session (gr.State),
+which run the results on the page belong to, so that a later refusal, failure or Stop can
+say so. Stop asks the session's runs to stop at their next batch (`studio.runs`) and reports
+where they stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import gradio as gr
+
+from ghosted_core.planning.advice import Advice, default_depth
+from ghosted_core.errors import GhostedError
+from ghosted_core.export.folder import upload_export
+from ghosted_core.hub import hub_reachable
+from ghosted_core.stopping import RunStopped
+from ghosted_core.run.sweep import check_sweep, parse_depths
+from studio.cache import model_shape, num_blocks
+from studio.history import add_run, settings_of
+from studio.presets_view import find_preset, preset_note
+from studio.runner import QuickTasks, build_options, build_request, check_options, run_job, run_sweep_job, \
+    settings_advice
+from studio.runs import RUNS, ActiveRun
+from studio.user_input import corpora_with_text, read_user_text
+from studio.settings import DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP
+from studio.status import NOTHING_SHOWN, advice_lines, complete_status, failed_status, refused_status, \
+    report_advice, running_status, shown_state, stopped_before_start, stopped_status
+from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outputs, history_outputs, page_message, render, render_sweep, write_results
+
+log = logging.getLogger(__name__)
+
+
+def on_submit() -> tuple[float, str]:
+    """Run pressed: note the time (queueing counts apart from running) and say the run waits for the server."""
+    return time.time(), "**Queued:** waiting for the server to start your run…"
+
+
+def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str], calibration: str,
+           samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
+           new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
+           export_format: str = "auto", mode: str = "single depth", depths: str = "2:10:2", your_text: str | None = None,
+           your_file: str | None = None, text_use: str = "evaluation", submitted: float | None = None,
+           shown: dict | None = None, history: list[dict] | None = None, request: gr.Request | None = None,
+           progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
+    """Run button: stream a single-depth run or a sweep into the page, with the session's state; failures become gr.Error."""
+    settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
+    start = time.perf_counter()
+    queued = time.time() - submitted if submitted else None
+    try:
+        text = read_user_text(your_text, your_file)
+        cal, evals = calibration, tuple(eval_corpora or ())
+        if text is not None:
+            cal, evals = corpora_with_text(text_use, cal, evals)
+        options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
+                                        evals, eval_tokens, prompt, new_tokens), user_text=text)
+        quick = QuickTasks(bool(tasks_on), tuple(task_names or ()), int(task_examples))
+        job = build_request(options, quick, save_variant, export_format, mode, depths)
+        stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
+    except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
+        yield as_outputs({"status": refused_status(page_message(err), shown)})
+        raise gr.Error(page_message(err), duration=TOAST_SECONDS) from err
+    run = RUNS.start(request.session_hash if request else "", stages)
+    run.settings = settings
+    report: dict = {}
+    try:
+        progress(0.0, desc=f"{stages[0]}…")
+        yield as_outputs(blank_outputs(running_status(stages[0], 0, len(stages), 0.0, None, advice, queued))
+                         | {"shown": NOTHING_SHOWN})
+        with tempfile.TemporaryDirectory(prefix="ghosted-run-") as folder:  # removed when the run ends or is stopped
+            updates = (run_sweep_job(job.options, job.depths, run.stop.is_set) if job.sweep else
+                       run_job(job.options, job.quick, job.save_variant, folder, run.stop.is_set, job.export_format))
+            for done, (stage, report) in enumerate(updates, start=1):
+                run.done, run.report = done, report
+                elapsed = time.perf_counter() - start
+                following = stages[done] if done < len(stages) else None
+                progress(min(done / len(stages), 1.0), desc=f"{following}…" if following else "done")
+                if report.get("removed_layers"):
+                    advice = report_advice(report) + [Advice(note) for note in job.notes]
+                status = (running_status(following, done, len(stages), elapsed, report, advice, queued) if following
+                          else complete_status(elapsed, report, advice, queued))
+                values = (render_sweep if job.sweep else render)(report, status, write_results(report, folder))
+                values["shown"] = shown_state(report, "in progress" if following else "complete")
+                if following is None:
+                    values |= history_outputs(add_run(history, settings, report, "complete"), folder)
+                yield as_outputs(values)
+    except RunStopped as stop:  # Stop pressed: the library stopped at its next batch
+        run.stopped_at = stop.where
+        RUNS.end(run)
+        state = f"stopped during {stop.where}"
+        with tempfile.TemporaryDirectory(prefix="ghosted-stopped-") as folder:
+            yield as_outputs({"status": stopped_status(stop.where, time.perf_counter() - start, report, stages),
+                              "shown": shown_state(report, state)}
+                             | history_outputs(add_run(history, settings, report, state), folder))
+    except GhostedError as err:
+        message = page_message(err)
+        yield as_outputs({"status": failed_status(message, run.current, report),
+                          "shown": shown_state(report, f"failed during {run.current}")})
+        raise gr.Error(message, duration=TOAST_SECONDS) from err
+    except Exception as err:  # a bug: keep serving, say so, keep the traceback in the log
+        log.exception("run failed")
+        message = f"internal error ({type(err).__name__}: {err}); the server log has the traceback"
+        yield as_outputs({"status": failed_status(message, run.current, report),
+                          "shown": shown_state(report, f"failed during {run.current}")})
+        raise gr.Error(message, duration=TOAST_SECONDS) from err
+    finally:
+        RUNS.end(run)
+
+
+def on_stop(shown: dict | None = None, history: list[dict] | None = None,
+            request: gr.Request | None = None) -> Iterator[tuple]:
+    """Stop button: the session's runs stop at their next batch; the status says where and what the page shows, and
+    the stopped run joins the session history."""
+    runs = RUNS.stop(request.session_hash if request else "")
+    if not runs:
+        yield stopped_before_start(shown), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return
+    run = runs[-1]
+    for each in runs:
+        each.ended.wait(STOP_WAIT_SECONDS)
+    state = f"stopped during {run.stopped_at or run.current}"
+    with tempfile.TemporaryDirectory(prefix="ghosted-stopped-") as folder:  # the CSV must outlive the yield only
+        kept = history_outputs(add_run(history, run.settings, run.report or {}, state), folder)
+        yield (stop_message(run), shown_state(run.report or {}, state), kept["history"], kept["history_table"],
+               kept["history_file"])
+
+
+def stop_message(run: ActiveRun) -> str:
+    """What Stop reports about `run`: where it stopped, or that it will stop at its next batch."""
+    if run.ended.is_set():
+        return stopped_status(run.stopped_at or run.current, run.elapsed(), run.report, run.stages)
+    return (f"**Stopping** during {run.current}: the server stops at its next batch or stage "
+            f"({run.elapsed():.0f} s into the run); the results below are this run's finished stages.")
+
+
+def model_note(name: str) -> str:
+    """An honest note on what this machine can load."""
+    hub = "reachable" if hub_reachable() else "not reachable from this machine"
+    return (f"Embedded models load offline. Type a local folder or a Hub id for others (the Hub is {hub}); "
+            "Llama, Mistral, Qwen2/3 and Gemma3 families.")
+
+
+def on_model_change(name: str) -> tuple:
+    """Bound the depth slider by the model's block count, reset the depth to a quarter of it, describe the model."""
+    name = (name or "").strip()
+    try:
+        layers, width = model_shape(name)
+    except GhostedError as err:
+        return f"**Cannot use this model:** {err}", gr.update(), gr.update()
+    except Exception as err:  # an unreadable folder or config: say so, keep serving
+        return f"**Cannot read {name!r}:** {err}", gr.update(), gr.update()
+    depth = default_depth(layers)
+    note = (f"{name}: {layers} decoder blocks (0–{layers - 1}), width {width}; depth reset to {depth} "
+            f"(a quarter of the blocks).")
+    preset = find_preset(name)
+    if preset is not None:
+        options = build_options(preset.hub_id, DEFAULTS.criterion, depth, "", list(DEFAULTS.operators),
+                                DEFAULTS.calibration, DEFAULTS.samples, DEFAULTS.seqlen, DEFAULTS.seed,
+                                list(DEFAULTS.eval_corpora), DEFAULTS.eval_tokens, "", DEFAULTS.new_tokens)
+        note += "  \n" + preset_note(preset, options)
+    return (note, gr.update(maximum=layers, value=depth, info=depth_info(layers)),
+            gr.update(info=f"block indices 0–{layers - 1}, e.g. {max(0, layers - 11)}-{layers - 5}"))
+
+
+def on_settings_change(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str],
+                       samples: float, seqlen: float, mode: str = "single depth", depths: str = "") -> str:
+    """Advice on the settings before a run: a deep cut, a cut through the last block, too little calibration."""
+    try:
+        options = build_options(model, criterion, depth, manual_blocks, operators or ["none"], "mix", samples, seqlen,
+                                0, [], 256, "", 4)
+        if mode == SWEEP:
+            chosen = check_sweep(options, parse_depths(depths or ""), num_blocks(options.model))
+            lines = advice_lines(settings_advice(options, chosen))
+        else:
+            check_options(options)
+            lines = advice_lines(settings_advice(options))
+    except GhostedError as err:
+        return f"⚠ {page_message(err)}"
+    except Exception:  # a model that cannot be read is explained by the model note
+        return ""
+    return "  \n".join(lines)
+
+
+def on_mode_change(mode: str, criterion: str) -> tuple:
+    """Sweep: the depth range instead of one depth, and the sweep's results instead of a single run's."""
+    sweep = mode == SWEEP
+    return (gr.update(visible=not sweep and criterion not in ("manual", "none")), gr.update(visible=sweep),
+            gr.update(visible=not sweep), gr.update(visible=sweep))
+
+
+def on_history_select(history: list[dict] | None, event: gr.SelectData) -> tuple:
+    """A click on a row of the history table: that run's settings back in every widget."""
+    row = event.index[0] if isinstance(event.index, (list, tuple)) else event.index
+    settings = settings_of(history, int(row))
+    if settings is None:
+        return tuple(gr.skip() for _ in SETTING_NAMES)
+    return tuple(gr.update(value=settings[name]) if name in settings else gr.skip() for name in SETTING_NAMES)
+
+
+def upload_available() -> tuple[bool, str]:
+    """Whether the Hub upload control is on here, and the note beside it."""
+    if hub_reachable():
+        return True, ("Paste a Hugging Face **write** token to upload the downloaded folder, with its model card, to "
+                      "a new model repo. The token is used for this upload only: never logged, stored or shown again.")
+    return False, ("Uploading to the Hugging Face Hub is **off**: the Hub cannot be reached from this machine. "
+                   "Download the zip above instead.")
+
+
+def on_upload(model_file: str | None, repo_id: str, token: str) -> tuple[str, str]:
+    """Upload the saved model's folder to a new Hub repo; the token box is cleared whatever happens."""
+    try:
+        if not model_file or not Path(model_file).is_file():
+            raise GhostedError("save a model first: choose a variant under 'Save a recovered model' and run")
+        with tempfile.TemporaryDirectory(prefix="ghosted-upload-") as folder:
+            with zipfile.ZipFile(model_file) as archive:
+                archive.extractall(folder)
+            exported = next(p for p in Path(folder).iterdir() if p.is_dir())
+            url = upload_export(exported, (repo_id or "").strip(), token or "")
+    except GhostedError as err:
+        return f"**Upload refused:** {page_message(err)}", ""
+    return f"Uploaded to {url}", ""
+
+
+def depth_info(layers: int) -> str:
+    """The depth slider's help text for a model with `layers` blocks."""
+    return f"of {layers} blocks (removing all {layers} is refused)"
+
+
+def on_criterion_change(criterion: str, mode: str = "single depth") -> tuple:
+    """Depth for similarity criteria (one, or a sweep's range), the block picker for manual, neither for none."""
+    return (gr.update(visible=criterion not in ("manual", "none") and mode != SWEEP),
+            gr.update(visible=criterion == "manual"))

@@ -1,0 +1,150 @@
+"""Models: resolving names, clear refusals, architecture support, memory estimates."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig
+
+from conftest import ALL_FAMILIES, TINY_LAYERS, make_tiny_model, random_tokens
+from ghosted_core.errors import GhostedError
+from ghosted_core.evaluation.generation import GenerationOptions
+from ghosted_core.export.folder import export_variant, load_recovered
+from ghosted_core.hub import hub_reachable
+from ghosted_core.model.embedded import EMBEDDED
+from ghosted_core.model.loading import SUPPORTED_MODEL_TYPES, LoadOptions, decoder_blocks, load_model, placement, \
+    resolve_dtype
+from ghosted_core.memory import check_fits, estimate_parameters
+from ghosted_core.run.options import RunOptions, parse_variants
+from ghosted_core.run.pipeline import run
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_reachable.cache_clear()
+    yield
+    hub_reachable.cache_clear()
+
+
+def test_unknown_model_names_the_alternatives():
+    with pytest.raises(GhostedError, match="unknown model 'no-such-model'.*smollm2-135m"):
+        load_model("no-such-model")
+
+
+def test_hub_id_offline_says_what_to_do():
+    with pytest.raises(GhostedError, match="Hub is not reachable.*local model folder or an embedded model"):
+        load_model("meta-llama/Llama-3.1-8B")
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(GhostedError, match="without config.json"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    GPT2Config(n_layer=2, n_embd=16, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(GhostedError, match="unsupported architecture 'gpt2'.*Gemma3, Llama, Mistral, Qwen2, Qwen3"):
+        load_model(str(tmp_path))
+
+
+def test_local_folder_loads_in_eval_mode(tiny_model_folder):
+    loaded = load_model(str(tiny_model_folder), LoadOptions(device="cpu"))
+    assert loaded.source == "local" and loaded.num_layers == TINY_LAYERS
+    assert not loaded.model.training and loaded.model.dtype == torch.float32
+    assert not any(p.requires_grad for p in loaded.model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_parameter_estimate_matches_the_model(family):
+    model = make_tiny_model(family)
+    assert len(decoder_blocks(model)) == TINY_LAYERS
+    actual = sum(p.numel() for p in model.parameters())
+    assert estimate_parameters(model.config) == pytest.approx(actual, rel=0.02)
+
+
+def test_a_model_too_big_is_refused_before_loading():
+    huge = LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                       num_attention_heads=128, num_key_value_heads=8)
+    with pytest.raises(GhostedError, match="needs about .* GiB.*--device map"):
+        check_fits(huge, "cpu", torch.float32, "meta-llama/Llama-3.1-405B")
+    check_fits(huge, "map", torch.float32, "meta-llama/Llama-3.1-405B")  # offload may take it
+
+
+def test_unknown_or_absent_device_is_refused():
+    with pytest.raises(GhostedError, match="unknown device"):
+        load_model("smollm2-135m", LoadOptions(device="tpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(GhostedError, match="no CUDA GPU"):
+            load_model("smollm2-135m", LoadOptions(device="cuda"))
+
+
+def test_dtype_is_fp32_on_cpu_bf16_on_gpu_unless_asked(tiny_model_folder, monkeypatch):
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert resolve_dtype("fp16", "cpu") == torch.float16 and resolve_dtype("bfloat16", "cuda") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_dtype("auto", "map") == torch.bfloat16  # an accelerate map with a GPU in it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto", "map") == torch.float32
+    with pytest.raises(GhostedError, match="unknown dtype 'int8'"):
+        resolve_dtype("int8", "cpu")
+    loaded = load_model(str(tiny_model_folder), LoadOptions(device="cpu", dtype="bfloat16"))
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert {p.device.type for p in loaded.model.parameters()} == {"cpu"}
+
+
+def test_placement_loads_straight_onto_the_device(monkeypatch):
+    """One device: from_pretrained gets device_map=<device> (each tensor lands there, no whole-model CPU copy)."""
+    assert placement("m", LoadOptions(device="cpu")) == {"dtype": torch.float32, "device_map": "cpu"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert placement("m", LoadOptions()) == {"dtype": torch.bfloat16, "device_map": "cuda"}
+    assert placement("m", LoadOptions(device="cuda:1", dtype="float32")) == {"dtype": torch.float32,
+                                                                           "device_map": "cuda:1"}
+    mapped = placement("org/m", LoadOptions(device="map", max_memory={0: 2**30, "cpu": 2**31}, offload_folder="/x"))
+    assert mapped == {"dtype": torch.bfloat16, "device_map": "auto", "max_memory": {0: 2**30, "cpu": 2**31},
+                      "offload_folder": "/x"}
+    assert placement("org/m", LoadOptions(device="map"))["offload_folder"].endswith("offload/org_m")
+    with pytest.raises(GhostedError, match="apply to --device map only"):
+        placement("m", LoadOptions(device="cpu", max_memory={"cpu": 2**30}))
+
+
+def test_every_supported_family_is_tested_end_to_end():
+    assert {make_tiny_model(family).config.model_type for family in ALL_FAMILIES} == set(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_family_runs_the_whole_pipeline(tiny_folder, smollm2_tokenizer, family, tmp_path):
+    """Load → score → calibrate → fit → perplexity, drift, generation → save → reload, for every claimed family."""
+    loaded = load_model(str(tiny_folder(family)), LoadOptions(device="cpu"))
+    # the folder's tokenizer is SmolLM2's; the session's copy has its corpus tokens cached on disk across runs
+    loaded = dataclasses.replace(loaded, tokenizer=smollm2_tokenizer)
+    options = RunOptions(model=str(tiny_folder(family)), criterion="shortgpt", num_prune=2,
+                         variants=parse_variants("none,ghost,replaceme,ghost+seq"), calibration="ptb", train_size=4,
+                         seqlen=32, eval_corpora=("ptb",), eval_max_tokens=128, prompt="The market",
+                         generation=GenerationOptions(max_new_tokens=4), quiet=True, load=LoadOptions(device="cpu"))
+    result = run(options, loaded)
+    assert result.model_description.startswith("local folder") and result.num_layers == TINY_LAYERS
+    assert type(result.models["dense"]).__name__.lower().startswith(family)
+    for name, ppl in result.perplexity["ptb"].items():
+        assert 1 < ppl < float("inf"), name
+    for name in ("none", "ghost", "replaceme", "ghost+seq"):  # the least-squares fits: W = I is feasible, so
+        for report in result.fits[name]:  # a fit is never worse than plain pruning on its own tokens
+            assert report.fit_error <= 1 + 1e-9, (family, name, report)
+    assert set(result.generations) == set(result.models) and set(result.drift) == set(result.models) - {"dense"}
+    ids = random_tokens(2, 20, seed=2)
+    for name in ("ghost", "replaceme", "ghost+seq"):
+        variant = result.models[name]
+        with torch.no_grad():
+            full = variant(ids, use_cache=False).logits
+            prefill = variant(ids[:, :12], use_cache=True)
+            step = variant(ids[:, 12:13], past_key_values=prefill.past_key_values, use_cache=True).logits
+            torch.testing.assert_close(step[:, -1], full[:, 12], rtol=1e-4, atol=1e-4, msg=f"{family} {name} cache")
+            reloaded, _ = load_recovered(export_variant(variant, result.tokenizer, tmp_path / name).folder)
+            assert torch.equal(reloaded(ids).logits, full), f"{family} {name} reload"
+
+
+def test_embedded_registry():
+    assert {"smollm2-135m", "gemma3-270m"} <= set(EMBEDDED)

