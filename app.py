@@ -1,10 +1,10 @@
 """Ghosted Layers Studio: the Gradio app's entry point. UI only; every number comes from `ghosted_core`.
 
-The page is built in the `studio` package (layout, callbacks, tables, charts, the run and the
-model cache). Flow of a run: widget values → `RunOptions` (`studio.runner.build_options`) →
+The page is built in the `studio` package (layout, handlers, outputs, the run and the model
+cache). Flow of a run: widget values → `RunOptions` (`studio.runner.build_options`) →
 `studio.runner.run_job`, which loads the model through the process-wide cache and drains
-`ghosted_core.pipeline.run_stages`, yielding a plain JSON snapshot after every stage →
-`studio.tables` and `studio.charts` turn a snapshot into HTML, tables and plotly figures.
+`ghosted_core.run.pipeline.run_stages`, yielding a plain JSON snapshot after every stage →
+`studio.outputs` renders it with `ghosted_core.report` (HTML, tables and plotly figures).
 
 `python app.py` serves on GRADIO_SERVER_NAME:GRADIO_SERVER_PORT (default 0.0.0.0:7860).
 """

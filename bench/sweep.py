@@ -5,17 +5,17 @@
 
 Both sides compute the same numbers on the embedded SmolLM2 with the same settings (default
 operators, `mix` calibration, perplexity on ptb and wiki, no drift, no generation):
-- sweep: `sweep.run_sweep(options, depths)`: blocks scored once, one calibration pass over the
+- sweep: `run.sweep.run_sweep(options, depths)`: blocks scored once, one calibration pass over the
   union of every depth's boundaries, the dense model evaluated once, each depth's variants
   evaluated on their suffixes only;
-- singles: `pipeline.run` once per depth (each scores, calibrates and evaluates on its own),
+- singles: `run.pipeline.run` once per depth (each scores, calibrates and evaluates on its own),
   with the model loaded once, as the app's model cache does.
 Each side runs in its own subprocess, so peak resident memory (ru_maxrss) is measured alone;
 "extra" is the peak minus the resident size after loading the model. On a shared machine the
 load changes while the bench runs, so the sides run in the order sweep, singles, singles,
 sweep (ABBA, `--rounds 2`), and the mean wall time of each side is compared. The table also gives
 the largest relative difference between the two sides' perplexities (they must agree) and the
-time `estimate.estimate_time` predicted for the sweep on this CPU.
+time `planning.estimate.estimate_time` predicted for the sweep on this CPU.
 Writes bench/results/sweep.json (or sweep_quick.json, or --out) and prints the ratio.
 """
 

@@ -8,10 +8,10 @@ in memory: a random Llama with Llama-3.2-1B's block shapes (C = 2048, 16 blocks,
 MLP 8192; bf16 on the GPU), a word-level tokenizer over a seeded random text, and that text
 as "your text" for calibration and evaluation (disjoint parts). Perplexities of a random
 model mean nothing; the bench compares wall time, peak GPU memory and agreement:
-- sweep: `sweep.run_sweep(options, 2:10:2)`; singles: `pipeline.run` per depth, model loaded once;
+- sweep: `run.sweep.run_sweep(options, 2:10:2)`; singles: `run.pipeline.run` per depth, model loaded once;
   the order is sweep, singles, sweep, and each side's mean time is compared;
-- the forward pass's share of the measured bf16 matmul rate (`estimate.EFFICIENCY["cuda"]`);
-- `estimate.estimate_time` for the sweep against its measured time.
+- the forward pass's share of the measured bf16 matmul rate (`planning.estimate.EFFICIENCY["cuda"]`);
+- `planning.estimate.estimate_time` for the sweep against its measured time.
 """
 
 from __future__ import annotations

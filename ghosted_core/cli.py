@@ -1,6 +1,6 @@
 """Command line: `python -m ghosted_core` with the seed repository's flags.
 
-Parses, builds `RunOptions`, calls `pipeline.run` (or `sweep.run_sweep` for a depth range
+Parses, builds `RunOptions`, calls `run.pipeline.run` (or `run.sweep.run_sweep` for a depth range
 `--total_num_prune START:STOP:STEP`), writes OUTDIR/results.json and prints a summary table.
 Holds no method logic. Bad input: one line on stderr, exit code 2.
 """

@@ -7,7 +7,7 @@ It adds up, with the same formulas the code allocates by:
   float64 working copies;
 - the statistics: `statistics.statistics_bytes` per boundary × boundaries, plus the fit-time
   solve (four C×C float64 matrices);
-- the LM-head logits of one perplexity chunk (float32, chunked by `evaluation.LOGITS_BUDGET`);
+- the LM-head logits of one perplexity chunk (float32, chunked by `LOGITS_BUDGET`);
 - for the `blocks` pipeline, the hidden states of every calibration sequence held on the CPU.
 It then picks where the statistics live and which calibration pipeline runs ("auto"), and
 refuses, with one line naming the way out, what cannot fit.
@@ -28,6 +28,7 @@ from ghosted_core.statistics import STATS_ITEM, StatNeeds, statistics_bytes
 HEADROOM = 0.9  # plan against 90% of what the device reports free
 FIT_MATRICES = 4  # C×C float64 at fit time: assembled Gram and cross matrices, the regularized copy, the solution
 GIB = 2**30
+LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once, per perplexity chunk
 
 
 def estimate_parameters(config: PretrainedConfig) -> int:
@@ -102,8 +103,6 @@ def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: 
 
 def logits_bytes(config: PretrainedConfig, batch: int, seqlen: int) -> int:
     """Float32 logits of one perplexity chunk, and cross-entropy's copy of them."""
-    from ghosted_core.memory import LOGITS_BUDGET
-
     full = 4 * config.vocab_size * batch * max(seqlen - 1, 1)
     return 2 * min(full, max(LOGITS_BUDGET, 4 * config.vocab_size * batch))
 
@@ -244,6 +243,3 @@ def _name(dtype: torch.dtype) -> str:
 def min_calibration_sequences(width: int, seqlen: int, factor: int = 4, floor: int = 64) -> int:
     """Sequences that give a fit at least `factor`·C tokens (a well-posed C×C least squares), at least `floor`."""
     return max(floor, math.ceil(factor * width / max(seqlen, 1)))
-
-
-LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once

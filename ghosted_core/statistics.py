@@ -1,7 +1,7 @@
 """Boundary statistics proportional to what was asked: records, accumulators and their byte counts.
 
 What a boundary keeps depends on `StatNeeds`, the union of what the requested operators
-declare (see `operators.needs_of`):
+declare (see `recovery.operators.needs_of`):
 - ordinary-token moments in float64: XᵀX and XᵀΔ only for least-squares residual fits,
   mᵀm and mᵀΔ only for the ReplaceMe family (memory 2·C²·8 B per pair, whatever the tokens);
 - per-channel sums (|x|, |y|, x², x·y, y², C each) in the channel basis for diag and in the

@@ -5,17 +5,16 @@
 - `runner`       widget values → a checked `RunRequest`; the runs (single depth, sweep), each one `@spaces.GPU` call
 - `runs`         runs in progress per browser session: what Stop stops
 - `status`       the status panel: running, complete, stopped, refused, failed; the library's advice
-- `tables`       generations and tables from a run's JSON snapshot
-- `charts`       plotly figures from a run's JSON snapshot
-- `sweep_view`   a depth sweep's curve, damage recovered and depth × operator table
 - `user_input`   your own text, pasted or uploaded
 - `presets_view` Hub presets in the model list, with their estimates
 - `history`      the session's runs: table, CSV, settings to restore
 - `speed`        what a default run takes on this machine
-- `callbacks`    what the page's events call
+- `outputs`      the Run outputs' names, and a run's JSON snapshot rendered into them
+- `handlers`     what the page's events call
 - `layout`       the page: widgets and their wiring
 
-The UI holds no method logic: every number comes from `ghosted_core`.
+The UI holds no method logic: every number comes from `ghosted_core`, and every table and
+chart from `ghosted_core.report` (which the CLI's sweep page uses too).
 """
 
 # First, before anything loads torch: the package sets OMP_WAIT_POLICY=PASSIVE. On 2 shared cores

@@ -1,10 +1,4 @@
-"""What the page's events call: Run (streaming a run into every output), Stop, and the settings widgets.
-
-Run streams one update per stage. Each update also stores, per browser session (gr.State),
-which run the results on the page belong to, so that a later refusal, failure or Stop can
-say so. Stop asks the session's runs to stop at their next batch (`studio.runs`) and reports
-where they stopped.
-"""
+"""What the page shows: the Run outputs' names and order, and a run's JSON snapshot rendered into them."""
 
 from __future__ import annotations
 

@@ -81,8 +81,8 @@ def test_bad_input_gives_one_line_and_exit_code_2(args, message):
 # from `setup` (a patched download that raises what huggingface_hub raises, or a prepared cache).
 HUB_CLI = """
 import sys
-import ghosted_core.models
-ghosted_core.models.hub_reachable = lambda timeout=3.0: True
+import ghosted_core.model.loading
+ghosted_core.model.loading.hub_reachable = lambda timeout=3.0: True
 {setup}
 from ghosted_core.cli import main
 sys.exit(main(sys.argv[1:]))

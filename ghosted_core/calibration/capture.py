@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.model.modeling_ghosted import PatchedBlock
+from ghosted_core.architectures import ARCHITECTURES
 
 
 class StopForward(Exception):
@@ -26,11 +27,18 @@ class StopForward(Exception):
 def branch_module(block: nn.Module) -> nn.Module:
     """The module whose output is the MLP branch added to the residual (ReplaceMe regresses it).
 
-    Gemma3 normalizes the MLP output (`post_feedforward_layernorm`) before adding it.
+    `Architecture.branch` names it per family: the MLP itself, or the norm that follows it
+    (Gemma3's `post_feedforward_layernorm`).
     """
     block = unwrap(block)
-    post_norm = getattr(block, "post_feedforward_layernorm", None)
-    return block.mlp if post_norm is None else post_norm
+    for name in BRANCH_NORMS:
+        post_norm = getattr(block, name, None)
+        if post_norm is not None:
+            return post_norm
+    return block.mlp
+
+
+BRANCH_NORMS = tuple(sorted({arch.branch for arch in ARCHITECTURES.values()} - {"mlp"}))
 
 
 @contextlib.contextmanager

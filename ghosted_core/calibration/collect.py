@@ -1,7 +1,7 @@
 """One streamed pass over calibration tokens → the statistics each boundary's operators asked for.
 
 Steps, per batch of token windows:
-1. A calibration pipeline (`calibration_pipelines`: `full` or `blocks`) brings each boundary
+1. A calibration pipeline (`calibration.pipelines`: `full` or `blocks`) brings each boundary
    the residual entering its first removed block (x_pre), the one entering its first surviving
    block (x_post) and, for the ReplaceMe family, the MLP branch output m of the block before.
 2. Tokens are split into ordinary tokens and massive-activation "sink" tokens (norm far above
@@ -11,7 +11,7 @@ Steps, per batch of token windows:
    float64 ordinary-token moments, per-channel sums, and the sink tokens as rows. Memory is
    O(C²) per boundary whatever the number of tokens, and no other activation is kept.
 
-Held-out sequences do not feed the statistics: once the fits exist, `heldout.measure_errors`
+Held-out sequences do not feed the statistics: once the fits exist, `recovery.heldout.measure_errors`
 streams them once more and measures each fit's boundary error directly.
 
 `collect_stats` does every boundary at once from the dense model (the paper's independent
@@ -30,11 +30,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES, get_pipeline
-from ghosted_core.calibration.capture import StopForward, branch_module, capture, run_forward
+from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.errors import GhostedError
 from ghosted_core.plan import Boundary
-from ghosted_core.statistics import ALL_NEEDS, PRODUCT_DTYPES, STATS_DTYPE, BoundarySums, BoundaryStats, Moments, \
-    SinkRows, StatNeeds, statistics_bytes
+from ghosted_core.statistics import ALL_NEEDS, PRODUCT_DTYPES, BoundarySums, BoundaryStats, StatNeeds
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +185,7 @@ def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batche
                   accumulators: list[BoundaryAccumulator] | None = None) -> list[BoundaryStats]:
     """Statistics for every boundary from one pass of the dense model (independent fit).
 
-    `needs` (see `operators.needs_of`) says which statistics to keep; held-out batches are
+    `needs` (see `recovery.operators.needs_of`) says which statistics to keep; held-out batches are
     skipped (their errors are measured directly once the fits exist). Statistics are strictly
     per boundary, so the boundaries of several plans can share one pass. `accumulators`, if
     given, receives the live accumulators (the memory bench reads their allocated bytes).
@@ -228,8 +227,3 @@ def collect_boundary_stats(source: PreTrainedModel, source_start: int, dense: Pr
         acc.add(seen[("residual", source_start)], target[("residual", boundary.end)],
                 seen.get(("branch", source_start - 1)), valid_mask(batch))
     return acc.freeze()
-
-
-__all__ = ["ALL_NEEDS", "STATS_DTYPE", "BoundaryAccumulator", "BoundaryStats", "CalibrationBatch", "CalibrationOptions",
-           "Moments", "SinkRows", "StatNeeds", "StopForward", "branch_module", "capture", "collect_boundary_stats",
-           "collect_stats", "make_batches", "run_forward", "sink_cap", "sink_mask", "statistics_bytes", "valid_mask"]

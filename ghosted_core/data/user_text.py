@@ -2,7 +2,7 @@
 
 A `UserText` lives in memory only, carried by `RunOptions.user_text` for one run and
 addressed there by the corpus name `USER_CORPUS` ("your text"). Nothing is written to disk:
-its tokens are never put in the tokenized-corpus cache of the built-in corpora (`data.Corpus`
+its tokens are never put in the tokenized-corpus cache of the built-in corpora (`data.corpora.Corpus`
 with `cacheable=False`), and no registry or cache keeps it after the run.
 
 When one run uses the text for both calibration and evaluation, the two never overlap: the

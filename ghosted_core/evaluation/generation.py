@@ -1,9 +1,4 @@
-"""Perplexity, per-block drift and generation for many variants of one dense model.
-
-Variants differ from the dense model only from their first modified block on, and they
-share the module objects before it. Perplexity therefore runs the common prefix once per
-batch of windows and only each variant's own suffix after it.
-"""
+"""Greedy or seeded-sampling generation from every variant with the KV cache, the same prompt for all."""
 
 from __future__ import annotations
 

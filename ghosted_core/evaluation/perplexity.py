@@ -1,4 +1,4 @@
-"""Perplexity, per-block drift and generation for many variants of one dense model.
+"""Perplexity and per-block drift for many variants of one dense model.
 
 Variants differ from the dense model only from their first modified block on, and they
 share the module objects before it. Perplexity therefore runs the common prefix once per

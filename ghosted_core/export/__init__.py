@@ -1,0 +1,7 @@
+"""Export: a variant saved as a folder others can load, zipped or pushed to the Hub.
+
+- `folder`: save a variant as a stock or remote-code Hugging Face folder; zip, check, load, upload.
+- `fold`: a variant's weights as a stock state dict (ReplaceMe folded into down_proj) or as its own tree.
+- `checkpoint`: offload-aware tensor reading, safetensors shards, a clean config.json.
+- `model_card`: the export's README.md and the run facts it states.
+"""

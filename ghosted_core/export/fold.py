@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.export.checkpoint import module_tensors
 from ghosted_core.model.modeling_ghosted import OPERATOR_TYPES, PatchedBlock
+from ghosted_core.architectures import architecture_of
 
 Chunk = dict[str, torch.Tensor]
 
@@ -44,7 +45,8 @@ def operator_layout(model: PreTrainedModel) -> list[dict]:
 
 def _folds_into_down_proj(model: PreTrainedModel, path: str) -> bool:
     wrapped = model.get_submodule(path)[0]
-    return path.rpartition(".")[2] == "mlp" and isinstance(getattr(wrapped, "down_proj", None), nn.Linear)
+    return architecture_of(model.config).branch_folds_into_down_proj and path.rpartition(".")[2] == "mlp" \
+        and isinstance(getattr(wrapped, "down_proj", None), nn.Linear)
 
 
 def stock_blockers(model: PreTrainedModel) -> list[str]:

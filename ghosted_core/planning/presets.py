@@ -116,7 +116,7 @@ def get_preset(name: str) -> Preset:
 
 
 def config_for(model: str) -> PretrainedConfig:
-    """The config of a run's model: a preset's written-down numbers (no download), else `models.peek_config`."""
+    """The config of a run's model: a preset's written-down numbers (no download), else `model.loading.peek_config`."""
     for preset in PRESETS.values():
         if model in (preset.key, preset.hub_id):
             return preset.config()
@@ -125,7 +125,7 @@ def config_for(model: str) -> PretrainedConfig:
 
 def gpu_seconds(options: RunOptions, depths: tuple[int, ...] | None = None) -> int:
     """The `@spaces.GPU(duration=…)` of one run (or sweep) of `options`, from its model's config (see
-    `estimate.gpu_duration`); GhostedError when it would exceed what a ZeroGPU call may hold."""
+    `planning.estimate.gpu_duration`); GhostedError when it would exceed what a ZeroGPU call may hold."""
     return gpu_duration(config_for(options.model), options, depths)
 
 

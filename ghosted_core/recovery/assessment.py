@@ -1,14 +1,8 @@
-"""Recovery operators: a registry of fits from boundary statistics to a linear map.
+"""How good a fit is: boundary errors from the statistics and held-out passes, and the fit's structure.
 
-Every operator is one decorated function `(stats, opts) -> Fit`. A fit is an update A (C×C,
-float64) applied at one of two sites:
-- "residual": the stream entering the first surviving block becomes x ↦ x (I + A);
-- "branch": block s−1's MLP branch output becomes m ↦ m (I + A) (ReplaceMe), folded into
-  its down projection where the architecture allows.
-Each operator declares the statistics it needs (`StatNeeds`); `needs_of` unions them so the
-calibration pass keeps nothing else. Fits are pure tensor maths; `residual_module` and
-`branch_replacement` turn a fit into the `nn.Module`s a variant needs, and `assess` measures it
-(errors on calibration tokens from the statistics, on held-out tokens from a direct pass).
+`assess` turns a `Fit` into the `FitReport` the CLI, the app and results.json show: relative
+boundary errors (all tokens and ordinary tokens), the anti-symmetric share of M, its singular
+values. `BoundaryMap` is a fit compacted to what applies it, for direct error passes.
 """
 
 from __future__ import annotations
@@ -143,7 +137,7 @@ def scale_singular_values(fit: Fit) -> tuple[float, ...]:
 
 def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None) -> FitReport:
     """Boundary errors of a fit (calibration tokens from the statistics; held-out tokens as
-    measured by `heldout.measure_errors`, all and ordinary tokens) and its structure."""
+    measured by `recovery.heldout.measure_errors`, all and ordinary tokens) and its structure."""
     errors = calibration_errors(fit, stats)
     held = None if heldout is None else heldout.relative
     return FitReport(

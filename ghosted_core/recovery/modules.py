@@ -1,14 +1,7 @@
-"""Recovery operators: a registry of fits from boundary statistics to a linear map.
+"""A fit as the `nn.Module`s a variant needs: a residual-stream operator, or ReplaceMe's branch replacement.
 
-Every operator is one decorated function `(stats, opts) -> Fit`. A fit is an update A (C×C,
-float64) applied at one of two sites:
-- "residual": the stream entering the first surviving block becomes x ↦ x (I + A);
-- "branch": block s−1's MLP branch output becomes m ↦ m (I + A) (ReplaceMe), folded into
-  its down projection where the architecture allows.
-Each operator declares the statistics it needs (`StatNeeds`); `needs_of` unions them so the
-calibration pass keeps nothing else. Fits are pure tensor maths; `residual_module` and
-`branch_replacement` turn a fit into the `nn.Module`s a variant needs, and `assess` measures it
-(errors on calibration tokens from the statistics, on held-out tokens from a direct pass).
+Operators are float32 modules on the device of the block they feed (the module classes live in
+`model.modeling_ghosted`, shared with remote-code exports).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ float64) applied at one of two sites:
 - "branch": block s−1's MLP branch output becomes m ↦ m (I + A) (ReplaceMe), folded into
   its down projection where the architecture allows.
 Each operator declares the statistics it needs (`StatNeeds`); `needs_of` unions them so the
-calibration pass keeps nothing else. Fits are pure tensor maths; `residual_module` and
-`branch_replacement` turn a fit into the `nn.Module`s a variant needs, and `assess` measures it
-(errors on calibration tokens from the statistics, on held-out tokens from a direct pass).
+calibration pass keeps nothing else. Fits are pure tensor maths (with their calibration errors
+from the statistics, which some fits choose by); `recovery.modules` turns a fit into modules and
+`recovery.assessment` measures it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,6 @@
+"""Reports: tables, charts and the sweep page from a run's JSON, without gradio (used by the CLI and the app).
+
+- `tables`: perplexity, task and generation tables, colours and captions.
+- `charts`: plotly figures of a run (scores, boundary errors, drift, structure, tasks).
+- `sweep`: a depth sweep's curve, damage-recovered chart and table; `sweep.html` for the CLI.
+"""

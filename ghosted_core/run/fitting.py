@@ -1,7 +1,8 @@
-"""The one entry point the CLI and the app share: load → select → calibrate → fit → evaluate.
+"""Fit every variant's operators at every boundary, realize them as modules, and measure held-out errors.
 
-`run_stages` is a generator: after each stage it yields the stage's name and the result
-so far, so the app can fill its page while later stages run; `run` just drains it.
+Independent fits read the dense model's statistics; `+seq` variants fit boundary k on the
+activations of the model already pruned and recovered upstream of it (`fit_variant` keeps every
+fit; `fit_variants` is the memory-lean path used by runs and sweeps).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The one entry point the CLI and the app share: load → select → calibrate → fit → evaluate.
+"""What a run is asked to do: `RunOptions`, its variants, its validation, and its memory plan.
 
-`run_stages` is a generator: after each stage it yields the stage's name and the result
-so far, so the app can fill its page while later stages run; `run` just drains it.
+`validate` refuses bad input before any expensive step. `planned` resolves the calibration size
+and asks `memory.plan_memory` where things go, before loading (from the config) or after it
+(from where the weights already are); the pipeline and the sweep both plan through here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The one entry point the CLI and the app share: load → select → calibrate → fit → evaluate.
-
-`run_stages` is a generator: after each stage it yields the stage's name and the result
-so far, so the app can fill its page while later stages run; `run` just drains it.
-"""
+"""What a run found: `RunResult` and its results.json layout (`run_json`, `fit_json`, shared with sweeps)."""
 
 from __future__ import annotations
 

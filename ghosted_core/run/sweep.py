@@ -5,14 +5,14 @@ papers draw it, and streams the curve as it grows:
 
 1. load the model (or take the loaded one);
 2. score the blocks ONCE: one similarity pass feeds an accumulator per depth, so every
-   depth's plan equals that of a single-depth run (`selection.select_blocks_depths`);
+   depth's plan equals that of a single-depth run (`selection.criteria.select_blocks_depths`);
 3. calibrate ONCE: `collect_stats` over the union of every depth's boundaries, with the
    statistics every requested operator needs. The hooks capture the residual at every index
    any depth needs; statistics are per boundary, so a boundary two depths share (same start
    and end) is accumulated once;
 4. the dense perplexity once per corpus, keeping the dense residual entering each depth's
-   first changed block (`evaluation.dense_prefix_states`);
-5. per depth, smallest first: fit every operator (`pipeline.fit_variants`, which also measures
+   first changed block (`evaluation.perplexity.dense_prefix_states`);
+5. per depth, smallest first: fit every operator (`run.fitting.fit_variants`, which also measures
    held-out boundary errors with one pass over the held-out sequences, as a single run does),
    run only the variants' suffixes on the kept dense states; then free that depth's statistics
    (those no later depth shares), its kept states and its variants, and yield.

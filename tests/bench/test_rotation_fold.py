@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -56,7 +58,7 @@ def _patched(variant, q):
     """The variant with x ↦ xQ on the stream entering its block 2 (a view, for reference)."""
     layers = list(variant.model.layers)
     layers[2] = PatchedBlock(ResidualLinear(q), layers[2])
-    return assemble(variant, layers, getattr(variant.config, "layer_types", None), variant.model.norm)
+    return assemble(variant, layers, copy.deepcopy(variant.config), variant.model.norm)
 
 
 def test_gemma3_is_refused(tiny_gemma):

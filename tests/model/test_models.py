@@ -14,11 +14,12 @@ from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import export_variant, load_recovered
 from ghosted_core.hub import hub_reachable
 from ghosted_core.model.embedded import EMBEDDED
-from ghosted_core.model.loading import SUPPORTED_MODEL_TYPES, LoadOptions, decoder_blocks, load_model, placement, \
+from ghosted_core.model.loading import LoadOptions, decoder_blocks, load_model, placement, \
     resolve_dtype
 from ghosted_core.memory import check_fits, estimate_parameters
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run
+from ghosted_core.architectures import ARCHITECTURES
 
 
 @pytest.fixture(autouse=True)
@@ -112,7 +113,7 @@ def test_placement_loads_straight_onto_the_device(monkeypatch):
 
 
 def test_every_supported_family_is_tested_end_to_end():
-    assert {make_tiny_model(family).config.model_type for family in ALL_FAMILIES} == set(SUPPORTED_MODEL_TYPES)
+    assert {make_tiny_model(family).config.model_type for family in ALL_FAMILIES} == set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)

@@ -99,7 +99,7 @@ def test_cli_device_map_with_a_memory_cap_runs_calibration_perplexity_and_save(t
     common = ["--model", str(tiny_model_folder), "--pruning_method", "manual", "--layers", "1,3-4",
               "--insert_type", VARIANTS, "--calibration_data", "ptb", "--train_size", "4", "--seqlen", "32",
               "--eval_ppl", "ptb", "--eval_max_tokens", "128", "--quiet"]
-    with caplog.at_level(logging.INFO, logger="ghosted_core.models"):
+    with caplog.at_level(logging.INFO, logger="ghosted_core.model.loading"):
         assert main([*common, "--device", "map", "--max_memory", f"cpu={cap}", "--offload_folder",
                      str(tmp_path / "offload"), "--outdir", str(tmp_path / "map"), "--save_model",
                      str(tmp_path / "saved")]) == 0

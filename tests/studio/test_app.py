@@ -18,9 +18,9 @@ import pytest
 
 import app
 from ghosted_core.errors import GhostedError
-from studio import cache, handlers as callbacks, layout, presets_view, runner, runs, settings, speed, status, \
+from studio import cache, handlers, layout, outputs, presets_view, runner, runs, settings, speed, status, \
     user_input
-from ghosted_core.report import charts, sweep as sweep_view, tables
+from ghosted_core.report import charts, sweep as sweep_report, tables
 from studio import history as history_mod
 
 SMALL = dict(samples=8, seqlen=128, eval_tokens=256, new_tokens=8)  # the defaults otherwise
@@ -226,15 +226,16 @@ def test_a_first_use_conversion_runs_as_its_own_timed_stage_before_the_load(monk
 
 
 def test_messages_name_the_widgets_not_the_cli_flags():
-    message = callbacks.page_message(GhostedError("removing 30 of 30 blocks leaves none; use --total_num_prune at most 29"))
+    message = outputs.page_message(GhostedError("removing 30 of 30 blocks leaves none; use --total_num_prune at most 29"))
     assert "--" not in message and "'Blocks to remove'" in message
 
 
 def test_widget_choices_come_from_the_registries():
     from ghosted_core.data import corpora
     from ghosted_core.recovery.operators import OPERATORS
+    from ghosted_core.run.options import OPERATOR_CHOICES
 
-    assert set(OPERATORS) <= set(settings.OPERATOR_CHOICES)
+    assert set(OPERATORS) <= set(OPERATOR_CHOICES)
     assert set(settings.DEFAULTS.operators) >= {"none", "diag", "rotate", "ghost", "ghost_capped", "replaceme"}
     assert [name for _, name in layout.corpus_choices("evaluation")] == corpora.corpus_names()
 
@@ -245,23 +246,23 @@ def test_a_model_change_resets_the_depth_to_a_share_of_its_blocks_without_loadin
 
     for name in ("load_model", "convert_embedded", "peek_config"):
         monkeypatch.setattr(cache, name, refuse)
-    note, depth, blocks = callbacks.on_model_change("gemma3-270m")
+    note, depth, blocks = handlers.on_model_change("gemma3-270m")
     assert depth["maximum"] == 18 and depth["value"] == 4 and "18 decoder blocks" in note
-    note, depth, blocks = callbacks.on_model_change("smollm2-135m")
+    note, depth, blocks = handlers.on_model_change("smollm2-135m")
     assert depth["maximum"] == 30 and depth["value"] == settings.DEFAULTS.depth == 7
 
 
 def test_settings_advice_flags_deep_cuts_the_last_block_and_small_calibrations():
     check = dict(model="smollm2-135m", criterion="streamline", depth=7, manual_blocks="", operators=["none", "ghost"],
                  samples=12, seqlen=256)
-    assert callbacks.on_settings_change(**check) == ""  # the defaults need no warning
-    assert "more than ~40%" in callbacks.on_settings_change(**check | {"depth": 13})
-    assert "reaches the last block (29)" in callbacks.on_settings_change(**check | {"criterion": "manual",
+    assert handlers.on_settings_change(**check) == ""  # the defaults need no warning
+    assert "more than ~40%" in handlers.on_settings_change(**check | {"depth": 13})
+    assert "reaches the last block (29)" in handlers.on_settings_change(**check | {"criterion": "manual",
                                                                                      "manual_blocks": "25-29"})
-    assert "fewer than 2·C = 1152" in callbacks.on_settings_change(**check | {"samples": 4})  # 1024 tokens
-    assert "fewer than 4·C = 2304" in callbacks.on_settings_change(**check | {"samples": 8})  # 2048 tokens
-    assert callbacks.on_settings_change(**check | {"samples": 4, "operators": ["none", "diag"]}) == ""  # no solve
-    assert "leaves none" in callbacks.on_settings_change(**check | {"depth": 30})
+    assert "fewer than 2·C = 1152" in handlers.on_settings_change(**check | {"samples": 4})  # 1024 tokens
+    assert "fewer than 4·C = 2304" in handlers.on_settings_change(**check | {"samples": 8})  # 2048 tokens
+    assert handlers.on_settings_change(**check | {"samples": 4, "operators": ["none", "diag"]}) == ""  # no solve
+    assert "leaves none" in handlers.on_settings_change(**check | {"depth": 30})
 
 
 def test_the_page_says_what_a_default_run_takes_here(tmp_path):
@@ -341,7 +342,7 @@ def synthetic_sweep() -> dict:
 
 def test_the_sweep_curve_has_a_line_per_operator_and_corpus_and_dense_as_reference():
     report = synthetic_sweep()
-    curve = sweep_view.curve_figure(report)
+    curve = sweep_report.curve_figure(report)
     lines = [trace for trace in curve.data if not trace.legendgroup.startswith("corpus")]
     assert len(lines) == 2 * (1 + 3)  # per corpus: dense + every operator
     ghost = [trace for trace in lines if trace.name == "ghost"]
@@ -350,12 +351,12 @@ def test_the_sweep_curve_has_a_line_per_operator_and_corpus_and_dense_as_referen
     assert ghost[0].line.dash != ghost[1].line.dash  # a line style per corpus, a colour per operator
     legend = [trace.name for trace in curve.data if trace.showlegend is not False]
     assert legend == ["dense", "none", "ghost", "diag", "ptb (exact), 1,024 tokens", "wiki (stand-in), 1,024 tokens"]
-    recovered = sweep_view.recovered_figure(report)
+    recovered = sweep_report.recovered_figure(report)
     assert {tr.name for tr in recovered.data if not tr.legendgroup.startswith("corpus")} == {"ghost", "diag"}
-    table = sweep_view.sweep_table(report)
+    table = sweep_report.sweep_table(report)
     assert list(table["blocks removed"]) == [2, 2, 2, 4, 4, 4] and list(table["which"])[:1] == ["20–21"]
     assert table.set_index(["blocks removed", "operator"]).loc[(4, "ghost"), "held-out boundary error"].endswith("⚠")
-    caption = sweep_view.sweep_caption(report)
+    caption = sweep_report.sweep_caption(report)
     assert "depths done: 2, 4; still to come: 6" in caption and "1,024 tokens" in caption and "stand-in" in caption
 
 
@@ -371,10 +372,10 @@ def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_
     assert history_mod.settings_of(history, 99) is None
     csv_text = Path(history_mod.history_csv(history, tmp_path)).read_text()
     assert csv_text.splitlines()[0].startswith("run,model,criterion,state,blocks,operator") and "stopped during depth 6" in csv_text
-    updates = callbacks.on_history_select(history, type("Select", (), {"index": [0, 3]})())
-    restored = dict(zip(callbacks.SETTING_NAMES, updates))
+    updates = handlers.on_history_select(history, type("Select", (), {"index": [0, 3]})())
+    restored = dict(zip(outputs.SETTING_NAMES, updates))
     assert restored["depth"]["value"] == 7 and restored["operators"]["value"] == ["none", "ghost"]
-    assert "your_text" not in callbacks.SETTING_NAMES  # your text is never kept beyond its run
+    assert "your_text" not in outputs.SETTING_NAMES  # your text is never kept beyond its run
 
 
 @pytest.mark.parametrize("content, name, message", [
@@ -411,7 +412,7 @@ def test_hub_presets_are_listed_with_their_cost_and_say_why_they_cannot_run_offl
                                    1024, "", 8)
     note = presets_view.preset_note(preset, options)
     assert "0.49B parameters" in note and "GiB at the peak" in note and "Unavailable here" in note and "Hub" in note
-    note, depth, _ = callbacks.on_model_change("Qwen/Qwen2.5-0.5B")  # no download: the preset's own numbers
+    note, depth, _ = handlers.on_model_change("Qwen/Qwen2.5-0.5B")  # no download: the preset's own numbers
     assert depth["maximum"] == 24 and depth["value"] == 6 and "Unavailable here" in note
     with pytest.raises(GhostedError, match="cannot be reached"):  # refused before anything downloads
         runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", "single depth", "")
@@ -433,9 +434,9 @@ def test_a_sweep_request_checks_its_depths_and_sets_aside_what_a_sweep_does_not_
 
 
 def test_the_upload_control_is_off_offline_and_never_echoes_the_token(tmp_path):
-    on, note = callbacks.upload_available()
+    on, note = handlers.upload_available()
     assert not on and "off" in note and "cannot be reached" in note  # HF_HUB_OFFLINE=1 in the tests
-    message, token = callbacks.on_upload(None, "me/model", "hf_secret123")
+    message, token = handlers.on_upload(None, "me/model", "hf_secret123")
     assert "save a model first" in message and token == "" and "hf_secret123" not in message
 
 
@@ -482,13 +483,13 @@ def plot_title(output: dict) -> str:
 @pytest.mark.slow
 def test_default_run_streams_and_fills_every_output(client, all_threads):
     job = client.submit(api_name="/run", **run_kwargs())
-    outputs = dict(zip(callbacks.OUTPUT_NAMES, job.result(timeout=900)))
+    outputs = dict(zip(outputs.OUTPUT_NAMES, job.result(timeout=900)))
     streamed = job.outputs()
     variants = ["dense", *settings.DEFAULTS.operators]
 
     # streaming: one update per stage; perplexity shows up before the generations do
     assert len(streamed) >= 8
-    partial = dict(zip(callbacks.OUTPUT_NAMES, streamed[5]))
+    partial = dict(zip(outputs.OUTPUT_NAMES, streamed[5]))
     assert partial["ppl_table"]["data"] and "data-variant" not in partial["generations"]
 
     assert "Run complete" in outputs["status"] and "smollm2-135m" in outputs["status"]
@@ -558,7 +559,7 @@ def test_stop_during_perplexity_says_where_it_stopped_and_the_next_run_succeeds(
     assert "Run stopped** during perplexity" in final[0] and "finished stages (load model, score blocks" in final[0]
     assert "Running" not in final[0]
 
-    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt=""))))
     assert "Run complete" in outputs["status"]
     assert [row[0] for row in outputs["ppl_table"]["data"]] == ["dense", "none", "ghost_capped"]
@@ -573,7 +574,7 @@ def test_too_small_calibration_and_a_cut_through_the_last_block_are_flagged(clie
     assert "fewer than 2·C = 1152" in client.predict(**check | {"samples": 2}, api_name="/check")
     assert "reaches the last block (29)" in client.predict(**check | {"criterion": "manual", "manual_blocks": "25-29"},
                                                            api_name="/check")
-    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(criterion="manual", manual_blocks="25-29", samples=2, seqlen=256,
                                       operators=["none", "ghost"], eval_corpora=["ptb"], eval_tokens=256, prompt=""))))
     assert "Run complete" in outputs["status"]
@@ -626,7 +627,7 @@ def load_in_fresh_process(archive: Path, mode: str, where: Path) -> dict:
 @pytest.mark.parametrize("variant, mode", [("replaceme", "stock"), ("ghost_capped", "remote_code")])
 def test_the_saved_model_loads_in_plain_transformers_as_stock_or_with_remote_code(client, tmp_path, variant, mode,
                                                                                     all_threads):
-    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", variant], eval_corpora=["ptb"], prompt="", save_variant=variant))))
     assert "Run complete" in outputs["status"] and f"**{mode}**" in outputs["save_note"]
     archive = Path(outputs["model_file"])
@@ -644,7 +645,7 @@ def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads)
     job = client.submit(api_name="/run", **run_kwargs(mode="sweep", depths="2:10:2", samples=settings.DEFAULTS.samples,
                                                       seqlen=settings.DEFAULTS.seqlen, eval_corpora=["ptb"],
                                                       eval_tokens=512))  # default operators and calibration
-    outputs = dict(zip(callbacks.OUTPUT_NAMES, job.result(timeout=1800)))
+    outputs = dict(zip(outputs.OUTPUT_NAMES, job.result(timeout=1800)))
     assert "Run complete" in outputs["status"]
     operators = list(settings.DEFAULTS.operators)
     curve = plot_traces(outputs["curve"])
@@ -656,9 +657,9 @@ def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads)
     assert recovered == set(operators) - {"none"}
     rows = outputs["sweep_table"]["data"]
     assert [(row[0], row[2]) for row in rows] == [(n, name) for n in (2, 4, 6, 8, 10) for name in operators]
-    points = [len(json.loads(update[callbacks.OUTPUT_NAMES.index("curve")]["plot"])["data"][1].get("x", []))
-              for update in job.outputs() if isinstance(update[callbacks.OUTPUT_NAMES.index("curve")], dict)
-              and json.loads(update[callbacks.OUTPUT_NAMES.index("curve")]["plot"])["data"]]
+    points = [len(json.loads(update[outputs.OUTPUT_NAMES.index("curve")]["plot"])["data"][1].get("x", []))
+              for update in job.outputs() if isinstance(update[outputs.OUTPUT_NAMES.index("curve")], dict)
+              and json.loads(update[outputs.OUTPUT_NAMES.index("curve")]["plot"])["data"]]
     assert points[:5] == [1, 2, 3, 4, 5]  # the curve grew depth by depth
     report = json.loads(Path(outputs["results_file"]).read_text())
     assert report["sweep"]["statistics"]["calibration_passes"] == 1 and len(report["sweep"]["results"]) == 5
@@ -682,7 +683,7 @@ def test_four_bad_uploads_each_get_a_message_and_then_your_text_calibrates_and_e
                                                          eval_corpora=["ptb"], prompt=""))
     good = tmp_path / "mine.txt"
     good.write_text(corpora.load_corpus("books", "evaluation").text[:60_000])
-    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(your_file=handle_file(str(good)), text_use="both", operators=["none", "ghost"],
                                       eval_corpora=["ptb"], prompt=""))))
     assert "Run complete" in outputs["status"]
@@ -694,7 +695,7 @@ def test_four_bad_uploads_each_get_a_message_and_then_your_text_calibrates_and_e
 
 @pytest.mark.slow
 def test_quick_tasks_fill_the_table_and_chart(client, all_threads):
-    outputs = dict(zip(callbacks.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", "ghost"], eval_corpora=["ptb"], prompt="", tasks_on=True,
                                       task_names=["copa", "arc_easy"], task_examples=5))))
     table = outputs["tasks_table"]
@@ -737,7 +738,7 @@ def concurrent_client(smollm2):
 
 def run_summary(outputs: tuple) -> dict:
     """What two runs must agree on: perplexities, generations, removed blocks, fits and boundary errors."""
-    named = dict(zip(callbacks.OUTPUT_NAMES, outputs))
+    named = dict(zip(outputs.OUTPUT_NAMES, outputs))
     report = json.loads(Path(named["results_file"]).read_text())
     return {"status": "Run complete" in named["status"], "ppl": named["ppl_table"]["data"],
             "generations": named["generations"], "removed": report["removed_layers"],
