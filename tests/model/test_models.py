@@ -20,6 +20,7 @@ from ghosted_core.memory import check_fits, estimate_parameters
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run
 from ghosted_core.architectures import ARCHITECTURES
+from ghosted_core.model.modeling_ghosted import FAMILIES
 
 
 @pytest.fixture(autouse=True)
@@ -149,3 +150,8 @@ def test_family_runs_the_whole_pipeline(tiny_folder, smollm2_tokenizer, family, 
 
 def test_embedded_registry():
     assert {"smollm2-135m", "gemma3-270m"} <= set(EMBEDDED)
+
+
+def test_remote_code_classes_cover_exactly_the_supported_families():
+    """modeling_ghosted keeps its own list (it is copied into exports and imports only torch and transformers)."""
+    assert set(FAMILIES) == set(ARCHITECTURES)
