@@ -29,8 +29,9 @@ $(ASSETS): $(STAMP)
 	$(PY) -c "from ghosted_core.models import EMBEDDED, convert_embedded; [convert_embedded(name) for name in EMBEDDED]"
 	touch $@
 
+# On one's own machine the Model box may open local folders; a Space or the Docker image leaves them off.
 app: setup
-	$(PY) app.py
+	GHOSTED_APP_LOCAL_MODELS=$${GHOSTED_APP_LOCAL_MODELS-1} $(PY) app.py
 
 # Debian's Chromium for tests/test_browser.py (Playwright drives it; no browser download). Needs root, as CI has.
 browser:

@@ -17,6 +17,7 @@ from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
+from ghosted_core.files import check_new_folder, check_writable_folder, write_text
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
@@ -297,35 +298,39 @@ def main(argv: list[str] | None = None) -> int:
         transformers.utils.logging.disable_progress_bar()
     try:
         options = options_from_args(args)
-        if is_sweep(args) and args.save_model:
-            raise GhostedError("--save_model saves the variants of one depth; run a single --total_num_prune to save")
-        if args.save_model:
-            check_export([v.operator for v in options.variants], args.export)
+        outdir = check_outputs(args, options)
         result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
+        report = result.to_json()
+        write_text(outdir / "results.json", json.dumps(report, indent=2))
+        if isinstance(result, SweepResult):
+            from ghosted_core.report.sweep import write_sweep_html  # the app's charts, drawn once more into a file
+
+            print(sweep_summary(result))
+            print(f"charts: {write_sweep_html(report, outdir / 'sweep.html')}")
+        else:
+            print(summary(result))
+            if args.save_model:
+                report["exports"] = save_variants(result, Path(args.save_model), args.export)
+                write_text(outdir / "results.json", json.dumps(report, indent=2))
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    outdir = Path(args.outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    report = result.to_json()
-    (outdir / "results.json").write_text(json.dumps(report, indent=2))
-    if isinstance(result, SweepResult):
-        from ghosted_core.report.sweep import write_sweep_html  # the app's charts, drawn once more into a file
-
-        print(sweep_summary(result))
-        print(f"charts: {write_sweep_html(report, outdir / 'sweep.html')}")
-        print(f"results: {outdir / 'results.json'}")
-        return 0
-    print(summary(result))
-    if args.save_model:
-        try:
-            report["exports"] = save_variants(result, Path(args.save_model), args.export)
-        except GhostedError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        (outdir / "results.json").write_text(json.dumps(report, indent=2))
     print(f"results: {outdir / 'results.json'}")
     return 0
+
+
+def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
+    """Everything about the run's outputs that can fail, checked before any work: the folders exist and
+    can be written, an export target is new or empty, the export format suits the operators. Returns --outdir."""
+    if is_sweep(args) and args.save_model:
+        raise GhostedError("--save_model saves the variants of one depth; run a single --total_num_prune to save")
+    outdir = check_writable_folder(args.outdir, "--outdir")
+    if args.save_model:
+        check_export([v.operator for v in options.variants], args.export)
+        check_new_folder(args.save_model, "--save_model")
+    if args.offload_folder:
+        check_writable_folder(args.offload_folder, "--offload_folder")
+    return outdir
 
 
 def save_variants(result: RunResult, folder: Path, mode: str) -> dict[str, dict]:

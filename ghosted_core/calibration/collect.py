@@ -22,6 +22,7 @@ already pruned-and-recovered view) for the `sequential` fit.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,11 @@ class CalibrationOptions:
             raise GhostedError(f"unknown statistics device {self.stats_device!r}; use auto, cpu or cuda")
         if self.batch_size < 1:
             raise GhostedError(f"--batch_size must be at least 1 (sequences per calibration forward pass; got {self.batch_size})")
+        if not math.isfinite(self.sink_ratio) or self.sink_ratio <= 1:
+            raise GhostedError(f"--sink_ratio must be a finite number above 1 (a multiple of the median token norm; "
+                               f"got {self.sink_ratio})")
+        if self.sink_capacity is not None and self.sink_capacity < 0:
+            raise GhostedError(f"--sink_capacity must be at least 0 (got {self.sink_capacity})")
 
     @property
     def sink_label(self) -> str:

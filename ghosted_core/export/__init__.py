@@ -4,4 +4,5 @@
 - `fold`: a variant's weights as a stock state dict (ReplaceMe folded into down_proj) or as its own tree.
 - `checkpoint`: offload-aware tensor reading, safetensors shards, a clean config.json.
 - `model_card`: the export's README.md and the run facts it states.
+- `archive`: unpack an export's zip handed back to the server, refusing zip bombs and escaping names.
 """

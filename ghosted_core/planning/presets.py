@@ -115,18 +115,18 @@ def get_preset(name: str) -> Preset:
     raise GhostedError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
 
 
-def config_for(model: str) -> PretrainedConfig:
+def config_for(model: str, local_folders: bool = True) -> PretrainedConfig:
     """The config of a run's model: a preset's written-down numbers (no download), else `model.loading.peek_config`."""
     for preset in PRESETS.values():
         if model in (preset.key, preset.hub_id):
             return preset.config()
-    return peek_config(model)
+    return peek_config(model, local_folders)
 
 
 def gpu_seconds(options: RunOptions, depths: tuple[int, ...] | None = None) -> int:
     """The `@spaces.GPU(duration=…)` of one run (or sweep) of `options`, from its model's config (see
     `planning.estimate.gpu_duration`); GhostedError when it would exceed what a ZeroGPU call may hold."""
-    return gpu_duration(config_for(options.model), options, depths)
+    return gpu_duration(config_for(options.model, options.load.local_folders), options, depths)
 
 
 def hub_token() -> str | None:

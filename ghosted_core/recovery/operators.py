@@ -45,6 +45,10 @@ class FitOptions:
             raise GhostedError(f"unknown ridge {self.ridge!r}; use absolute or relative")
         if not self.sink_directions or min(self.sink_directions) < 0:
             raise GhostedError(f"sink direction counts must be ≥ 0 (got {self.sink_directions})")
+        if not math.isfinite(self.epsilon) or self.epsilon < 0:
+            raise GhostedError(f"--epsilon must be a finite number ≥ 0 (got {self.epsilon})")
+        if not math.isfinite(self.ridge_lambda) or self.ridge_lambda <= 0:
+            raise GhostedError(f"--ridge_lambda must be a finite number above 0 (got {self.ridge_lambda})")
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ def validate(options: RunOptions, num_layers: int | None = None, max_positions: 
             raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
     if options.train_size is not None and options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
+    _check_counts(options)
     sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
              "--task_batch_size": options.task_batch_size}
     for flag, size in sizes.items():
@@ -132,6 +133,23 @@ def validate(options: RunOptions, num_layers: int | None = None, max_positions: 
                            f"(max_position_embeddings); use --seqlen/--eval_seqlen of at most {max_positions}")
     if num_layers is not None:
         check_request(options.criterion, selection_request(options, num_layers))
+
+
+SEED_LIMIT = 2**32  # seeds are 0 … 2³² − 1 (what every generator the run seeds accepts)
+
+
+def _check_counts(options: RunOptions) -> None:
+    """Sizes and seeds that no run could use, refused before any work (a negative cap, a 1-token window)."""
+    if not 0 <= options.seed < SEED_LIMIT:
+        raise GhostedError(f"--seed must be between 0 and {SEED_LIMIT - 1} (got {options.seed})")
+    if options.eval_max_tokens is not None and options.eval_max_tokens < 1:
+        raise GhostedError(f"--eval_max_tokens must be at least 1, or 0 for the whole split (got {options.eval_max_tokens})")
+    if options.eval_seqlen is not None and options.eval_seqlen < 2:
+        raise GhostedError(f"--eval_seqlen must be at least 2 tokens (got {options.eval_seqlen})")
+    if options.heldout_size is not None and options.heldout_size < 0:
+        raise GhostedError(f"--heldout_size must be at least 0 (got {options.heldout_size})")
+    if options.drift_windows < 0:
+        raise GhostedError(f"drift windows must be at least 0 (got {options.drift_windows})")
 
 
 def selection_request(options: RunOptions, num_layers: int) -> SelectionRequest:
@@ -168,7 +186,7 @@ def planned(options: RunOptions, loaded: LoadedModel | None = None,
     hold at once (None: the most this criterion and depth can make).
     """
     if loaded is None:
-        config = peek_config(options.model)
+        config = peek_config(options.model, options.load.local_folders)
         options = sized(options, config.hidden_size)
         plan = memory_plan(options, config, boundaries=boundaries)
     else:

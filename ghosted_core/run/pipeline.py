@@ -19,6 +19,7 @@ from ghosted_core.memory import min_calibration_sequences
 from ghosted_core.export.model_card import run_record
 from ghosted_core.model.loading import LoadedModel, load_model, \
     max_positions, peek_config
+from ghosted_core.oom import guard_stages
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.selection.criteria import get_criterion, \
     select_blocks
@@ -39,8 +40,14 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
     `should_stop` (e.g. `threading.Event().is_set`) is polled before every stage and between the
     batches of perplexity and drift and the variants of generation and tasks; when it returns
     True the generator raises `stopping.RunStopped` naming the stage, and the result yielded last
-    holds every stage finished before it.
+    holds every stage finished before it. Running out of memory raises a `GhostedError` that
+    names the settings to lower, once what the stage held is freed (`oom.guard_stages`).
     """
+    return guard_stages(_stages(options, loaded, should_stop), "load model")
+
+
+def _stages(options: RunOptions, loaded: LoadedModel | None,
+            should_stop: StopCheck) -> Iterator[tuple[str, RunResult]]:
     validate(options)
     result = RunResult(options)
     clock = time.perf_counter()
@@ -53,7 +60,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
         return stage, result
 
     if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
-        config = peek_config(options.model)
+        config = peek_config(options.model, options.load.local_folders)
         validate(options, config.num_hidden_layers, max_positions(config))
     options, plan = planned(options, loaded)
     result.options, result.memory_plan = options, plan

@@ -47,8 +47,9 @@ from ghosted_core.evaluation.perplexity import PrefixStates, dense_prefix_states
 from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.recovery.operators import needs_of
-from ghosted_core.plan import Boundary, PruningPlan
+from ghosted_core.plan import Boundary, PruningPlan, check_block_number
 from ghosted_core.memory import MemoryPlan, max_boundaries
+from ghosted_core.oom import guard_stages
 from ghosted_core.run.options import RunOptions, planned, validate
 from ghosted_core.run.pipeline import calibration_batches, corpus_entry
 from ghosted_core.run.result import fit_json, run_json
@@ -87,7 +88,7 @@ def parse_depths(text: str) -> tuple[int, ...]:
                            "with START ≤ STOP")
     if start < 1:
         raise GhostedError(f"the depth range {text!r} starts at {start}; remove at least 1 block")
-    return tuple(range(start, stop + 1, step))
+    return tuple(range(start, check_block_number(stop, str(text)) + 1, step))
 
 
 def check_depths(depths: Sequence[int], num_layers: int | None = None) -> tuple[int, ...]:
@@ -234,13 +235,19 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
 
     `should_stop` is polled before every stage and depth and between perplexity batches
     (`stopping.RunStopped`); the result yielded last holds every depth finished before it.
+    Running out of memory raises a `GhostedError` naming the way out (`oom.guard_stages`).
     """
+    return guard_stages(_sweep_stages(options, depths, loaded, sweep, should_stop), "load model")
+
+
+def _sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel | None, sweep: SweepOptions,
+                  should_stop: StopCheck) -> Iterator[tuple[str, SweepResult]]:
     chosen = check_sweep(options, depths)
     result = SweepResult(options, chosen)
     clock = _Clock(result.timings)
 
     if loaded is None:
-        config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
+        config = peek_config(options.model, options.load.local_folders)  # refuse bad depths and lengths before loading weights
         check_sweep(options, chosen, config.num_hidden_layers, max_positions(config))
     # The statistics of every depth live at once: plan for the boundaries of all depths together.
     layers = loaded.num_layers if loaded is not None else config.num_hidden_layers

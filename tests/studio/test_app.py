@@ -279,7 +279,7 @@ def test_the_page_says_what_a_default_run_takes_here(tmp_path):
 
 def test_model_cache_is_bounded_and_keyed_by_name(monkeypatch):
     loads = []
-    monkeypatch.setattr(cache, "load_model", lambda name: loads.append(name) or f"model {name}")
+    monkeypatch.setattr(cache, "load_model", lambda name, options=None: loads.append(name) or f"model {name}")
     models = cache.ModelCache(capacity=2)
     assert models.get("a") == "model a" and models.get("a") == "model a"
     models.get("b"), models.get("c")
@@ -291,7 +291,7 @@ def test_a_slow_load_blocks_nobody_else_and_the_cache_never_exceeds_its_capacity
     loads, peak = [], []
     models = cache.ModelCache(capacity=2)
 
-    def load(name):
+    def load(name, options=None):
         loads.append(name)
         peak.append(models.held())
         if name == "slow":
@@ -437,7 +437,7 @@ def test_the_upload_control_is_off_offline_and_never_echoes_the_token(tmp_path):
     on, note = handlers.upload_available()
     assert not on and "off" in note and "cannot be reached" in note  # HF_HUB_OFFLINE=1 in the tests
     message, token = handlers.on_upload(None, "me/model", "hf_secret123")
-    assert "save a model first" in message and token == "" and "hf_secret123" not in message
+    assert "uploading is off" in message and token == "" and "hf_secret123" not in message  # nothing is unpacked
 
 
 # ---------------------------------------------------------------- slow: the served app on SmolLM2
