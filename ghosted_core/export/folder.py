@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 EXPORT_MODES = ("auto", "stock", "remote_code")
 MODELING_FILE = "modeling_ghosted.py"
 RECORD_FILE = "ghosted.json"
+CONFIG_PENDING = ".config.json.pending"  # config.json until the folder is in place (see export_variant)
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,9 @@ def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: 
     with the reason when it does not fold) or "remote_code". Weights are written block by
     block in shards of ≤ `shard_bytes`, read from the offload when accelerate offloaded them.
     The folder is staged beside `folder` under a hidden name and moved into place once complete;
-    config.json is written last, so a staged folder that a crash left behind loads nowhere, and
-    `ghosted.json` lists every other file with its size (`check_export_folder`). A full disk
-    gives one `GhostedError` and leaves nothing behind.
+    its config.json gets that name last, once the folder is in place, so whatever a crash (even
+    SIGKILL) leaves behind loads nowhere. `ghosted.json` lists every other file with its size
+    (`check_export_folder`). A full disk gives one `GhostedError` and leaves nothing behind.
     """
     folder = Path(folder)
     record = _record(model)
@@ -200,12 +201,13 @@ def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: 
             manifest = {p.name: p.stat().st_size for p in sorted(staged.iterdir())}
             write_json(staged / RECORD_FILE, clean_record | {"export": {"mode": chosen, "reason": reason,
                                                                         "files": manifest}})
-            write_json(staged / "config.json", config_values)  # last: without it nothing loads the folder
+            write_json(staged / CONFIG_PENDING, config_values)  # named config.json last: nothing loads it before
             _check_no_paths(staged, _local_paths(model, folder))
-            files = tuple(sorted(p.name for p in staged.iterdir()))
             if folder.exists():
                 shutil.rmtree(folder)
             staged.rename(folder)
+            (folder / CONFIG_PENDING).rename(folder / "config.json")
+            files = tuple(sorted(p.name for p in folder.iterdir()))
     except OSError as err:
         if is_no_room(err):
             raise no_room_error(err, f"the {name} export", folder.parent) from None

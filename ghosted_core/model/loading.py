@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import convert_file_size_to_int
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
@@ -198,6 +199,9 @@ def _readable(name: str) -> Iterator[None]:
     """Turn what transformers raises for an unusable model (missing, gated, custom code, unreadable) into one line."""
     try:
         yield
+    except SafetensorError as err:  # a weights file cut short (an interrupted copy or download) or not safetensors
+        raise GhostedError(f"cannot read {name}: a weights file is damaged or incomplete ({err}); copy or download "
+                           "the model again") from None
     except (OSError, ValueError) as err:
         cause, text = err.__cause__, str(err)
         if isinstance(cause, GatedRepoError) or isinstance(err, GatedRepoError):
