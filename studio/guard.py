@@ -99,6 +99,13 @@ def whole(value: object, label: str, low: int, high: int) -> int:
     return int(value)
 
 
+def flag(value: object, label: str) -> bool:
+    """A checkbox's value: True or False, never a truthy string."""
+    if not isinstance(value, bool):
+        raise GhostedError(f"'{label}' must be true or false (got {value!r:.40})")
+    return value
+
+
 def choice(value: object, label: str, choices: Sequence) -> object:
     """One of `choices`."""
     if value not in choices:

@@ -68,13 +68,13 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
             cal, evals = corpora_with_text(text_use, cal, evals)
         options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
                                         evals, eval_tokens, prompt, new_tokens), user_text=text)
-        quick = QuickTasks(bool(tasks_on), guard.names(task_names, "Tasks"),
+        quick = QuickTasks(guard.flag(tasks_on, "Score every variant on quick tasks"), guard.names(task_names, "Tasks"),
                            guard.whole(task_examples, "Examples per task", 1, TASK_EXAMPLES[1]))
         job = build_request(options, quick, save_variant, export_format, mode, depths)
         stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
     except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
         yield as_outputs({"status": refused_status(page_message(err), shown)})
-        raise gr.Error(page_message(err), duration=TOAST_SECONDS) from err
+        raise gr.Error(page_message(err), duration=TOAST_SECONDS, print_exception=False) from err
     run = RUNS.start(session, stages)
     run.settings = settings
     gone = client_gone(request)
@@ -114,10 +114,10 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         message = page_message(err)
         yield as_outputs({"status": failed_status(message, run.current, report),
                           "shown": shown_state(report, f"failed during {run.current}")})
-        raise gr.Error(message, duration=TOAST_SECONDS) from err
+        raise gr.Error(message, duration=TOAST_SECONDS, print_exception=False) from err
     except Exception as err:  # a bug: keep serving, say so, keep the traceback in the log
         log.exception("run failed")
-        message = f"internal error ({type(err).__name__}: {err}); the server log has the traceback"
+        message = f"internal error ({type(err).__name__}: {escape(str(err))}); the server log has the traceback"
         yield as_outputs({"status": failed_status(message, run.current, report),
                           "shown": shown_state(report, f"failed during {run.current}")})
         raise gr.Error(message, duration=TOAST_SECONDS) from err

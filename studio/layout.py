@@ -245,9 +245,11 @@ def on_session_end(request: gr.Request) -> None:
 
 
 def launch_options() -> dict:
-    """Theme and CSS, which Gradio 6 takes at launch, and the server's upload limit (enforced by the server,
-    whatever the page says: a larger upload is refused before it is stored)."""
+    """Theme and CSS, which Gradio 6 takes at launch; the server's upload limit (enforced by the server, whatever
+    the page says: a larger upload is refused before it is stored); and errors that Gradio itself raises before a
+    handler runs (a file path that was never uploaded, a malformed value) answered with their message, not a bare
+    "Error" (the handlers turn every error of their own into a gr.Error message)."""
     return {"theme": gr.themes.Soft(primary_hue="indigo", neutral_hue="slate"),
-            "css_paths": [ASSETS / "app.css"], "max_file_size": MAX_BYTES}
+            "css_paths": [ASSETS / "app.css"], "max_file_size": MAX_BYTES, "show_error": True}
 
 
