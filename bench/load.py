@@ -111,7 +111,8 @@ def numbers(outputs: tuple) -> dict:
     named = dict(zip(OUTPUT_NAMES, outputs))
     report = json.loads(Path(named["results_file"]).read_text())
     if "sweep" in report:
-        return {"sweep": report["sweep"]["results"], "dense": report["sweep"]["dense"]}
+        return {"sweep": [{k: v for k, v in depth.items() if k != "timings"} for depth in report["sweep"]["results"]],
+                "dense": report["sweep"]["dense"]}
     return {"removed": report["removed_layers"],
             "variants": {name: {k: entry.get(k) for k in ("ppl", "boundary_error", "generation")}
                          for name, entry in report["variants"].items()}}
@@ -121,9 +122,15 @@ def everything_shown(outputs: tuple) -> str:
     """The run's outputs as text, with the files it handed over (results.json, history CSV) read in."""
     parts = [json.dumps(outputs, default=str)]
     for value in outputs:
-        if isinstance(value, str) and Path(value).is_file() and value.endswith((".json", ".csv")):
+        if isinstance(value, str) and value.endswith((".json", ".csv")) and Path(value).is_file():
             parts.append(Path(value).read_text())
     return "\n".join(parts)
+
+
+def history_rows(outputs: tuple) -> int:
+    from studio.outputs import OUTPUT_NAMES
+
+    return len(outputs[OUTPUT_NAMES.index("history_table")]["data"])
 
 
 def one_user(url: str, user: int, runs: int, timeout: float, folder: Path) -> list[dict]:
@@ -154,7 +161,7 @@ def one_user(url: str, user: int, runs: int, timeout: float, folder: Path) -> li
                 first = first or end
                 record |= {"outcome": "complete" if "Run complete" in outputs[0] else "failed",
                            "wait": first - submitted, "run": end - first, "numbers": numbers(outputs),
-                           "shown": everything_shown(outputs), "history_rows": len(outputs[18]["data"])}
+                           "shown": everything_shown(outputs), "history_rows": history_rows(outputs)}
         except Exception as err:  # a refusal (queue full) or an error message: keep what the user was told
             record |= {"outcome": "refused" if "queue" in str(err).lower() else "error", "message": str(err)[:300]}
         records.append(record)
