@@ -3,11 +3,9 @@ generation and an error message are shown as text, and none of them runs (headle
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, DESKTOP, choose_model, open_page, press_run, wait_for_status
+from test_browser import DESKTOP, browser, choose_model, open_page, press_run, wait_for_status  # noqa: F401 (browser: a fixture)
 from test_security import FOLDER_XSS, XSS, hostile_model
 
 pytestmark = pytest.mark.slow
@@ -15,18 +13,6 @@ pytestmark = pytest.mark.slow
 RAN = """() => ({xss: window.__xss ?? null, onerror: document.querySelectorAll('[onerror]').length,
   scripts: Array.from(document.scripts).filter(s => s.textContent.includes('__xss')).length,
   imgs: Array.from(document.images).filter(i => (i.getAttribute('src') || '') === 'x').length})"""
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: run `make browser` (apt-get install -y chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield browser
-        browser.close()
 
 
 def test_nothing_a_user_or_the_model_writes_runs_in_the_page(tiny_server, browser, monkeypatch):
