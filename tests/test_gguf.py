@@ -120,6 +120,16 @@ def test_makefile_builds_the_version_the_module_looks_for():
 # ---------------------------------------------------------------- tiny models, real converter and runtime
 
 
+def test_converter_failure_quotes_the_converter_and_leaves_no_file(llamacpp, tmp_path):
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["NoSuchForCausalLM"]}))
+    (folder / "tokenizer.json").write_text("{}")
+    with pytest.raises(GhostedError, match=r"converter \(odd to f16\) failed \(exit 1\): .*NoSuchForCausalLM"):
+        convert_to_gguf(folder, tmp_path / "out" / "odd.gguf")
+    assert list((tmp_path / "out").iterdir()) == []  # neither the file nor its temporary
+
+
 def test_pruned_gemma3_gguf_keeps_its_layer_types(llamacpp, smollm2_tokenizer, tmp_path):
     """llama.cpp assumes Gemma-3's every-6th-global pattern unless the GGUF says otherwise; a pruned model's
     kept layers follow no such pattern. The converted file must carry their types, and llama.cpp's greedy
