@@ -157,6 +157,15 @@ def check_gguf_exportable(folder: str | Path) -> dict:
     return config
 
 
+def _warn_sliding_window(config: dict, name: str) -> None:
+    """llama.cpp runs Mistral and Qwen2 with full attention: say so where the checkpoint has a sliding window."""
+    model_type, window = config.get("model_type"), config.get("sliding_window")
+    windowed = window and (model_type == "mistral" or (model_type == "qwen2" and config.get("use_sliding_window")))
+    if windowed and window < config.get("max_position_embeddings", 0):
+        log.warning("%s has a sliding window of %d tokens, which llama.cpp's %s graph does not apply: its outputs "
+                    "differ from transformers' once a sequence is longer than that", name, window, model_type)
+
+
 def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> str:
     """Run a llama.cpp program; its combined output, or a GhostedError quoting its last lines."""
     lines: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
@@ -189,9 +198,10 @@ def convert_to_gguf(folder: str | Path, out_path: str | Path, outtype: str = "f1
     if outtype not in OUTTYPES:
         raise GhostedError(f"unknown GGUF type {outtype!r}; use one of {', '.join(OUTTYPES)}")
     folder, out_path = Path(folder), Path(out_path)
-    check_gguf_exportable(folder)
+    config = check_gguf_exportable(folder)
     if out_path.is_dir():
         raise GhostedError(f"{out_path} is a folder; give the GGUF file's path")
+    _warn_sliding_window(config, folder.name)
     llama = find_llamacpp()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")

@@ -130,6 +130,37 @@ def test_converter_failure_quotes_the_converter_and_leaves_no_file(llamacpp, tmp
     assert list((tmp_path / "out").iterdir()) == []  # neither the file nor its temporary
 
 
+def greedy_in_process(folder: Path, prompt: str = PROMPT, new_tokens: int = NEW_TOKENS) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy new ids) of an export folder in plain transformers, EOS ignored."""
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    loaded.generation_config.eos_token_id = None
+    ids = AutoTokenizer.from_pretrained(folder)(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = loaded.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return ids[0].tolist(), out[0, ids.shape[1]:].tolist()
+
+
+# Qwen2 is left out: transformers 5 gives a Qwen2 folder its Qwen2Tokenizer whatever tokenizer it holds, so
+# SmolLM2's vocabulary in a tiny Qwen2 gets Qwen2's pre-tokenizer, which the converter does not recognize for
+# that vocabulary (a mismatch of the tiny fixture, not of a real Qwen2 export).
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_tiny_replaceme_fold_runs_in_llamacpp_as_in_transformers(family, llamacpp, smollm2_tokenizer, tmp_path,
+                                                                  caplog):
+    """Prompt and greedy tokens agree for each family. llama.cpp runs Mistral as Llama, without the tiny
+    Mistral's window of 8 (the random tiny model's tokens agree regardless): the conversion warns about it."""
+    model = make_tiny_model(family, vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                            tie_word_embeddings=True)
+    generator = torch.Generator().manual_seed(1)
+    folder = export_pruned(model, smollm2_tokenizer, (1, 2), "replaceme", tmp_path / family,
+                           torch.randint(0, 1000, (4, 16), generator=generator))
+    generated = llamacpp_generate(convert_to_gguf(folder, tmp_path / f"{family}.gguf", outtype="f32").path, PROMPT,
+                                  max_new_tokens=NEW_TOKENS)
+    prompt_ids, expected = greedy_in_process(folder)
+    assert list(generated.prompt_tokens) == prompt_ids
+    assert list(generated.tokens) == expected
+    assert ("sliding window of 8 tokens" in caplog.text) == (family == "mistral")
+
+
 def test_pruned_gemma3_gguf_keeps_its_layer_types(llamacpp, smollm2_tokenizer, tmp_path):
     """llama.cpp assumes Gemma-3's every-6th-global pattern unless the GGUF says otherwise; a pruned model's
     kept layers follow no such pattern. The converted file must carry their types, and llama.cpp's greedy
@@ -158,13 +189,9 @@ def test_pruned_gemma3_gguf_keeps_its_layer_types(llamacpp, smollm2_tokenizer, t
     assert pattern == [t == "sliding_attention" for t in kept]
 
     generated = llamacpp_generate(gguf, PROMPT, max_new_tokens=NEW_TOKENS)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    loaded.generation_config.eos_token_id = None
-    ids = AutoTokenizer.from_pretrained(folder)(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        expected = loaded.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    assert list(generated.prompt_tokens) == ids[0].tolist()
-    assert list(generated.tokens) == expected[0, ids.shape[1]:].tolist()
+    prompt_ids, expected = greedy_in_process(folder)
+    assert list(generated.prompt_tokens) == prompt_ids
+    assert list(generated.tokens) == expected
 
 
 # ---------------------------------------------------------------- real SmolLM2 (slow)
