@@ -9,7 +9,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ASSETS := $(VENV)/.assets
 
-.PHONY: setup browser app test test-fast bench clean
+# llama.cpp for GGUF export (converter + CPU tools), built once per version into the project's cache
+# (ghosted_core.gguf_export looks in the same place; override both with GHOSTED_LLAMACPP=DIR).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP := $(or $(GHOSTED_LLAMACPP),$(or $(GHOSTED_CACHE),$(HOME)/.cache/ghosted)/llama.cpp/$(LLAMACPP_VERSION))
+
+.PHONY: setup browser app llamacpp test test-fast bench clean
 
 setup: $(ASSETS)
 
@@ -29,6 +34,13 @@ $(ASSETS): $(STAMP)
 	$(PY) -c "from ghosted_core.model.embedded import EMBEDDED, convert_embedded; [convert_embedded(name) for name in EMBEDDED]"
 	touch $@
 
+# llama.cpp's converter and llama-completion/llama-perplexity from PyPI's llama-cpp-python source
+# distribution (its vendored llama.cpp), CPU only: ~5 min on 2 cores, 35 MB, once (a second run does nothing).
+llamacpp: $(LLAMACPP)/BUILD_INFO
+
+$(LLAMACPP)/BUILD_INFO: | $(STAMP)
+	scripts/build_llamacpp.sh $(LLAMACPP) $(LLAMACPP_VERSION) $(PY)
+
 app: setup
 	$(PY) app.py
 
@@ -36,7 +48,7 @@ app: setup
 browser:
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
-test: setup browser
+test: setup browser llamacpp
 	$(PY) -m pytest
 
 test-fast: setup
