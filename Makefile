@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 ASSETS := $(VENV)/.assets
 
 # llama.cpp for GGUF export (converter + CPU tools), built once per version into the project's cache
-# (ghosted_core.gguf_export looks in the same place; override both with GHOSTED_LLAMACPP=DIR).
+# (ghosted_core.export.gguf looks in the same place; override both with GHOSTED_LLAMACPP=DIR).
 LLAMACPP_VERSION := 0.3.36
 LLAMACPP := $(or $(GHOSTED_LLAMACPP),$(or $(GHOSTED_CACHE),$(HOME)/.cache/ghosted)/llama.cpp/$(LLAMACPP_VERSION))
 

@@ -19,7 +19,7 @@ dest=${1:?usage: build_llamacpp.sh DEST VERSION PYTHON}
 version=${2:?usage: build_llamacpp.sh DEST VERSION PYTHON}
 python=${3:?usage: build_llamacpp.sh DEST VERSION PYTHON}
 jobs=${LLAMACPP_JOBS:-2}
-# Only what ghosted_core.gguf_export runs: greedy generation and perplexity. The converter writes q8_0
+# Only what ghosted_core.export.gguf runs: greedy generation and perplexity. The converter writes q8_0
 # itself, so llama-quantize is not needed.
 targets=(llama-completion llama-perplexity)
 

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ghosted_core.assets import cache_dir
+from ghosted_core.data.assets import cache_dir
 from ghosted_core.errors import GhostedError
 
 log = logging.getLogger(__name__)

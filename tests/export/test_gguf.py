@@ -19,13 +19,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import TINY_LAYERS, make_tiny_model
-from ghosted_core.calibration import CalibrationOptions, collect_stats, make_batches
+from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
 from ghosted_core.errors import GhostedError
-from ghosted_core.export import export_variant
-from ghosted_core.gguf_export import (LLAMACPP_ENV, LLAMACPP_VERSION, check_gguf_exportable, convert_to_gguf,
+from ghosted_core.export.folder import export_variant
+from ghosted_core.export.gguf import (LLAMACPP_ENV, LLAMACPP_VERSION, check_gguf_exportable, convert_to_gguf,
                                       find_llamacpp, llamacpp_generate, llamacpp_perplexity)
-from ghosted_core.operators import FitOptions, get_operator
-from ghosted_core.pipeline import VariantSpec, build_recovered
+from ghosted_core.recovery.operators import FitOptions, get_operator
+from ghosted_core.run.fitting import build_recovered
+from ghosted_core.run.options import VariantSpec
 from ghosted_core.plan import PruningPlan
 from test_export import fresh_env
 
@@ -112,7 +113,7 @@ def test_missing_build_names_the_make_target(tmp_path, monkeypatch):
 
 
 def test_makefile_builds_the_version_the_module_looks_for():
-    makefile = (Path(__file__).parent.parent / "Makefile").read_text()
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
     assert re.search(r"^LLAMACPP_VERSION\s*:=\s*(\S+)", makefile, re.MULTILINE).group(1) == LLAMACPP_VERSION
     assert re.search(r"^test:.*\bllamacpp\b", makefile, re.MULTILINE), "make test must build llama.cpp first"
 
@@ -200,7 +201,7 @@ def test_pruned_gemma3_gguf_keeps_its_layer_types(llamacpp, smollm2_tokenizer, t
 @pytest.fixture(scope="module")
 def smollm2_export(smollm2, tmp_path_factory):
     """One stock export of SmolLM2-135M without blocks 12–15, recovered by replaceme_keepsink (mix, 8 × 128)."""
-    from ghosted_core.data import calibration_windows
+    from ghosted_core.data.corpora import calibration_windows
 
     torch.set_num_threads(2)
     try:
@@ -236,7 +237,7 @@ def test_smollm2_gguf_f16_greedy_tokens_equal_transformers(smollm2_export, smoll
 def test_smollm2_q8_0_perplexity_is_close_to_f16(smollm2_export, smollm2_ggufs, tmp_path):
     """llama-perplexity on 2048 tokens of PTB (valid): f16 within 1% of transformers' fp32 on the same windows
     (an independent computation), and q8_0 within 2% of f16."""
-    from ghosted_core.data import load_corpus
+    from ghosted_core.data.corpora import load_corpus
 
     text_file = tmp_path / "ptb.txt"
     text_file.write_text(load_corpus("ptb").text[:20_000])  # ~4300 tokens; 8 windows of 256 are read
@@ -270,8 +271,8 @@ def test_smollm2_q8_0_perplexity_is_close_to_f16(smollm2_export, smollm2_ggufs, 
 def test_pruned_gemma3_270m_gguf_greedy_tokens_equal_transformers(llamacpp, tmp_path):
     """Gemma-3-270M without blocks 10–12 (block 11 is global, so the kept layers break the every-6th pattern),
     plain pruning (its replaceme does not fold into a stock checkpoint)."""
-    from ghosted_core.data import calibration_windows
-    from ghosted_core.models import load_model
+    from ghosted_core.data.corpora import calibration_windows
+    from ghosted_core.model.loading import load_model
 
     loaded = load_model("gemma3-270m")
     fit_ids, _ = calibration_windows(loaded.tokenizer, "mix", 4, 64, 0, 0)
