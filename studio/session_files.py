@@ -23,8 +23,11 @@ log = logging.getLogger(__name__)
 DELETE_CACHE = (600, 3600)  # gr.Blocks(delete_cache=…): every 10 min, remove the app's cached files older than 1 h
 
 
+PRUNE_ABOVE = 1000  # sessions remembered before those whose files delete_cache removed are forgotten
+
+
 class SessionFiles:
-    """Cached copies served to each session; thread-safe."""
+    """Cached copies served to each session; thread-safe. Memory: a few paths per session whose files still exist."""
 
     def __init__(self) -> None:
         self._files: dict[str, set[str]] = {}
@@ -37,6 +40,9 @@ class SessionFiles:
         cached = processing_utils.save_file_to_cache(path, get_upload_folder())
         with self._lock:
             self._files.setdefault(session, set()).add(cached)
+            if len(self._files) > PRUNE_ABOVE:  # sessions no unload reaches (API calls): forget the aged-out ones
+                self._files = {name: files for name, files in self._files.items()
+                               if any(Path(f).exists() for f in files)}
         return cached
 
     def held(self, session: str) -> set[str]:

@@ -221,3 +221,19 @@ def test_a_sessions_files_are_removed_when_its_tab_closes(tiny_server, tmp_path)
         time.sleep(0.2)
     assert not any(Path(p).exists() for p in served) and all(Path(p).is_file() for p in kept)
     theirs.close()
+
+
+def test_sessions_no_unload_reaches_are_forgotten_once_their_files_age_out(tmp_path, monkeypatch):
+    from studio import session_files
+
+    monkeypatch.setattr(session_files, "PRUNE_ABOVE", 2)
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "cache"))
+    files = session_files.SessionFiles()
+    for k in range(3):
+        (tmp_path / f"r{k}.json").write_text(str(k))
+        files.serve(f"s{k}", str(tmp_path / f"r{k}.json"))
+    Path(next(iter(files.held("s0")))).unlink()  # delete_cache aged the first session's file out
+    (tmp_path / "r3.json").write_text("3")
+    files.serve("s3", str(tmp_path / "r3.json"))
+    assert not files.held("s0") and all(files.held(f"s{k}") for k in (1, 2, 3))
+    assert files.end("s1") == 1 and not files.held("s1")
