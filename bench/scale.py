@@ -189,7 +189,7 @@ def worker(args) -> None:
     import torch
 
     from ghosted_core.calibration.collect import CalibrationOptions
-    from ghosted_core.memory import plan_memory
+    from ghosted_core.memory import PlanRequest, plan_memory
     from ghosted_core.recovery.operators import needs_of
     from ghosted_core.plan import Boundary
 
@@ -211,8 +211,9 @@ def worker(args) -> None:
     wall = time.perf_counter() - clock
     peak = status_bytes("VmHWM")
     sequences = sum(len(b.input_ids) for b in batches if not b.heldout)
-    plan = plan_memory(model.config, args.shape, "cpu", torch.float32, needs_of(operators), len(boundaries), sequences,
-                       SEQLEN, args.batch_size, options.capacity(sequences))
+    plan = plan_memory(model.config, args.shape, "cpu", torch.float32,
+                       PlanRequest(needs_of(operators), len(boundaries), sequences, SEQLEN, args.batch_size,
+                                   options.capacity(sequences)))
     print(json.dumps({"shape": args.shape, "width": model.config.hidden_size, "boundaries": args.boundaries,
                       "method": args.method, "tokens": sequences * SEQLEN, "batch_size": args.batch_size,
                       "model_rss_gib": base / GIB, "peak_extra_gib": (peak - base) / GIB, "wall_s": wall,

@@ -32,6 +32,8 @@ from transformers import PreTrainedModel
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES, get_pipeline
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.errors import GhostedError
+from ghosted_core.memory import choose_pipeline
+from ghosted_core.model.loading import model_placement
 from ghosted_core.plan import Boundary
 from ghosted_core.statistics import ALL_NEEDS, PRODUCT_DTYPES, BoundarySums, BoundaryStats, StatNeeds
 
@@ -54,7 +56,7 @@ class CalibrationOptions:
     sink_capacity: int | None = None  # sink rows kept per boundary (None: 4 per calibration sequence, at least 64)
     stats_device: str = "auto"  # where sums live: "auto" (where the activations arrive), "cpu", "cuda" or "cuda:N"
     products: str = "float64"  # "float32": per-batch products in fp32, added into float64 sums (GPUs with slow FP64)
-    pipeline: str = "auto"  # calibration pipeline: "full", "blocks" (see calibration_pipelines) or "auto" (the memory plan picks; full here)
+    pipeline: str = "auto"  # calibration pipeline: "full", "blocks" (see calibration.pipelines) or "auto" (memory.choose_pipeline)
     compute_device: str | None = None  # "blocks": where each block runs (None: the first block's device)
 
     def __post_init__(self) -> None:
@@ -124,9 +126,10 @@ def valid_mask(batch: CalibrationBatch) -> torch.Tensor:
     return batch.attention_mask.bool()
 
 
-def pipeline_name(options: CalibrationOptions) -> str:
-    """The pipeline that runs: as asked, "full" for an unresolved "auto"."""
-    return "full" if options.pipeline == "auto" else options.pipeline
+def pipeline_name(options: CalibrationOptions, model: PreTrainedModel) -> str:
+    """The pipeline that runs: as asked, or, for an "auto" no memory plan resolved, the plan's own rule
+    (`memory.choose_pipeline`) for where `model` already is."""
+    return choose_pipeline(options.pipeline, model_placement(model)[0], torch.cuda.is_available())
 
 
 def resolve_stats_device(options: CalibrationOptions, arriving: torch.device) -> torch.device:
@@ -202,7 +205,7 @@ def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batche
         live[k].add(x_pre, x_post, branch, valid_mask(batch))
 
     compute = None if options.compute_device is None else torch.device(options.compute_device)
-    get_pipeline(pipeline_name(options)).run(dense, list(boundaries), needs.branch, fit_batches, consume, compute,
+    get_pipeline(pipeline_name(options, dense)).run(dense, list(boundaries), needs.branch, fit_batches, consume, compute,
                                              options.quiet)
     stats = [acc.freeze() for acc in live]
     for s in stats:

@@ -94,5 +94,5 @@ def measure_errors(dense: PreTrainedModel, fits: Sequence[Fit | BoundaryMap], ba
             s.add(*rows)
 
     compute = None if options.compute_device is None else torch.device(options.compute_device)
-    get_pipeline(pipeline_name(options)).run(dense, boundaries, branches, held, consume, compute, True)
+    get_pipeline(pipeline_name(options, dense)).run(dense, boundaries, branches, held, consume, compute, True)
     return [s.freeze() for s in sums]

@@ -22,6 +22,7 @@ import torch
 
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard_factors, hadamard_transform
+from ghosted_core.memory_parts import OperatorCost
 from ghosted_core.plan import Boundary
 from ghosted_core.registry import add, check_signature, lookup
 from ghosted_core.statistics import ALL_NEEDS, BoundaryErrors, BoundaryStats, Moments, StatNeeds, relative
@@ -79,22 +80,26 @@ class OperatorSpec:
     description: str
     needs: StatNeeds = ALL_NEEDS  # statistics the fit (and its error report) reads
     stock: bool = False  # its variants fold into a stock checkpoint (plain pruning, maps on the MLP branch)
+    cost: OperatorCost = OperatorCost(6, "matrix")  # what its fit works in and its variant keeps (the memory plan)
 
 
 OPERATORS: dict[str, OperatorSpec] = {}
 
 
-def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS, stock: bool = False):
+def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS, stock: bool = False,
+                      cost: OperatorCost = OperatorCost(6, "matrix")):
     """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import.
 
     `needs` names the statistics the fit reads; calibration keeps only the union over the
     requested operators (an operator that does not say gets every statistic). `stock`: the
-    operator's variants fold into a stock checkpoint (see `fold`).
+    operator's variants fold into a stock checkpoint (see `fold`). `cost`: the C×C matrices its
+    fit works in and what its variant keeps, which the memory plan counts (default: a full C×C
+    least-squares fit and map).
     """
 
     def decorator(fn):
         check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
-        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock), "operator")
+        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock, cost), "operator")
         return fn
 
     return decorator
@@ -177,7 +182,8 @@ def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the operators
 
 
-@register_operator("none", paper="plain pruning", description="no recovery: W = I", needs=StatNeeds(), stock=True)
+@register_operator("none", paper="plain pruning", description="no recovery: W = I", needs=StatNeeds(), stock=True,
+                   cost=OperatorCost())
 def fit_none(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return Fit("none", stats.boundary, "residual", None, tokens_used=stats.tokens)
 
@@ -193,7 +199,7 @@ def _channel_sums(stats: BoundaryStats, basis: str):
 
 
 @register_operator("diag", paper="LinearPatch-D", description="per-channel scale mean|X_post| / mean|X_pre| (symmetric)",
-                   needs=StatNeeds(channel=True))
+                   needs=StatNeeds(channel=True), cost=OperatorCost(1, "scale"))
 def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
     sums = _channel_sums(stats, "channel")
     scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens
@@ -203,7 +209,7 @@ def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 @register_operator("rotate", paper="LinearPatch-R",
                    description="per-channel scale in a Hadamard-rotated basis: H diag(r) Hᵀ (symmetric)",
-                   needs=StatNeeds(rotated=True))
+                   needs=StatNeeds(rotated=True), cost=OperatorCost(4, "rotated"))
 def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
     sums = _channel_sums(stats, "hadamard")
     scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens, rotated basis
@@ -234,7 +240,7 @@ def fit_ghost_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 @register_operator("ghost_nosink", paper="Ghosted Layers, sink-free (this project)",
                    description="ghost fit on ordinary tokens only: massive-activation tokens left out of the statistics",
-                   needs=LEAST_SQUARES)
+                   needs=LEAST_SQUARES, cost=OperatorCost(4, "matrix"))
 def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost_nosink", stats, "ordinary", opts, sink_handling="excluded")
 
@@ -253,7 +259,7 @@ def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit | None:
 
 @register_operator("replaceme", paper="ReplaceMe-LS",
                    description="least-squares map on block s−1's MLP output, folded into its down projection",
-                   needs=BRANCH, stock=True)
+                   needs=BRANCH, stock=True, cost=OperatorCost(6, "branch"))
 def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
     # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
     return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
@@ -317,7 +323,7 @@ def keepsink_note(k: int, errors: dict[int, float | None], where: str) -> str:
 @register_operator("replaceme_keepsink", paper="ReplaceMe-LS, sink-preserving (this project)",
                    description="ReplaceMe fitted on ordinary tokens with T = I on the sink tokens' top MLP-output "
                                "directions (their number chosen by held-out error); folded into block s−1's down "
-                               "projection", needs=BRANCH, stock=True)
+                               "projection", needs=BRANCH, stock=True, cost=OperatorCost(6, "branch", candidates=True))
 def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     """The sink token's MLP output is massive; any T ≠ I on it breaks the sink for every block after.
 

@@ -18,10 +18,10 @@ from transformers import PreTrainedModel
 from ghosted_core.statistics import BoundaryStats
 from ghosted_core.calibration.collect import collect_boundary_stats
 from ghosted_core.recovery.heldout import measure_errors
-from ghosted_core.model.loading import decoder_blocks
+from ghosted_core.model.loading import decoder_blocks, module_device
 from ghosted_core.recovery.assessment import BoundaryMap, FitReport, assess
 from ghosted_core.recovery.operators import Fit, choose_by_heldout, get_operator, needs_of
-from ghosted_core.recovery.modules import branch_replacement, module_device, residual_module
+from ghosted_core.recovery.modules import branch_replacement, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.model.surgery import build_variant, patch_site
 from ghosted_core.run.options import RunOptions, VariantSpec

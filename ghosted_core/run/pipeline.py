@@ -15,10 +15,9 @@ from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import collect_stats, make_batches
 from ghosted_core.evaluation.perplexity import block_drift, perplexity
 from ghosted_core.evaluation.generation import generate
-from ghosted_core.memory import min_calibration_sequences
+from ghosted_core.memory_parts import min_calibration_sequences
 from ghosted_core.export.model_card import run_record
-from ghosted_core.model.loading import LoadedModel, load_model, \
-    max_positions, peek_config
+from ghosted_core.model.loading import LoadedModel, load_model, max_positions, model_placement, peek_config
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.selection.criteria import get_criterion, \
     select_blocks
@@ -26,7 +25,8 @@ from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.evaluation.tasks import evaluate_tasks
 from ghosted_core.data.user_text import USER_CORPUS
 from ghosted_core.run.fitting import fit_variants
-from ghosted_core.run.options import RunOptions, loaded_placement, memory_plan, planned, selection_request, validate
+from ghosted_core.memory import resident_bytes
+from ghosted_core.run.options import RunOptions, memory_plan, planned, selection_request, validate
 from ghosted_core.run.result import RunResult
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
 
     if plan.removed:
         check_stop(should_stop, "calibrate")
-        result.memory_plan = memory_plan(options, dense.config, *loaded_placement(dense), len(plan.boundaries))
+        result.memory_plan = memory_plan(options, dense.config, *model_placement(dense), len(plan.boundaries),
+                                         resident=resident_bytes(dense))  # the boundaries it made, as placed
         needs = needs_of(v.operator for v in options.variants)
         stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
         yield done("calibrate")

@@ -16,7 +16,8 @@ from ghosted_core.hub import hub_reachable
 from ghosted_core.model.embedded import EMBEDDED
 from ghosted_core.model.loading import LoadOptions, decoder_blocks, load_model, placement, \
     resolve_dtype
-from ghosted_core.memory import check_fits, estimate_parameters
+from ghosted_core.memory import check_fits
+from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run
 from ghosted_core.architectures import ARCHITECTURES
