@@ -50,8 +50,8 @@ SHAPES = {  # published configs (Llama-3.2-1B, Llama-3-8B); num_hidden_layers se
                        vocab_size=128256, rope_theta=500000.0),
 }
 OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped")
-# "ours-ghost" is the like-for-like row against store-all: ghost alone (with its condition number, singular
-# values and held-out pass, which store-all does not compute)
+# "ours-ghost" is the like-for-like row against store-all: ghost alone as a run computes it by default (its
+# fit report as the CLI summary shows it, and the held-out pass, which store-all does not compute)
 METHOD_OPERATORS = {"ours": OPERATORS, "ours-ghost": ("ghost",)}
 SEQLEN = 512
 GIB = 2**30
@@ -105,7 +105,8 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
     builds = [VariantBuild(spec) for spec in parse_variants(operators)]
     for k in range(len(stats)):
         for build in builds:
-            build.add(model, get_operator(build.spec.operator).fit(stats[k], run_options.fit), stats[k])
+            build.add(model, get_operator(build.spec.operator).fit(stats[k], run_options.fit), stats[k],
+                      run_options.diagnostics)
         stats[k] = None  # freed as soon as its fits exist
     fit = time.perf_counter() - clock - calibrate
     maps = [m for build in builds for m in build.maps]

@@ -16,6 +16,7 @@ from ghosted_core.export.folder import archive_export, check_export
 from ghosted_core.model.embedded import EMBEDDED, needs_conversion
 from ghosted_core.model.loading import LoadedModel
 from ghosted_core.recovery.operators import OPERATORS
+from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.run.options import SEQUENTIAL_SUFFIX, RunOptions, parse_variants, validate
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run_stages
@@ -66,6 +67,7 @@ def build_options(model: str, criterion: str, depth: float, manual_blocks: str, 
         prompt=(prompt or "").strip() or None,
         generation=GenerationOptions(max_new_tokens=int(new_tokens), seed=int(seed)),
         calibrate=CalibrationOptions(quiet=False),
+        diagnostics=Diagnostics(fit_errors=False, singular_values=True),  # the structure chart shows them
     )
 
 

@@ -22,6 +22,7 @@ from ghosted_core.memory_parts import max_boundaries, min_calibration_sequences
 from ghosted_core.model.embedded import DEFAULT_MODEL
 from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_options, model_placement, peek_config, \
     resolve_device, resolve_dtype
+from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
 from ghosted_core.selection.criteria import SelectionRequest, check_request, get_criterion
 from ghosted_core.evaluation.tasks import parse_tasks
@@ -87,6 +88,7 @@ class RunOptions:
     generation: GenerationOptions = GenerationOptions()
     fit: FitOptions = FitOptions()
     calibrate: CalibrationOptions = CalibrationOptions()
+    diagnostics: Diagnostics = SHOWN  # O(C³) fit-report parts beyond the summary's (--diagnostics: all)
     user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
     quiet: bool = False
 
