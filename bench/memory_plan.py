@@ -2,6 +2,7 @@
 
     flock /tmp/ghosted-heavy.lock .venv/bin/python bench/memory_plan.py          # bench/results/memory_plan.json
     .venv/bin/python bench/memory_plan.py --quick                                # ghost_capped only (memory_plan_quick.json)
+    .venv/bin/python bench/memory_plan.py --table                                # plans of Llama-3-8B/70B on GPUs (no run)
 
 A random Llama with C = 2048 (8 blocks, intermediate 5632, 16 heads of 128, 4 KV heads, the
 SmolLM2 tokenizer's 49,152-token vocabulary, tied head), fp32 on the CPU. Each case is one run
@@ -122,14 +123,54 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+PUBLISHED = {  # Llama-3-8B and Llama-3-70B's published shapes
+    "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "Llama-3-70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}
+PLANS = [("Llama-3-8B", 24, 1, None), ("Llama-3-8B", 24, 4, None), ("Llama-3-8B", 24, 4, "none,diag,rotate,ghost,ghost_capped"),
+         ("Llama-3-70B", 80, 1, None), ("Llama-3-70B", 80, 4, None)]
+
+
+def plan_table() -> list[str]:
+    """The plans of published shapes on GPUs: bf16, 64 × 512 calibration tokens (128 × 512 for 70B), batches of 8,
+    the default operators unless named, the CLI's perplexity defaults, 512 GiB of host memory."""
+    import torch
+    from transformers import LlamaConfig
+
+    from ghosted_core.calibration.collect import CalibrationOptions
+    from ghosted_core.run.options import RunOptions, memory_plan, parse_variants
+
+    lines = ["| model | GPU | boundaries | weights | statistics | variants | pipeline | on the GPU (peak phase) | on the host |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, gpu, boundaries, operators in PLANS:
+        options = RunOptions(model=name, train_size=128 if "70B" in name else 64, seqlen=512,
+                             calibrate=CalibrationOptions(batch_size=8))
+        if operators:
+            options = RunOptions(**{**options.__dict__, "variants": parse_variants(operators)})
+        plan = memory_plan(options, LlamaConfig(**PUBLISHED[name]), "cuda", torch.bfloat16, boundaries=boundaries,
+                           device_available=gpu * GIB, host_available=512 * GIB)
+        host = f"{plan.host_bytes / GIB:.1f} GiB" if plan.host_bytes else "—"
+        lines.append(f"| {name}{', ' + operators if operators else ''} | {gpu} GiB | {boundaries} | "
+                     f"{plan.weights_bytes / GIB:.1f} GiB | {plan.stats_bytes / GIB:.2f} GiB ({plan.stats_device}) | "
+                     f"{plan.variant_bytes / GIB:.2f} GiB | {plan.pipeline} | {plan.device_bytes / GIB:.1f} GiB "
+                     f"({plan.peak_phase}) | {host} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="ghost_capped only")
     parser.add_argument("--out", default=None, help=out_help("memory_plan"))
+    parser.add_argument("--table", action="store_true", help="only print the plans of Llama-3-8B and 70B on GPUs")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
+        return
+    if args.table:
+        print("\n".join(plan_table()))
         return
     rows = []
     for case in QUICK if args.quick else CASES:
