@@ -146,3 +146,50 @@ def test_blocks_pipeline_through_the_run_gives_the_full_runs_numbers(tiny_model_
         a, b = full["variants"][name], blocks["variants"][name]
         assert b["boundary_error"][0]["heldout"] == pytest.approx(a["boundary_error"][0]["heldout"], rel=1e-8)
         assert b["ppl"]["ptb"] == pytest.approx(a["ppl"]["ptb"], rel=1e-6)
+
+
+def test_plan_counts_what_every_variant_keeps(tiny_llama, tiny_gemma):
+    """The plan's variant bytes equal what the built variants hold per boundary: each realized module's
+    tensors (fp32 C×C maps, rotate's dense map, per-channel scales, the folded down_proj copy; Gemma-3's
+    replaceme map after the post-norm) and each fit's compacted map for the held-out pass."""
+    from ghosted_core.recovery.operators import FitOptions, get_operator
+    from ghosted_core.run.fitting import VariantBuild
+    from ghosted_core.run.options import VariantSpec, plan_request
+    from ghosted_core.memory_parts import kept_bytes
+
+    operators = ["none", "diag", "rotate", "ghost", "ghost_capped", "replaceme", "replaceme_keepsink"]
+    for model in (tiny_llama, tiny_gemma):
+        boundary = Boundary(2, 4)
+        (stats,) = collect_stats(model, [boundary], make_batches(random_tokens(6, 16), None, 3),
+                                 CalibrationOptions(quiet=True), needs_of(operators))
+        for name in operators:
+            build = VariantBuild(VariantSpec(name, name))
+            build.add(model, get_operator(name).fit(stats, FitOptions()), stats)
+            modules = [*build.patches.values(), *(m for r in build.replacements.values() for m in r.values())]
+            if name in ("replaceme", "replaceme_keepsink") and model is tiny_gemma:
+                modules = [m[1] for m in modules]  # Sequential(post-norm, map): the norm is the dense model's own
+            held = sum(t.numel() * t.element_size() for m in modules for t in m.parameters())
+            (map_,) = build.maps
+            kept_map = sum(t.numel() * t.element_size() for t in (map_.update, map_.scale) if t is not None)
+            assert kept_bytes(get_operator(name).cost, model.config, 4) == (kept_map, held), (model.config.model_type, name)
+        options = RunOptions(variants=parse_variants(",".join(operators)), train_size=6, seqlen=16)
+        request = plan_request(options, model.config, boundaries=1)
+        plan = plan_memory(model.config, "tiny", "cpu", torch.float32, request, host_available=1 << 40)
+        assert plan.variant_bytes == sum(sum(kept_bytes(get_operator(n).cost, model.config, 4)) for n in operators)
+
+
+def test_plan_counts_the_masks_the_blocks_pipeline_records(tiny_llama, tiny_gemma):
+    """Gemma-3's sliding-window mask, recorded once per batch and kept broadcast: T² bytes per batch (Llama: none)."""
+    from ghosted_core.calibration.pipelines import record_block_inputs
+    from ghosted_core.memory_parts import mask_bytes
+
+    for model in (tiny_llama, tiny_gemma):
+        batches = make_batches(random_tokens(6, 24), None, 2)
+        recorded = 0
+        for batch in batches:
+            _, calls = record_block_inputs(model, batch, len(model.model.layers))
+            masks = {id(kw["attention_mask"]): kw["attention_mask"] for kw in calls
+                     if isinstance(kw.get("attention_mask"), torch.Tensor)}
+            recorded += sum(m.untyped_storage().nbytes() for m in masks.values())
+        assert recorded == mask_bytes(model.config, 6, 2, 24, 4), model.config.model_type
+    assert mask_bytes(tiny_gemma.config, 6, 2, 24, 4) == 3 * 24 * 24
