@@ -5,7 +5,8 @@
     .venv/bin/python bench/memory_plan.py --table                                # plans of Llama-3-8B/70B on GPUs (no run)
 
 A random Llama with C = 2048 (8 blocks, intermediate 5632, 16 heads of 128, 4 KV heads, the
-SmolLM2 tokenizer's 49,152-token vocabulary, tied head), fp32 on the CPU. Each case is one run
+SmolLM2 tokenizer's 49,152-token vocabulary, tied head; blocks 1, 3 and 5 scaled down to near
+identity, so that ShortGPT removes them), fp32 on the CPU. Each case is one run
 through `run.pipeline.run` (or `run.sweep.run_sweep`) with the model already loaded, in a fresh
 process: 16 × 256 `wiki` calibration tokens (stand-in corpus) in batches of 4, 2 held-out
 sequences, perplexity on 1024 `wiki` tokens in 256-token windows, drift on 2 windows. Cases:
@@ -46,6 +47,7 @@ CASES = {  # name → (criterion, depth or depths, operators)
     "sweep n = 1, 2, 3": ("streamline", (1, 2, 3), "ghost_capped"),
 }
 QUICK = ("ghost_capped",)
+QUIET_BLOCKS = (1, 3, 5)
 GIB, MIB = 2**30, 2**20
 
 
@@ -61,6 +63,10 @@ def loaded_model():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE, vocab_size=len(tokenizer))).eval()
     model.requires_grad_(False)
+    with torch.no_grad():  # blocks 1, 3 and 5 barely change the residual: ShortGPT removes them, three boundaries
+        for j in QUIET_BLOCKS:
+            model.model.layers[j].self_attn.o_proj.weight.mul_(0.05)
+            model.model.layers[j].mlp.down_proj.weight.mul_(0.05)
     return LoadedModel("random-c2048", "local", "random Llama, C = 2048, 8 blocks (fp32)", model, tokenizer)
 
 

@@ -5,7 +5,7 @@ code allocates by (`memory_parts`): score the blocks (kept residual streams), ca
 batch's activations, every boundary's statistics, and for `blocks` the hidden states and masks
 on the host), fit (the statistics, the fit's working matrices, every variant's kept maps and
 modules, a sweep's kept dense states), the held-out pass, and evaluate (perplexity and drift
-transients, the LM-head logits of one chunk). The plan is the largest phase on the compute
+transients and the LM-head logits of one chunk; then drift). The plan is the largest phase on the compute
 device and on the host. It then picks the calibration pipeline (`choose_pipeline`: the only
 place "auto" is resolved) and where the statistics live, and refuses, with one line naming the
 way out, what cannot fit.
@@ -234,8 +234,8 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     score = acts + r.score_streams * tokens * c * item
     eval_seqlen = r.eval_seqlen or r.seqlen
     logits = logits_bytes(config, r.eval_batch, eval_seqlen)
-    evaluate = evaluation_bytes(config, r.eval_batch, eval_seqlen, dtype) + logits \
-        + (drift_bytes(config, eval_seqlen, dtype) if r.drift else 0)
+    evaluate = evaluation_bytes(config, r.eval_batch, eval_seqlen, dtype) + logits
+    drift = drift_bytes(config, eval_seqlen, dtype) if r.drift else 0
     kept = kept_states_bytes(c, item, r.eval_tokens, r.kept_indices, r.kept_cap)
     hidden = (1 + 2 * r.boundaries) * r.sequences * r.seqlen * c * item
     held_hidden = (1 + 2 * r.boundaries) * r.heldout * r.seqlen * c * item
@@ -270,7 +270,8 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
                     "stats": stats + fit + maps + (per_boundary if r.sequential else 0)},
             "held-out": {"model": modules + kept + acts, "stats": stats_after + maps + rows,
                          "host": held_hidden if blocks else 0},
-            "evaluate": {"model": modules + kept + evaluate, "stats": stats_after + maps},
+            "evaluate": {"model": modules + kept + evaluate, "stats": stats_after},
+            "drift": {"model": modules + drift},
         }
         out = {}
         for phase, use in table.items():
