@@ -24,9 +24,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory_parts import (GIB, OperatorCost, activation_bytes, block_parameters, drift_bytes, dtype_bytes,
-                                       estimate_parameters, evaluation_bytes, fit_bytes, kept_bytes, kept_states_bytes,
-                                       logits_bytes, mask_bytes)
+from ghosted_core.memory_parts import (GIB, OperatorCost, activation_bytes, block_parameters, choice_bytes, drift_bytes,
+                                       dtype_bytes, estimate_parameters, evaluation_bytes, fit_bytes, kept_bytes,
+                                       kept_states_bytes, logits_bytes, mask_bytes)
 from ghosted_core.statistics import STATS_ITEM, StatNeeds, statistics_bytes
 
 HEADROOM = 0.9  # plan against 90% of what the device reports free
@@ -226,6 +226,7 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     depth_boundaries = r.boundaries if r.variant_boundaries is None else r.variant_boundaries
     stats_after = per_boundary * max(r.boundaries - depth_boundaries, 0)  # other depths' statistics, still alive
     fit = max((fit_bytes(op, config, r.candidates) for op in r.operators), default=0) if r.boundaries else 0
+    choice = max((choice_bytes(op, config, r.candidates) for op in r.operators), default=0) if r.boundaries else 0
     kept_parts = [kept_bytes(op, config, item) for op in r.operators]  # (map, module) per variant
     maps = depth_boundaries * sum(m for m, _ in kept_parts)
     modules = depth_boundaries * sum(m for _, m in kept_parts)
@@ -268,8 +269,9 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
             "calibrate": {"model": acts, "stats": stats, "host": (hidden + masks) if blocks else 0},
             "fit": {"model": modules + kept + (acts if r.sequential else 0),
                     "stats": stats + fit + maps + (per_boundary if r.sequential else 0)},
-            "held-out": {"model": modules + kept + acts, "stats": stats_after + maps + rows,
-                         "host": held_hidden if blocks else 0},
+            # the held-out pass: a fit's candidates are chosen while its statistics live, the final pass after
+            "held-out": {"model": modules + kept + acts, "host": held_hidden if blocks else 0,
+                         "stats": maps + rows + (stats + choice if choice else stats_after)},
             "evaluate": {"model": modules + kept + evaluate, "stats": stats_after},
             "drift": {"model": modules + drift},
         }

@@ -143,14 +143,19 @@ def _folds(config: PretrainedConfig) -> bool:
 
 
 def fit_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int) -> int:
-    """One fit's working memory: its C×C float64 matrices, its candidates, and a fold's float64 down_proj product."""
+    """One fit's working memory at its peak: its C×C float64 matrices (with every candidate solved so far),
+    or, for a fold, the update, T and the float64 down_proj with its product Tᵀ W_down, whichever is larger."""
     c = config.hidden_size
-    total = cost.fit_matrices * c * c * STATS_ITEM
-    if cost.candidates:
-        total += candidates * c * c * (STATS_ITEM + 4)
-    if cost.kept == "branch" and _folds(config):
-        total += 2 * c * config.intermediate_size * STATS_ITEM  # down_proj in float64, and Tᵀ W_down
-    return total
+    solving = (cost.fit_matrices + (candidates if cost.candidates else 0)) * c * c * STATS_ITEM
+    folding = 2 * c * c * STATS_ITEM + 2 * c * config.intermediate_size * STATS_ITEM \
+        if cost.kept == "branch" and _folds(config) else 0
+    return max(solving, folding)
+
+
+def choice_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int) -> int:
+    """Candidates alive while the held-out pass chooses among them: a float64 fit and a float32 map each."""
+    c = config.hidden_size
+    return candidates * c * c * (STATS_ITEM + 4) if cost.candidates else 0
 
 
 def kept_bytes(cost: OperatorCost, config: PretrainedConfig, item: int) -> tuple[int, int]:
