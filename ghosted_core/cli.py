@@ -22,6 +22,7 @@ from ghosted_core.export.folder import EXPORT_MODES, check_export, export_varian
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
 from ghosted_core.recovery.assessment import HELDOUT_FLAG, SHOWN, Diagnostics
+from ghosted_core.recovery.magcomp import MAGCOMP_FORMS
 from ghosted_core.recovery.operators import OPERATORS, FitOptions
 from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
 from ghosted_core.run.result import RunResult
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="absolute: the paper's ε; relative: ε = λ·tr(XᵀX)/C")
     p.add_argument("--epsilon", type=float, default=FitOptions.epsilon, help="absolute ridge ε")
     p.add_argument("--ridge_lambda", type=float, default=FitOptions.ridge_lambda, help="relative ridge λ")
+    p.add_argument("--magcomp_form", default=FitOptions.magcomp_form, choices=MAGCOMP_FORMS,
+                   help="magcomp's scalar: global = mean|X_post| / mean|X_pre| (issue 18), channel = the mean of "
+                        "per-channel ratios (Prune&Comp's code); _ordinary: attention-sink tokens left out")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per calibration forward pass")
     p.add_argument("--calibration_pipeline", default="auto", choices=["auto", *CALIBRATION_PIPELINES],
                    help="full: one forward per batch; blocks: hidden states on the CPU, one block at a time on the "
@@ -111,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_model", default=None, metavar="DIR",
                    help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
     p.add_argument("--export", default="auto", choices=EXPORT_MODES,
-                   help="format of --save_model: stock (plain transformers and serving engines; none and the "
-                        "replaceme family), remote_code (needs trust_remote_code=True; every operator), auto (stock "
+                   help="format of --save_model: stock (plain transformers and serving engines; "
+                        + ", ".join(name for name, spec in OPERATORS.items() if spec.stock)
+                        + "), remote_code (needs trust_remote_code=True; every operator), auto (stock "
                         "where the variant folds, remote_code otherwise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
@@ -176,7 +181,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         prompt=args.prompt,
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
         fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda,
-                       condition_number=args.diagnostics),
+                       magcomp_form=args.magcomp_form, condition_number=args.diagnostics),
         diagnostics=Diagnostics() if args.diagnostics else SHOWN,
         calibrate=CalibrationOptions(sink_rule=args.sink_rule, sink_ratio=args.sink_ratio, batch_size=args.batch_size,
                                      quiet=args.quiet, pipeline=args.calibration_pipeline,
