@@ -115,6 +115,7 @@ class PlanRequest:
     kept_cap: int = 0  # above this many bytes the sweep keeps no dense states
     drift: bool = False  # per-block drift on one window at a time
     sequential: bool = False  # +seq variants: one more boundary's statistics and a calibration batch while fitting
+    keep_heldout: bool = False  # the run may keep the held-out rows from the calibration pass (a single run does)
     pipeline: str = "auto"
     stats_device: str = "auto"
 
@@ -145,6 +146,7 @@ class MemoryPlan:
     hidden_cache_bytes: int  # `blocks`: every calibration sequence's hidden states (and open boundaries' copies) on the CPU
     mask_bytes: int  # `blocks`: the recorded attention masks (Gemma-3's sliding windows), T² per batch on the CPU
     kept_states_bytes: int  # a sweep's kept dense evaluation states, on the model's device
+    heldout_rows_bytes: int  # the held-out rows the calibration pass keeps (0: the held-out pass streams them again)
     evaluation_bytes: int  # one perplexity batch: the forward's transients and the LM head's logits chunk
     logits_bytes: int  # … of which the logits
     pipeline: str  # calibration pipeline chosen: full or blocks
@@ -241,6 +243,10 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     hidden = (1 + 2 * r.boundaries) * r.sequences * r.seqlen * c * item
     held_hidden = (1 + 2 * r.boundaries) * r.heldout * r.seqlen * c * item
     masks = mask_bytes(config, r.sequences, r.batch_size, r.seqlen, item)
+    # the held-out rows (x_pre, x_post, m) kept from the calibration pass when they cost no more than one
+    # boundary's statistics: the held-out pass then needs no forward
+    rows_per_boundary = r.heldout * r.seqlen * c * item * (2 + r.needs.branch)
+    held_rows = rows_per_boundary * r.boundaries if r.keep_heldout and 0 < rows_per_boundary <= per_boundary else 0
     gpu = device.startswith("cuda") or device == "map" and (device_available is not None or torch.cuda.is_available())
     if host_available is None:
         host_available = available_bytes("cpu")
@@ -266,11 +272,12 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
             parts = {"model": on_device, "host": weights if blocks or device == "map" else 0, "stats": 0}
         table = {
             "score blocks": {"model": score},
-            "calibrate": {"model": acts, "stats": stats, "host": (hidden + masks) if blocks else 0},
-            "fit": {"model": modules + kept + (acts if r.sequential else 0),
+            "calibrate": {"model": acts + held_rows, "stats": stats, "host": (hidden + masks) if blocks else 0},
+            "fit": {"model": modules + kept + held_rows + (acts if r.sequential else 0),
                     "stats": stats + fit + maps + (per_boundary if r.sequential else 0)},
             # the held-out pass: a fit's candidates are chosen while its statistics live, the final pass after
-            "held-out": {"model": modules + kept + acts, "host": held_hidden if blocks else 0,
+            "held-out": {"model": modules + kept + (held_rows if held_rows else acts),
+                         "host": held_hidden if blocks and not held_rows else 0,
                          "stats": maps + rows + (stats + choice if choice else stats_after)},
             "evaluate": {"model": modules + kept + evaluate, "stats": stats_after},
             "drift": {"model": modules + drift},
@@ -301,5 +308,6 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     peak_phase = max(table, key=lambda p: (table[p]["device"], table[p]["host"]) if gpu else table[p]["host"])
     return MemoryPlan(name, device, str(dtype).removeprefix("torch."), params, weights, c, tokens, acts, r.boundaries,
                       r.needs.describe(), r.sink_capacity, per_boundary, stats, fit, maps + modules,
-                      hidden if blocks else 0, masks if blocks else 0, kept, evaluate, logits, pipeline, stats_device,
+                      hidden if blocks else 0, masks if blocks else 0, kept, held_rows, evaluate, logits, pipeline,
+                      stats_device,
                       device_peak if gpu else 0, host_peak, device_available, host_available, table, peak_phase)

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.statistics import BoundaryStats
-from ghosted_core.calibration.collect import collect_boundary_stats
+from ghosted_core.calibration.collect import HeldoutRows, collect_boundary_stats
 from ghosted_core.recovery.heldout import measure_errors
 from ghosted_core.model.loading import decoder_blocks, module_device
 from ghosted_core.recovery.assessment import BoundaryMap, Diagnostics, FitReport, assess
@@ -106,14 +106,15 @@ def _with_heldout(report: FitReport, errors) -> FitReport:
 
 
 def choose_fit(dense: PreTrainedModel, fit: Fit, batches, options: RunOptions, source: PreTrainedModel | None = None,
-               source_start: int | None = None) -> Fit:
+               source_start: int | None = None, kept: HeldoutRows | None = None) -> Fit:
     """A fit that carries candidates (replaceme_keepsink: one per number of sink directions) becomes the
     candidate with the lowest held-out boundary error. Time: one held-out pass up to the boundary for
-    all candidates (one per candidate for a sequential fit); memory: the candidates' C×C updates."""
+    all candidates (none with `kept` rows; one per candidate for a sequential fit); memory: the
+    candidates' C×C updates."""
     if not fit.candidates:
         return fit
     if source is None:
-        errors = measure_errors(dense, list(fit.candidates), batches, options.calibrate)
+        errors = measure_errors(dense, list(fit.candidates), batches, options.calibrate, kept=kept)
     else:
         errors = [measure_errors(dense, [c], batches, options.calibrate, source, source_start)[0] for c in fit.candidates]
     return choose_by_heldout(fit, errors)
@@ -169,9 +170,10 @@ class VariantBuild:
 
 
 def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[VariantSpec],
-                 stats: list[BoundaryStats | None], batches,
-                 options: RunOptions) -> tuple[dict[str, list[FitReport]], dict[str, PreTrainedModel]]:
-    """Fit every variant at every boundary, build the variants, then measure held-out errors in one pass.
+                 stats: list[BoundaryStats | None], batches, options: RunOptions,
+                 kept: HeldoutRows | None = None) -> tuple[dict[str, list[FitReport]], dict[str, PreTrainedModel]]:
+    """Fit every variant at every boundary, build the variants, then measure held-out errors in one pass
+    (no pass with the `kept` rows of the calibration pass, for the independent fits).
 
     Memory: boundary by boundary, every fit that reads a boundary's statistics is made, realized
     as its module and compacted (`BoundaryMap`), then that entry of `stats` is set to None (the
@@ -184,7 +186,8 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     for k in range(len(stats)):
         for variant in variants:
             if not variant.sequential or k == 0:
-                fit = choose_fit(dense, get_operator(variant.operator).fit(stats[k], options.fit), batches, options)
+                fit = choose_fit(dense, get_operator(variant.operator).fit(stats[k], options.fit), batches, options,
+                                 kept=kept)
                 builds[variant.name].add(dense, fit, stats[k], report_detail(options))
                 del fit
         if k > 0 or not sequential:
@@ -205,7 +208,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
             del boundary_stats
             errors = measure_errors(dense, [build.maps[k]], batches, options.calibrate, view, source_start)[0]
             build.reports[k] = _with_heldout(build.reports[k], errors)
-    measured = measure_errors(dense, [b.maps[k] for b, k in independent], batches, options.calibrate)
+    measured = measure_errors(dense, [b.maps[k] for b, k in independent], batches, options.calibrate, kept=kept)
     for (build, k), errors in zip(independent, measured):
         build.reports[k] = _with_heldout(build.reports[k], errors)
     reports = {name: b.reports for name, b in builds.items()}

@@ -181,7 +181,8 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
         eval_seqlen=options.eval_seqlen, eval_tokens=len(options.eval_corpora) * per_corpus,
         kept_indices=len(chosen) if depths else 0, kept_cap=kept_cap,
         drift=not depths and options.drift_windows > 0 and bool(options.eval_corpora),
-        sequential=any(v.sequential for v in options.variants), pipeline=cal.pipeline, stats_device=cal.stats_device)
+        sequential=any(v.sequential for v in options.variants), keep_heldout=not depths and options.heldout > 0,
+        pipeline=cal.pipeline, stats_device=cal.stats_device)
 
 
 def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None, boundaries: int | None = None,
@@ -219,14 +220,16 @@ def planned(options: RunOptions, loaded: LoadedModel | None = None, boundaries: 
 
 
 def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
-    """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
+    """Options with the plan's calibration pipeline, whether the held-out rows are kept, and, on a GPU, its
+    statistics device."""
     cal = options.calibrate
     stats_device = plan.stats_device if cal.stats_device == "auto" and plan.device != "cpu" else cal.stats_device
     compute = cal.compute_device
     if plan.pipeline == "blocks" and compute is None and plan.device.startswith("cuda"):
         compute = plan.device
-    return dataclasses.replace(options, calibrate=dataclasses.replace(cal, pipeline=plan.pipeline,
-                                                                      stats_device=stats_device, compute_device=compute))
+    return dataclasses.replace(options, calibrate=dataclasses.replace(
+        cal, pipeline=plan.pipeline, stats_device=stats_device, compute_device=compute,
+        keep_heldout=plan.heldout_rows_bytes > 0))
 
 
 OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 
 from ghosted_core.data import corpora
-from ghosted_core.calibration.collect import collect_stats, make_batches
+from ghosted_core.calibration.collect import HeldoutRows, collect_stats, make_batches
 from ghosted_core.evaluation.perplexity import block_drift, perplexity
 from ghosted_core.evaluation.generation import generate
 from ghosted_core.memory_parts import min_calibration_sequences
@@ -86,11 +86,12 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
         result.memory_plan = memory_plan(options, dense.config, *model_placement(dense), len(plan.boundaries),
                                          resident=resident_bytes(dense))  # the boundaries it made, as placed
         needs = needs_of(v.operator for v in options.variants)
-        stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
+        kept = HeldoutRows() if options.calibrate.keep_heldout else None  # the held-out rows, from this same pass
+        stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs, heldout=kept)
         yield done("calibrate")
         check_stop(should_stop, "fit operators")
-        reports, models = fit_variants(dense, plan, options.variants, stats, batches, options)
-        del stats  # every entry was released as soon as its fits existed
+        reports, models = fit_variants(dense, plan, options.variants, stats, batches, options, kept)
+        del stats, kept  # every statistic was released as soon as its fits existed; the rows once measured
         for variant in options.variants:
             result.fits[variant.name] = reports[variant.name]
             result.notes += [f"{variant.name}, boundary {r.boundary}: {note}"
