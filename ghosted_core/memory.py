@@ -272,7 +272,8 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
             parts = {"model": on_device, "host": weights if blocks or device == "map" else 0, "stats": 0}
         table = {
             "score blocks": {"model": score},
-            "calibrate": {"model": acts + held_rows, "stats": stats, "host": (hidden + masks) if blocks else 0},
+            "calibrate": {"model": acts + held_rows, "stats": stats,  # kept rows: the held-out sequences join it
+                          "host": hidden + masks + (held_hidden if held_rows else 0) if blocks else 0},
             "fit": {"model": modules + kept + held_rows + (acts if r.sequential else 0),
                     "stats": stats + fit + maps + (per_boundary if r.sequential else 0)},
             # the held-out pass: a fit's candidates are chosen while its statistics live, the final pass after
