@@ -22,7 +22,7 @@ from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
-from ghosted_core.recovery.assessment import HELDOUT_FLAG
+from ghosted_core.recovery.assessment import HELDOUT_FLAG, SHOWN, Diagnostics
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS
 from ghosted_core.recovery.operators import OPERATORS, FitOptions
 from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sink_capacity", type=int, default=None,
                    help="attention-sink token rows kept per boundary (default 4 per calibration sequence, at least 64); "
                         "more spill into C×C moments with a warning")
+    p.add_argument("--diagnostics", action="store_true",
+                   help="also compute, per fit, its condition number, singular values and calibration-token boundary "
+                        "errors (results.json; O(C³) each, off by default: the summary shows none of them)")
     p.add_argument("--outdir", default="out", help="folder for results.json")
     p.add_argument("--save_model", default=None, metavar="DIR",
                    help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
@@ -179,7 +182,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         prompt=args.prompt,
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
         fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda,
-                       magcomp_form=args.magcomp_form),
+                       magcomp_form=args.magcomp_form, condition_number=args.diagnostics),
+        diagnostics=Diagnostics() if args.diagnostics else SHOWN,
         calibrate=CalibrationOptions(sink_rule=args.sink_rule, sink_ratio=args.sink_ratio, batch_size=args.batch_size,
                                      quiet=args.quiet, pipeline=args.calibration_pipeline,
                                      stats_device=args.stats_device, sink_capacity=args.sink_capacity,

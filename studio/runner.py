@@ -17,6 +17,7 @@ from ghosted_core.model.embedded import needs_conversion
 from ghosted_core.model.loading import LoadedModel, LoadOptions
 from ghosted_core.plan import MAX_BLOCKS
 from ghosted_core.recovery.operators import OPERATORS
+from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.run.options import SEED_LIMIT, SEQUENTIAL_SUFFIX, RunOptions, parse_variants, validate
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run_stages
@@ -74,6 +75,7 @@ def build_options(model: str, criterion: str, depth: float, manual_blocks: str, 
         prompt=guard.text(prompt, "Prompt", guard.PROMPT_CHARS).strip() or None,
         generation=GenerationOptions(max_new_tokens=guard.whole(new_tokens, "New tokens", 1, NEW_TOKENS[1]), seed=seed),
         calibrate=CalibrationOptions(quiet=False),
+        diagnostics=Diagnostics(fit_errors=False, singular_values=True),  # the structure chart shows them
     )
 
 

@@ -69,6 +69,24 @@ class LoadedModel:
         return int(self.model.config.hidden_size)
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module computes: its execution device under accelerate, else its first tensor's device."""
+    hook = getattr(module, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)
+    for tensor in module.parameters():
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def model_placement(model: PreTrainedModel) -> tuple[str, torch.dtype]:
+    """(device, dtype) of a loaded model as the memory plan names them: "map" when accelerate spread it."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "map", model.dtype
+    return str(module_device(model.model.embed_tokens)), model.dtype
+
+
 def decoder_blocks(model: PreTrainedModel) -> nn.ModuleList:
     """The list of decoder blocks of a supported causal LM."""
     check_supported(model.config)

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from transformers import AutoConfig, PretrainedConfig
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.planning.estimate import DeviceInfo, MemoryEstimate, TimeEstimate, current_device, estimate_memory, \
+from ghosted_core.memory import MemoryPlan
+from ghosted_core.planning.estimate import DeviceInfo, TimeEstimate, current_device, estimate_memory, \
     estimate_time, gpu_duration
 from ghosted_core.hub import hub_reachable
 from ghosted_core.memory import HEADROOM
-from ghosted_core.memory import estimate_parameters
+from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.model.loading import peek_config
 from ghosted_core.run.options import RunOptions
 
@@ -148,7 +149,7 @@ class PresetStatus:
     preset: Preset
     available: bool
     reason: str  # empty when available
-    memory: MemoryEstimate
+    memory: MemoryPlan
     seconds: TimeEstimate
     device: DeviceInfo
 
@@ -169,7 +170,7 @@ def preset_status(preset: Preset, options: RunOptions = RunOptions(), device: De
     config = preset.config()
     memory = estimate_memory(config, options, depths, device)
     seconds = estimate_time(config, options, device, depths)
-    plan = memory.plan
+    plan = memory
     model_bytes = plan.weights_bytes + plan.activation_bytes + plan.logits_bytes  # evaluation runs it on the device
     reason = ""
     if not online:

@@ -48,9 +48,9 @@ from ghosted_core.model.loading import LoadedModel, load_model, max_positions, p
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.plan import Boundary, PruningPlan, check_block_number
-from ghosted_core.memory import MemoryPlan, max_boundaries
+from ghosted_core.memory import MemoryPlan
 from ghosted_core.oom import guard_stages
-from ghosted_core.run.options import RunOptions, planned, validate
+from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, planned, validate
 from ghosted_core.run.pipeline import calibration_batches, corpus_entry, window_counts
 from ghosted_core.run.result import fit_json, run_json
 from ghosted_core.run.fitting import fit_variants
@@ -59,7 +59,6 @@ from ghosted_core.stopping import StopCheck, check_stop
 
 log = logging.getLogger(__name__)
 
-PREFIX_CACHE_BYTES = 2 * 2**30  # default cap on the kept dense evaluation states
 
 
 def parse_depths(text: str) -> tuple[int, ...]:
@@ -251,9 +250,7 @@ def _sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedMode
         config = peek_config(options.model, options.load.local_folders)  # refuse bad depths and lengths before loading weights
         check_sweep(options, chosen, config.num_hidden_layers, max_positions(config))
     # The statistics of every depth live at once: plan for the boundaries of all depths together.
-    layers = loaded.num_layers if loaded is not None else config.num_hidden_layers
-    boundaries = sum(max_boundaries(options.criterion, layers, n, options.layers) for n in chosen)
-    options, result.memory_plan = planned(options, loaded, boundaries)
+    options, result.memory_plan = planned(options, loaded, depths=chosen)
     result.options = options
     if loaded is None:
         loaded = load_model(options.model, options.load)
