@@ -195,7 +195,8 @@ def record_block_inputs(model: PreTrainedModel, batch, upto: int) -> tuple[torch
 
     stop = layers[upto] if upto < len(layers) else model.model.norm
 
-    def halt(_module, _args, _kwargs):
+    def halt(_module, _args, _kwargs=None):  # torch registers a kwargs hook in two steps: another thread's forward
+        # may call it between them without kwargs
         if threading.get_ident() == owner:
             raise StopForward
 
