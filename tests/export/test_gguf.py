@@ -28,7 +28,7 @@ from ghosted_core.recovery.operators import FitOptions, get_operator
 from ghosted_core.run.fitting import build_recovered
 from ghosted_core.run.options import VariantSpec
 from ghosted_core.plan import PruningPlan
-from test_export import fresh_env
+from fresh_process import fresh_env
 
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 NEW_TOKENS = 24  # the issue asks for at least 16
