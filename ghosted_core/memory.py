@@ -6,7 +6,8 @@ It adds up, with the same formulas the code allocates by:
   attention scores, the MLP's intermediate), the captured residuals, and the accumulators'
   float64 working copies;
 - the statistics: `statistics.statistics_bytes` per boundary × boundaries, plus the fit-time
-  solve (four C×C float64 matrices);
+  solve (four C×C float64 matrices; with the down_proj refit also two I×I float64 matrices, its
+  right-hand side and its candidates' I×C float32 updates);
 - the LM-head logits of one perplexity chunk (float32, chunked by `LOGITS_BUDGET`);
 - for the `blocks` pipeline, the hidden states of every calibration sequence held on the CPU.
 It then picks where the statistics live and which calibration pipeline runs ("auto"), and
@@ -22,11 +23,13 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PretrainedConfig
 
+from ghosted_core.architectures import ARCHITECTURES
 from ghosted_core.errors import GhostedError
 from ghosted_core.statistics import STATS_ITEM, StatNeeds, statistics_bytes
 
 HEADROOM = 0.9  # plan against 90% of what the device reports free
 FIT_MATRICES = 4  # C×C float64 at fit time: assembled Gram and cross matrices, the regularized copy, the solution
+REFIT_CANDIDATES = 10  # the refit's (λ, k) candidates held until the held-out pass (FitOptions' defaults: 2 × 5)
 GIB = 2**30
 LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once, per perplexity chunk
 
@@ -86,10 +89,24 @@ def check_fits(config: PretrainedConfig, device: str, dtype: torch.dtype, name: 
         )
 
 
+def inner_width(config: PretrainedConfig, needs: StatNeeds) -> int:
+    """I, when the down_proj refit's statistics are collected for this family (0 otherwise)."""
+    arch = ARCHITECTURES.get(getattr(config, "model_type", None))
+    return int(config.intermediate_size) if needs.inner and arch is not None and arch.branch_folds_into_down_proj else 0
+
+
+def fit_bytes(width: int, inner: int) -> int:
+    """The fit-time solve: four C×C float64 matrices; a refit adds two I×I and one I×C float64 matrices and
+    its candidates' I×C float32 updates."""
+    refit = (2 * inner * inner + inner * width) * STATS_ITEM + REFIT_CANDIDATES * inner * width * 4 if inner else 0
+    return FIT_MATRICES * width * width * STATS_ITEM + refit
+
+
 def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: torch.dtype, residuals: int,
-                     branches: int) -> int:
+                     branches: int, inners: int = 0) -> int:
     """One calibration batch of `tokens` (= sequences × seqlen): the forward's transient tensors and
-    what the capture and the accumulators hold (grows with tokens·C, and tokens·seqlen·heads)."""
+    what the capture and the accumulators hold (grows with tokens·C, tokens·I for refits, and
+    tokens·seqlen·heads)."""
     c, item = config.hidden_size, dtype_bytes(dtype)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or c // heads
@@ -97,7 +114,9 @@ def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: 
     forward = tokens * item * (4 * c + (heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size)
     scores = tokens * seqlen * heads * item  # (B, H, T, T) when attention materializes its scores
     captured = (residuals + branches) * tokens * c * item  # (B, T, C) per captured index
+    captured += inners * tokens * config.intermediate_size * item  # (B, T, I) per captured down_proj input
     working = 3 * tokens * c * STATS_ITEM  # x_pre, Δ, m as float64 (T, C) in the accumulator
+    working += tokens * config.intermediate_size * STATS_ITEM if inners else 0  # a as float64 (T, I)
     return forward + scores + captured + working
 
 
@@ -201,10 +220,12 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     params = estimate_parameters(config)
     weights = params * item
     tokens = min(batch_size, max(sequences, 1)) * seqlen
-    per_boundary = statistics_bytes(c, needs, sink_capacity)
+    inner = inner_width(config, needs)
+    per_boundary = statistics_bytes(c, needs, sink_capacity, inner_width=inner)
     stats = per_boundary * boundaries
-    fit = FIT_MATRICES * c * c * STATS_ITEM if boundaries else 0
-    acts = activation_bytes(config, tokens, seqlen, dtype, 2 * boundaries, boundaries * needs.branch)
+    fit = fit_bytes(c, inner) if boundaries else 0
+    acts = activation_bytes(config, tokens, seqlen, dtype, 2 * boundaries, boundaries * needs.branch,
+                            boundaries * bool(inner))
     hidden = (1 + 2 * boundaries) * sequences * seqlen * c * item
     logits = logits_bytes(config, eval_batch, eval_seqlen or seqlen)
     gpu = device.startswith("cuda") or device == "map" and (device_available is not None or torch.cuda.is_available())

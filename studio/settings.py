@@ -10,6 +10,7 @@ from pathlib import Path
 from ghosted_core.planning.advice import default_depth
 from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED
 from ghosted_core.planning.presets import gpu_seconds
+from ghosted_core.run.options import DEFAULT_VARIANTS
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
@@ -26,7 +27,7 @@ class Defaults:
     model: str = DEFAULT_MODEL
     criterion: str = "streamline"
     depth: int = default_depth(EMBEDDED[DEFAULT_MODEL].num_layers)  # blocks removed: a quarter of them (7 of 30)
-    operators: tuple[str, ...] = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
+    operators: tuple[str, ...] = DEFAULT_VARIANTS  # ghost_capped beside the best stock operator (magcomp_refit)
     calibration: str = "mix"  # broad stand-in for C4
     samples: int = 12  # calibration sequences (the paper: 128); 3072 tokens, over 5× the width of SmolLM2
     seqlen: int = 256  # calibration and perplexity window length (the paper: 2048)

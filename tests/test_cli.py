@@ -232,7 +232,7 @@ def test_sweep_of_smollm2_from_the_command_line(tmp_path):
     sweep = results["sweep"]
     assert sweep["depths"] == [2, 4, 6, 8, 10] and sweep["statistics"]["calibration_passes"] == 1
     assert [len(entry["removed_layers"]) for entry in sweep["results"]] == [2, 4, 6, 8, 10]
-    assert sweep["variants"] == ["none", "diag", "rotate", "ghost", "ghost_capped", "replaceme"]
+    assert sweep["variants"] == ["none", "diag", "rotate", "ghost", "ghost_capped", "magcomp_refit"]
     rows = [line.split() for line in done.stdout.splitlines() if line[:1].isdigit()]
     assert len(rows) == 1 + 5 * 6  # dense, then depth × operator
     for entry in sweep["results"]:

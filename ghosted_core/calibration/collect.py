@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES, get_pipeline
-from ghosted_core.calibration.capture import capture, run_forward
+from ghosted_core.calibration.capture import capture, inner_folds, run_forward
 from ghosted_core.errors import GhostedError
 from ghosted_core.plan import Boundary
 from ghosted_core.statistics import ALL_NEEDS, PRODUCT_DTYPES, BoundarySums, BoundaryStats, StatNeeds
@@ -149,8 +149,9 @@ class BoundaryAccumulator:
         self.capacity = options.capacity(sequences)
         self.sums: BoundarySums | None = None
 
-    def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None, valid: torch.Tensor) -> None:
-        """One batch: x_pre, x_post, branch (B, T, C), valid (B, T) bool (False = padding)."""
+    def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None, valid: torch.Tensor,
+            inner: torch.Tensor | None = None) -> None:
+        """One batch: x_pre, x_post, branch (B, T, C), valid (B, T) bool (False = padding), inner (B, T, I)."""
         if self.sums is None:
             device = resolve_stats_device(self.options, x_pre.device)
             self.sums = BoundarySums(self.boundary, x_pre.shape[-1], device, self.needs, self.capacity,
@@ -169,7 +170,8 @@ class BoundaryAccumulator:
             def pick(t: torch.Tensor) -> torch.Tensor:
                 return t[valid]
         branch = None if branch is None else pick(branch.to(x_pre.device))
-        self.sums.add(pick(x_pre), pick(x_post), branch, pick(sinks), pick(cap))
+        inner = None if inner is None else pick(inner.to(x_pre.device))
+        self.sums.add(pick(x_pre), pick(x_post), branch, pick(sinks), pick(cap), inner)
 
     def nbytes(self) -> int:
         return 0 if self.sums is None else self.sums.nbytes()
@@ -198,12 +200,12 @@ def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batche
     if accumulators is not None:
         accumulators.extend(live)
 
-    def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch) -> None:
-        live[k].add(x_pre, x_post, branch, valid_mask(batch))
+    def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch, inner) -> None:
+        live[k].add(x_pre, x_post, branch, valid_mask(batch), inner)
 
     compute = None if options.compute_device is None else torch.device(options.compute_device)
     get_pipeline(pipeline_name(options)).run(dense, list(boundaries), needs.branch, fit_batches, consume, compute,
-                                             options.quiet)
+                                             options.quiet, needs.inner)
     stats = [acc.freeze() for acc in live]
     for s in stats:
         for note in s.notes:
@@ -218,12 +220,14 @@ def collect_boundary_stats(source: PreTrainedModel, source_start: int, dense: Pr
     and the target X_post from the dense model (the sequential fit; two `full` forwards per batch)."""
     fit_batches = [b for b in batches if not b.heldout]
     acc = BoundaryAccumulator(boundary, options, needs, sum(len(b.input_ids) for b in fit_batches))
-    branches = {source_start - 1} if boundary.start > 0 and needs.branch else set()
+    before = {source_start - 1} if boundary.start > 0 else set()
+    branches = before if needs.branch else set()
+    inners = before if needs.inner and inner_folds(source) else set()
     for batch in tqdm(fit_batches, desc=f"calibrate {boundary} (sequential)", disable=options.quiet, leave=False):
         with capture(dense, {boundary.end}) as target:
             run_forward(dense, batch.input_ids, batch.attention_mask)
-        with capture(source, {source_start}, branches) as seen:
+        with capture(source, {source_start}, branches, inners=inners) as seen:
             run_forward(source, batch.input_ids, batch.attention_mask)
         acc.add(seen[("residual", source_start)], target[("residual", boundary.end)],
-                seen.get(("branch", source_start - 1)), valid_mask(batch))
+                seen.get(("branch", source_start - 1)), valid_mask(batch), seen.get(("inner", source_start - 1)))
     return acc.freeze()

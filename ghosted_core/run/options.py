@@ -18,7 +18,7 @@ from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.generation import GenerationOptions
-from ghosted_core.memory import MemoryPlan, max_boundaries, min_calibration_sequences, plan_memory
+from ghosted_core.memory import MemoryPlan, inner_width, max_boundaries, min_calibration_sequences, plan_memory
 from ghosted_core.model.embedded import DEFAULT_MODEL
 from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_options, peek_config, resolve_device, resolve_dtype
 from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 SEQUENTIAL_SUFFIX = "+seq"
-DEFAULT_VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
+# the paper's baselines, the recommended ghost_capped and the best stock operator beside it (docs/results.md)
+DEFAULT_VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "magcomp_refit")
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,10 @@ def loaded_placement(model: PreTrainedModel) -> tuple[str, object]:
 OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]
 
 
-def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool = True) -> int:
-    """Bytes one boundary's accumulator allocates for the operators `options` asks for."""
+def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool = True, config=None) -> int:
+    """Bytes one boundary's accumulator allocates for the operators `options` asks for (`config`: the model's,
+    for the down_proj refit's I×I statistics; without it they are not counted)."""
     needs = needs_of(v.operator for v in options.variants)
     sequences = options.train_size or min_calibration_sequences(width, options.seqlen)
-    return statistics_bytes(width, needs, options.calibrate.capacity(sequences), branch)
+    inner = 0 if config is None else inner_width(config, needs)
+    return statistics_bytes(width, needs, options.calibrate.capacity(sequences), branch, inner)

@@ -269,7 +269,8 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     # One pass for every depth. Memory: distinct boundaries × one boundary's statistics (O(C²) float64).
     uses = Counter(b for plan in result.plans.values() for b in plan.boundaries)
     boundaries = sorted(uses, key=lambda b: (b.end, b.start))
-    estimated = sum(statistics_bytes_per_boundary(result.hidden_size, options, b.start > 0) for b in boundaries)
+    estimated = sum(statistics_bytes_per_boundary(result.hidden_size, options, b.start > 0, dense.config)
+                    for b in boundaries)
     log.info("calibrating %d distinct boundaries for depths %s in one pass: statistics of about %.0f MiB",
              len(boundaries), list(chosen), estimated / 2**20)
     check_stop(should_stop, "calibrate")

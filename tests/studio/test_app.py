@@ -236,7 +236,8 @@ def test_widget_choices_come_from_the_registries():
     from ghosted_core.run.options import OPERATOR_CHOICES
 
     assert set(OPERATORS) <= set(OPERATOR_CHOICES)
-    assert set(settings.DEFAULTS.operators) >= {"none", "diag", "rotate", "ghost", "ghost_capped", "replaceme"}
+    # the paper's baselines, ghost_capped and the best stock operator beside it (issue 18)
+    assert set(settings.DEFAULTS.operators) >= {"none", "diag", "rotate", "ghost", "ghost_capped", "magcomp_refit"}
     assert [name for _, name in layout.corpus_choices("evaluation")] == corpora.corpus_names()
 
 
