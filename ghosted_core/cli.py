@@ -19,6 +19,7 @@ from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
+from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES, export_gguf, find_llamacpp
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
 from ghosted_core.recovery.assessment import HELDOUT_FLAG
@@ -108,11 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outdir", default="out", help="folder for results.json")
     p.add_argument("--save_model", default=None, metavar="DIR",
                    help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
-    p.add_argument("--export", default="auto", choices=EXPORT_MODES,
+    p.add_argument("--export", default="auto", choices=[*EXPORT_MODES, GGUF_FORMAT],
                    help="format of --save_model: stock (plain transformers and serving engines; "
                         + ", ".join(name for name, spec in OPERATORS.items() if spec.stock)
                         + "), remote_code (needs trust_remote_code=True; every operator), auto (stock "
-                        "where the variant folds, remote_code otherwise)")
+                        "where the variant folds, remote_code otherwise), gguf (stock plus a GGUF written by "
+                        "llama.cpp's converter; needs `make llamacpp`)")
+    p.add_argument("--gguf_type", default="f16", choices=GGUF_OUTTYPES, help="GGUF weights for --export gguf")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
                    help="auto (cuda if present, else cpu), cpu, cuda, cuda:N, or map (accelerate: GPUs, then CPU, "
@@ -306,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         if is_sweep(args) and args.save_model:
             raise GhostedError("--save_model saves the variants of one depth; run a single --total_num_prune to save")
         if args.save_model:
-            check_export([v.operator for v in options.variants], args.export)
+            check_export([v.operator for v in options.variants], "stock" if args.export == GGUF_FORMAT else args.export)
+            if args.export == GGUF_FORMAT:
+                find_llamacpp()  # refused before the run, not after it
         result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -325,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(result))
     if args.save_model:
         try:
-            report["exports"] = save_variants(result, Path(args.save_model), args.export)
+            report["exports"] = save_variants(result, Path(args.save_model), args.export, args.gguf_type)
         except GhostedError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -334,12 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def save_variants(result: RunResult, folder: Path, mode: str) -> dict[str, dict]:
-    """Export every pruned variant to folder/<variant>, saying in which format and why."""
+def save_variants(result: RunResult, folder: Path, mode: str, gguf_type: str = "f16") -> dict[str, dict]:
+    """Export every pruned variant to folder/<variant>, saying in which format and why (gguf: stock + its GGUF)."""
     exports = {}
     for name, model in result.models.items():
         if name != "dense":
-            done = export_variant(model, result.tokenizer, folder / name, mode)
+            if mode == GGUF_FORMAT:
+                done = export_gguf(model, result.tokenizer, folder / name, gguf_type)
+            else:
+                done = export_variant(model, result.tokenizer, folder / name, mode)
             exports[name] = done.to_json()
-            print(f"saved {name} as {done.mode} ({done.reason}): {done.folder}")
+            gguf = f" and {done.gguf.name}" if done.gguf is not None else ""
+            print(f"saved {name} as {done.mode}{gguf} ({done.reason}): {done.folder}")
     return exports

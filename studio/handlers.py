@@ -11,17 +11,13 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-import zipfile
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import gradio as gr
 
 from ghosted_core.planning.advice import Advice, default_depth
 from ghosted_core.errors import GhostedError
-from ghosted_core.export.folder import upload_export
-from ghosted_core.hub import hub_reachable
 from ghosted_core.stopping import RunStopped
 from ghosted_core.run.sweep import check_sweep, parse_depths
 from studio.cache import model_shape, num_blocks
@@ -29,7 +25,9 @@ from studio.history import add_run, settings_of
 from studio.presets_view import find_preset, preset_note
 from studio.runner import QuickTasks, build_options, build_request, check_options, run_job, run_sweep_job, \
     settings_advice
+from ghosted_core.hub import hub_reachable
 from studio.runs import RUNS, ActiveRun
+from studio.saved import SAVED
 from studio.user_input import corpora_with_text, read_user_text
 from studio.settings import DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP
 from studio.status import NOTHING_SHOWN, advice_lines, complete_status, failed_status, refused_status, \
@@ -47,7 +45,8 @@ def on_submit() -> tuple[float, str]:
 def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str], calibration: str,
            samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
            new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
-           export_format: str = "auto", mode: str = "single depth", depths: str = "2:10:2", your_text: str | None = None,
+           export_format: str = "auto", gguf_type: str = "f16", mode: str = "single depth", depths: str = "2:10:2",
+           your_text: str | None = None,
            your_file: str | None = None, text_use: str = "evaluation", submitted: float | None = None,
            shown: dict | None = None, history: list[dict] | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
@@ -63,12 +62,13 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
                                         evals, eval_tokens, prompt, new_tokens), user_text=text)
         quick = QuickTasks(bool(tasks_on), tuple(task_names or ()), int(task_examples))
-        job = build_request(options, quick, save_variant, export_format, mode, depths)
+        job = build_request(options, quick, save_variant, export_format, mode, depths, gguf_type)
         stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
     except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
         yield as_outputs({"status": refused_status(page_message(err), shown)})
         raise gr.Error(page_message(err), duration=TOAST_SECONDS) from err
-    run = RUNS.start(request.session_hash if request else "", stages)
+    session = request.session_hash if request else ""
+    run = RUNS.start(session, stages)
     run.settings = settings
     report: dict = {}
     try:
@@ -76,8 +76,10 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         yield as_outputs(blank_outputs(running_status(stages[0], 0, len(stages), 0.0, None, advice, queued))
                          | {"shown": NOTHING_SHOWN})
         with tempfile.TemporaryDirectory(prefix="ghosted-run-") as folder:  # removed when the run ends or is stopped
+            keep = str(SAVED.new_folder(session)) if job.save_variant and not job.sweep else None  # for the push
             updates = (run_sweep_job(job.options, job.depths, run.stop.is_set) if job.sweep else
-                       run_job(job.options, job.quick, job.save_variant, folder, run.stop.is_set, job.export_format))
+                       run_job(job.options, job.quick, job.save_variant, folder, run.stop.is_set, job.export_format,
+                               job.gguf_type, keep))
             for done, (stage, report) in enumerate(updates, start=1):
                 run.done, run.report = done, report
                 elapsed = time.perf_counter() - start
@@ -203,30 +205,6 @@ def on_history_select(history: list[dict] | None, event: gr.SelectData) -> tuple
     if settings is None:
         return tuple(gr.skip() for _ in SETTING_NAMES)
     return tuple(gr.update(value=settings[name]) if name in settings else gr.skip() for name in SETTING_NAMES)
-
-
-def upload_available() -> tuple[bool, str]:
-    """Whether the Hub upload control is on here, and the note beside it."""
-    if hub_reachable():
-        return True, ("Paste a Hugging Face **write** token to upload the downloaded folder, with its model card, to "
-                      "a new model repo. The token is used for this upload only: never logged, stored or shown again.")
-    return False, ("Uploading to the Hugging Face Hub is **off**: the Hub cannot be reached from this machine. "
-                   "Download the zip above instead.")
-
-
-def on_upload(model_file: str | None, repo_id: str, token: str) -> tuple[str, str]:
-    """Upload the saved model's folder to a new Hub repo; the token box is cleared whatever happens."""
-    try:
-        if not model_file or not Path(model_file).is_file():
-            raise GhostedError("save a model first: choose a variant under 'Save a recovered model' and run")
-        with tempfile.TemporaryDirectory(prefix="ghosted-upload-") as folder:
-            with zipfile.ZipFile(model_file) as archive:
-                archive.extractall(folder)
-            exported = next(p for p in Path(folder).iterdir() if p.is_dir())
-            url = upload_export(exported, (repo_id or "").strip(), token or "")
-    except GhostedError as err:
-        return f"**Upload refused:** {page_message(err)}", ""
-    return f"Uploaded to {url}", ""
 
 
 def depth_info(layers: int) -> str:

@@ -12,10 +12,12 @@ from ghosted_core.selection.criteria import CRITERIA
 from ghosted_core.evaluation.tasks import TASKS
 from studio.cache import num_blocks
 from ghosted_core.export.folder import EXPORT_MODES
+from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES
 from ghosted_core.recovery.operators import OPERATORS
 from studio.outputs import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES
 from studio.handlers import depth_info, model_note, on_criterion_change, on_history_select, on_mode_change, \
-    on_model_change, on_run, on_settings_change, on_stop, on_submit, on_upload, upload_available
+    on_model_change, on_run, on_settings_change, on_stop, on_submit
+from studio.push import on_push, on_space, push_available
 from studio.history import history_table
 from studio.presets_view import model_choices
 from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, MODES, NO_SAVE, QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS
@@ -58,7 +60,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
     """
     prompts = read_prompts()
     default_layers = num_blocks_or(DEFAULTS.model, 30)
-    can_upload, upload_note = upload_available()
+    can_push, push_note = push_available()
     with gr.Blocks(title="Ghosted Layers Studio", delete_cache=(3600, 7200)) as demo:
         with gr.Row(equal_height=True):
             with gr.Column(scale=2, elem_id="app-header"):
@@ -131,18 +133,29 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES, value=DEFAULTS.save_variant,
                                                label="Variant to download", elem_id="save-variant",
                                                info="must be one of the operators above (SmolLM2: about 0.4 GB)")
-                    export_format = gr.Radio(list(EXPORT_MODES), value=DEFAULTS.export_format, label="Format",
+                    export_format = gr.Radio([*EXPORT_MODES, GGUF_FORMAT], value=DEFAULTS.export_format,
+                                             label="Format", elem_id="export-format",
                                              info="stock: a plain Hugging Face model ("
                                                   + ", ".join(n for n, spec in OPERATORS.items() if spec.stock)
                                                   + " fold into it); remote_code: loads with "
-                                                  "trust_remote_code=True; auto: stock where the variant folds")
-                    model_file = gr.File(label="Recovered model (zip)", elem_id="model-file", interactive=False)
+                                                  "trust_remote_code=True; auto: stock where the variant folds; "
+                                                  "gguf: stock, converted for llama.cpp by its own converter")
+                    gguf_type = gr.Radio(list(GGUF_OUTTYPES), value=DEFAULTS.gguf_type, label="GGUF weights",
+                                         elem_id="gguf-type", info="for the gguf format: f16, or q8_0 (about half)")
+                    model_file = gr.File(label="Recovered model (zip, or the .gguf)", elem_id="model-file",
+                                         interactive=False)
                     save_note_md = gr.Markdown(SAVE_HINT, elem_classes="caption", elem_id="save-note")
-                    gr.Markdown(upload_note, elem_classes="caption", elem_id="upload-note")
-                    repo_id = gr.Textbox(label="New Hub repo (name or org/name)", interactive=can_upload)
-                    token = gr.Textbox(label="Hugging Face write token", type="password", interactive=can_upload)
-                    upload_btn = gr.Button("Upload to the Hub", interactive=can_upload, elem_id="upload-button")
-                    upload_result = gr.Markdown("", elem_classes="caption")
+                    gr.Markdown(push_note, elem_classes="caption", elem_id="push-note")
+                    if on_space() and can_push:  # OAuth exists only on a Space (see studio.push)
+                        gr.LoginButton(elem_id="login-button")
+                    repo_id = gr.Textbox(label="New Hub repo (name, or org/name)", interactive=can_push,
+                                         elem_id="push-repo")
+                    private = gr.Checkbox(False, label="Make it a private repo", interactive=can_push,
+                                          elem_id="push-private")
+                    token = gr.Textbox(label="Hugging Face write token", type="password", elem_id="push-token",
+                                       interactive=can_push, visible=not on_space())
+                    push_btn = gr.Button("Push to the Hub", interactive=can_push, elem_id="push-button")
+                    push_result = gr.Markdown("", elem_classes="caption", elem_id="push-result")
             with gr.Column(scale=2):
                 progress_slot = gr.HTML("", elem_id="run-progress")  # the progress bar, so it never covers the status
                 status = gr.Markdown("Press **Run** to start.", elem_id="status")
@@ -190,6 +203,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                    "seed": seed, "eval_corpora": eval_corpora, "eval_tokens": eval_tokens, "prompt": prompt,
                    "new_tokens": new_tokens, "tasks_on": tasks_on, "task_names": task_names,
                    "task_examples": task_examples, "save_variant": save_variant, "export_format": export_format,
+                   "gguf_type": gguf_type,
                    "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use}
         components = {"status": status, "generations": generations, "ppl_caption": ppl_caption, "ppl_table": ppl_table,
                       "scores": scores_plot, "errors": errors_plot, "drift": drift_plot, "structure": structure_plot,
@@ -222,8 +236,8 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
         tasks_on.change(lambda on: gr.update(visible=on), tasks_on, tasks_box, api_visibility="private")
         history_df.select(on_history_select, [history], [widgets[name] for name in SETTING_NAMES],
                           api_visibility="private", concurrency_limit=None)
-        upload_btn.click(on_upload, [model_file, repo_id, token], [upload_result, token], api_name="upload",
-                         concurrency_limit=None)
+        push_btn.click(on_push, [repo_id, private, token], [push_result, token], api_name="push",
+                       concurrency_limit=None)
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency)
     return demo
 

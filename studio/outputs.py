@@ -29,7 +29,7 @@ STATE_NAMES = ("shown", "history")  # per-session state, after the components (h
 # The Run inputs, in order (the /run endpoint's parameters). History restores all but your text.
 INPUT_NAMES = ("model", "criterion", "depth", "manual_blocks", "operators", "calibration", "samples", "seqlen", "seed",
                "eval_corpora", "eval_tokens", "prompt", "new_tokens", "tasks_on", "task_names", "task_examples",
-               "save_variant", "export_format", "mode", "depths", "your_text", "your_file", "text_use")
+               "save_variant", "export_format", "gguf_type", "mode", "depths", "your_text", "your_file", "text_use")
 SETTING_NAMES = tuple(name for name in INPUT_NAMES if name not in ("your_text", "your_file"))  # never kept
 
 
@@ -86,6 +86,10 @@ SAVE_HINT = "Choose a variant above to download it after the next run."
 
 def save_note(app: dict) -> str:
     """Which format the download is in, why, and how to load it."""
+    if app.get("saved_gguf"):
+        how = (f"a **GGUF** for llama.cpp (`{app['saved_gguf']}`, written by llama.cpp's own converter from the "
+               "stock folder): `llama-cli -m FILE -p \"…\"`; Push to the Hub sends the stock folder with it")
+        return f"`{app.get('saved_variant', '')}` saved as {how}. Why stock: {app.get('saved_reason', '')}."
     if app.get("saved_mode") == "stock":
         how = ("a **stock** Hugging Face folder: plain `AutoModelForCausalLM.from_pretrained(folder)` and serving "
                "engines load it")

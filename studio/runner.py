@@ -12,7 +12,8 @@ from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.planning.estimate import zerogpu
 from ghosted_core.evaluation.generation import GenerationOptions
-from ghosted_core.export.folder import archive_export, check_export
+from ghosted_core.export.folder import archive_export, check_export, export_variant, zip_export
+from ghosted_core.export.gguf import GGUF_FORMAT, export_gguf, find_llamacpp
 from ghosted_core.model.embedded import EMBEDDED, needs_conversion
 from ghosted_core.model.loading import LoadedModel
 from ghosted_core.recovery.operators import OPERATORS
@@ -82,7 +83,9 @@ def check_save(options: RunOptions, save_variant: str, export_format: str = "aut
     if save_variant not in built:
         raise GhostedError(f"cannot save {save_variant!r}: it is not among this run's variants "
                            f"({', '.join(built) or 'none: nothing is pruned'}); add it to 'Operators' or choose {NO_SAVE!r}")
-    check_export([save_variant.removesuffix(SEQUENTIAL_SUFFIX)], export_format)
+    check_export([save_variant.removesuffix(SEQUENTIAL_SUFFIX)], "stock" if export_format == GGUF_FORMAT else export_format)
+    if export_format == GGUF_FORMAT:
+        find_llamacpp()  # a missing build is refused before the run, not after it
     return save_variant
 
 
@@ -124,7 +127,8 @@ class RunRequest:
     options: RunOptions
     quick: QuickTasks = QuickTasks()
     save_variant: str | None = None
-    export_format: str = "auto"
+    export_format: str = "auto"  # auto, stock, remote_code or gguf (stock plus its GGUF)
+    gguf_type: str = "f16"
     depths: tuple[int, ...] = ()  # a sweep's depths; empty for a single-depth run
     notes: tuple[str, ...] = ()  # settings the request set aside, said in the status
 
@@ -142,7 +146,7 @@ class RunRequest:
 
 
 def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, export_format: str, mode: str,
-                  depths_text: str) -> RunRequest:
+                  depths_text: str, gguf_type: str = "f16") -> RunRequest:
     """A checked request from the options and the mode widgets; GhostedError for anything no run could do."""
     if mode == SWEEP:
         depths = parse_depths(depths_text or "")
@@ -159,7 +163,7 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
         if quick.enabled and not quick.tasks:
             raise GhostedError("quick tasks are on but none is selected; pick at least one task or switch them off")
         check_options(options)
-        request = RunRequest(options, quick, check_save(options, save_variant, export_format), export_format)
+        request = RunRequest(options, quick, check_save(options, save_variant, export_format), export_format, gguf_type)
     preset = find_preset(options.model)
     if preset is not None:  # offline, gated without a token or too big: refused before anything downloads
         check_preset(preset.hub_id, options, device(), request.depths or None)
@@ -214,13 +218,15 @@ def snapshot(result: RunResult, options: RunOptions, timings: dict[str, float]) 
 
 @gpu_run
 def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None, folder: str | None = None,
-            should_stop: StopCheck = None, export_format: str = "auto") -> Iterator[tuple[str, dict]]:
+            should_stop: StopCheck = None, export_format: str = "auto", gguf_type: str = "f16",
+            keep: str | None = None) -> Iterator[tuple[str, dict]]:
     """(Convert →) load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each.
 
     Refuses bad input before loading any weights. A first use of an embedded model whose GGUF
     was not converted at setup converts it as its own stage. `should_stop` is polled between
-    batches and stages (`RunStopped`). Yields only plain data (a saved model is a zip path in
-    `folder`), so it can run in a ZeroGPU worker process.
+    batches and stages (`RunStopped`). Yields only plain data (a saved model is a path: its zip or
+    GGUF in `folder`, its export folder in `keep` for the Hub push), so it can run in a ZeroGPU
+    worker process.
     """
     check_options(options)
     timings: dict[str, float] = {}
@@ -233,13 +239,31 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
     if save_variant and folder and result is not None:
         check_stop(should_stop, "save model")
         start = time.perf_counter()
-        saved = archive_export(result.models[save_variant], result.tokenizer,
-                               Path(folder) / f"{safe_name(options.model)}-{safe_name(save_variant)}.zip", export_format)
+        saved = save_model(result.models[save_variant], result.tokenizer, options.model, save_variant, Path(folder),
+                           export_format, gguf_type, Path(keep) if keep else None)
         result.timings["save model"] = time.perf_counter() - start
         report = snapshot(result, options, timings)
-        report["app"] |= {"saved_model": str(saved.archive), "saved_mode": saved.mode, "saved_reason": saved.reason,
-                          "saved_variant": saved.variant}
+        report["app"] |= saved
         yield "save model", report
+
+
+def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, export_format: str, gguf_type: str,
+               keep: Path | None) -> dict:
+    """Export one variant for the page: into `keep` (the session's push folder) when given, the download (its zip,
+    or its GGUF for the gguf format) in `folder`. Returns the report's "app" fields about it."""
+    stem = f"{safe_name(model_name)}-{safe_name(variant)}"
+    if export_format == GGUF_FORMAT:
+        saved = export_gguf(model, tokenizer, (keep or folder) / stem, gguf_type)
+        download = saved.gguf
+    elif keep is not None:
+        saved = export_variant(model, tokenizer, keep / stem, export_format)
+        download = zip_export(saved.folder, folder / f"{stem}.zip")
+    else:
+        saved = archive_export(model, tokenizer, folder / f"{stem}.zip", export_format)
+        download = saved.archive
+    return {"saved_model": str(download), "saved_mode": saved.mode, "saved_reason": saved.reason,
+            "saved_variant": saved.variant, "saved_gguf": None if saved.gguf is None else saved.gguf.name,
+            "saved_folder": None if keep is None else str(saved.folder)}
 
 
 @gpu_sweep

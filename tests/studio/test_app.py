@@ -434,13 +434,6 @@ def test_a_sweep_request_checks_its_depths_and_sets_aside_what_a_sweep_does_not_
             runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", settings.SWEEP, bad)
 
 
-def test_the_upload_control_is_off_offline_and_never_echoes_the_token(tmp_path):
-    on, note = handlers.upload_available()
-    assert not on and "off" in note and "cannot be reached" in note  # HF_HUB_OFFLINE=1 in the tests
-    message, token = handlers.on_upload(None, "me/model", "hf_secret123")
-    assert "save a model first" in message and token == "" and "hf_secret123" not in message
-
-
 # ---------------------------------------------------------------- slow: the served app on SmolLM2
 
 
