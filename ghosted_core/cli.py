@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(C = hidden size; e.g. 32 at --seqlen 512 for C = 4096); fewer than C tokens make the "
                         "least-squares fits rank-deficient (a relative ridge then decides them, with a warning)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (paper: 2048)")
+    p.add_argument("--bos", default="auto", choices=list(corpora.BOS_RULES),
+                   help="start every calibration and perplexity window with the BOS token: auto (when the tokenizer "
+                        "adds one, as Gemma-3's does), window (always) or none (plain text windows)")
     p.add_argument("--heldout_size", type=int, default=None, help="held-out calibration sequences (default train_size/8)")
     p.add_argument("--eval_ppl", default="ptb,wiki",
                    help="comma list of perplexity corpora ('none' to skip; yours = --user_text)")
@@ -168,6 +171,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         seqlen=args.seqlen,
         heldout_size=args.heldout_size,
         seed=args.seed,
+        bos=args.bos,
         eval_corpora=eval_corpora,
         eval_seqlen=args.eval_seqlen,
         eval_max_tokens=args.eval_max_tokens or None,
@@ -204,9 +208,13 @@ def _corpus_lines(report: dict, corpora: list[str]) -> list[str]:
     if report["calibration"]["label"]:
         cal = report["calibration"]
         lines.append(f"calibration: {cal['label']}, {cal['sequences']} x {cal['seqlen']} tokens (seed {cal['seed']})")
+    bos = report.get("bos") or {}
+    if bos.get("applied") == "window":
+        lines.append(f"windows: each starts with {bos['token']} (--bos {bos['rule']}), never scored")
     for name in corpora:
         info = report["corpora"][name]
-        lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens")
+        lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens, "
+                     f"{info.get('predicted_tokens')} predicted")
     return lines
 
 

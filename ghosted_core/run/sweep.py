@@ -50,7 +50,7 @@ from ghosted_core.recovery.operators import needs_of
 from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.memory import MemoryPlan, max_boundaries
 from ghosted_core.run.options import RunOptions, planned, validate
-from ghosted_core.run.pipeline import calibration_batches, corpus_entry
+from ghosted_core.run.pipeline import calibration_batches, corpus_entry, window_counts
 from ghosted_core.run.result import fit_json, run_json
 from ghosted_core.run.fitting import fit_variants
 from ghosted_core.selection.criteria import SelectionRequest, get_criterion, select_blocks_depths
@@ -168,6 +168,7 @@ class SweepResult:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None  # planned before loading, for every depth's boundaries at once
+    bos: dict = field(default_factory=dict)  # the BOS rule and what it gave (corpora.BosRule.to_json)
 
     @property
     def variant_names(self) -> list[str]:
@@ -251,6 +252,7 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
         loaded = load_model(options.model, options.load)
     check_sweep(options, chosen, loaded.num_layers, max_positions(loaded.model.config))
     dense, tokenizer = loaded.model, loaded.tokenizer
+    result.bos = corpora.resolve_bos(tokenizer, options.bos).to_json()
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     clock.tick("load model")
@@ -314,7 +316,7 @@ def _dense_evaluation(dense: PreTrainedModel, tokenizer, options: RunOptions, re
     """Dense perplexity per corpus from one pass each, with the dense states kept (none when over the cap)."""
     seqlen = options.eval_seqlen or options.seqlen
     windows = {corpus: corpora.evaluation_windows(tokenizer, options.corpus(corpus, "evaluation"), seqlen,
-                                               options.eval_max_tokens) for corpus in options.eval_corpora}
+                                                  options.eval_max_tokens, options.bos) for corpus in options.eval_corpora}
     starts = sorted({_first_changed_block(plan) for plan in result.plans.values()})
     element = torch.tensor([], dtype=dense.dtype).element_size()
     # memory: evaluation tokens × C × dtype bytes per distinct first changed block
@@ -330,8 +332,7 @@ def _dense_evaluation(dense: PreTrainedModel, tokenizer, options: RunOptions, re
         states = dense_prefix_states(dense, win, starts if keep else [], options.eval_batch_size, options.quiet,
                                      desc=f"perplexity {corpus} dense")
         result.dense[corpus] = states.dense_perplexity
-        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | {
-            "windows": len(win), "tokens": int(win.numel()), "predicted_tokens": states.tokens}
+        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | window_counts(win)
         cached[corpus] = states
     return cached
 
