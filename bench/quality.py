@@ -48,7 +48,8 @@ from ghosted_core.run.options import RunOptions, VariantSpec, parse_variants
 from ghosted_core.run.fitting import build_recovered, fit_variant
 from ghosted_core.plan import PruningPlan  # noqa: E402
 from rotation_fold import LLAMA_STYLE, orthogonal_fold_variants  # noqa: E402  (an experiment kept beside its bench)
-from ghosted_core.selection.criteria import SelectionRequest, select_blocks
+from ghosted_core.selection.choose import select_blocks
+from ghosted_core.selection.criteria import SelectionRequest
 from ghosted_core.evaluation.tasks import evaluate_tasks
 
 EVAL_CORPORA = ("ptb", "wiki", "books", "brown")

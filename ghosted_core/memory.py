@@ -113,7 +113,7 @@ def max_boundaries(criterion: str, num_layers: int, n: int, layers: tuple[int, .
 
     if criterion == "manual":
         return len(boundaries_of(layers))
-    if criterion in ("streamline", "angular"):
+    if criterion in ("streamline", "angular", "kl"):  # criteria that remove one run
         return 1 if n > 0 else 0
     if criterion == "none" or n <= 0:
         return 0

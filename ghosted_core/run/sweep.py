@@ -5,7 +5,7 @@ papers draw it, and streams the curve as it grows:
 
 1. load the model (or take the loaded one);
 2. score the blocks ONCE: one similarity pass feeds an accumulator per depth, so every
-   depth's plan equals that of a single-depth run (`selection.criteria.select_blocks_depths`);
+   depth's plan equals that of a single-depth run (`selection.choose.select_blocks_depths`);
 3. calibrate ONCE: `collect_stats` over the union of every depth's boundaries, with the
    statistics every requested operator needs. The hooks capture the residual at every index
    any depth needs; statistics are per boundary, so a boundary two depths share (same start
@@ -53,7 +53,8 @@ from ghosted_core.run.options import RunOptions, planned, validate
 from ghosted_core.run.pipeline import calibration_batches, corpus_entry
 from ghosted_core.run.result import fit_json, run_json
 from ghosted_core.run.fitting import fit_variants
-from ghosted_core.selection.criteria import SelectionRequest, get_criterion, select_blocks_depths
+from ghosted_core.selection.choose import select_blocks_depths
+from ghosted_core.selection.criteria import SelectionRequest, get_criterion
 from ghosted_core.stopping import StopCheck, check_stop
 
 log = logging.getLogger(__name__)
