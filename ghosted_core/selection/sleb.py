@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +119,22 @@ class _Memo:
                 self.bytes += state.numel() * state.element_size()
 
 
+def screened(bounds: Sequence[float], exact: Callable[[int], float]) -> list[float | None]:
+    """Exact values (`exact(p)`) of the candidates that can still be the minimum, None for the others.
+
+    Candidates go in ascending order of their lower bounds; once a bound exceeds the best exact value
+    so far (by more than rounding), neither it nor any later candidate can be the minimum.
+    """
+    result: list[float | None] = [None] * len(bounds)
+    best = math.inf
+    for p in sorted(range(len(bounds)), key=lambda p: (bounds[p], p)):
+        if bounds[p] > best + BOUND_MARGIN * abs(best):
+            break
+        result[p] = exact(p)
+        best = min(best, result[p])
+    return result
+
+
 def _round(runner: CandidateRunner, model: PreTrainedModel, memo: _Memo, alive: Sequence[int],
            batches: Sequence[CalibrationBatch]) -> tuple[list[float | None], list[float | None]]:
     """Exact NLL sums (None where the bound ruled a candidate out) and the bounds, per candidate in `alive` order."""
@@ -152,14 +168,8 @@ def _round(runner: CandidateRunner, model: PreTrainedModel, memo: _Memo, alive: 
     for batch, batch_finals in zip(batches, finals):
         sums = nll_sums(model, batch_finals, batch.input_ids, batch.attention_mask, subset, runner.work)
         bounds = [x + s for x, s in zip(bounds, sums)]
-    result: list[float | None] = [None] * len(alive)
-    best = math.inf
-    for p in sorted(range(len(alive)), key=lambda p: (bounds[p], p)):
-        if bounds[p] > best + BOUND_MARGIN * abs(best):
-            break  # every later bound is larger still: none of them can beat `best`
-        result[p] = sum(nll_sums(model, [f[p]], batch.input_ids, batch.attention_mask, work=runner.work)[0]
-                        for batch, f in zip(batches, finals))
-        best = min(best, result[p])
+    result = screened(bounds, lambda p: sum(nll_sums(model, [f[p]], batch.input_ids, batch.attention_mask,
+                                                      work=runner.work)[0] for batch, f in zip(batches, finals)))
     return result, bounds
 
 

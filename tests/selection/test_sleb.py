@@ -96,3 +96,27 @@ def test_sleb_refuses_depths_that_leave_nothing(setup):
     model, batches, _ = setup
     with pytest.raises(GhostedError, match="removes 1 to 5"):
         sleb.sleb_order(model, TINY_LAYERS, batches)
+
+
+def test_screening_keeps_the_minimum_and_skips_only_candidates_that_cannot_win():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        exact = (torch.rand(12, generator=generator) * 10).round(decimals=1).tolist()  # ties happen
+        bounds = [x - float(torch.rand(1, generator=generator)) * 3 for x in exact]
+        asked = []
+        found = sleb.screened(bounds, lambda p: asked.append(p) or exact[p])
+        best = min(range(12), key=lambda p: (exact[p], p))
+        assert min((p for p in range(12) if found[p] is not None), key=lambda p: (found[p], p)) == best
+        skipped = [p for p in range(12) if found[p] is None]
+        assert all(bounds[p] > exact[best] for p in skipped) and sorted(asked) == [p for p in range(12) if p not in skipped]
+
+
+def test_screening_skips_heads_on_a_real_vocabulary_subset_and_still_equals_brute_force(monkeypatch):
+    model = make_tiny_model("gemma3").double()
+    ids = random_tokens(4, 16, seed=1)
+    monkeypatch.setattr(sleb, "SUBSET_TOP", 1)  # a subset smaller than the vocabulary: bounds below the NLLs
+    result = sleb.sleb_order(model, ROUNDS, make_batches(ids, None, 2))
+    brute = BruteForce(model, ids)
+    assert list(result.order) == brute.greedy(ROUNDS)
+    assert any(x is None for x in result.rounds[0].nll)  # some full heads were skipped
+    assert any(b < brute([j]) * (1 - 1e-6) for j, b in enumerate(result.rounds[0].bound))  # strict bounds
