@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
@@ -77,7 +77,17 @@ def _one_cosine(requests: Sequence[SelectionRequest]) -> str:
 def score_criteria(model: PreTrainedModel, criteria: Sequence[str], request: SelectionRequest,
                    batches: Sequence[CalibrationBatch], quiet: bool = False,
                    with_map: bool = True) -> tuple[list[Selection], SimilarityStats | None]:
-    """Every criterion's plan at one depth, in the order given, with its measured cost.
+    """Every criterion's plan at one depth, in the order given, with its measured cost (see `iter_criteria`)."""
+    selections, sim = [], None
+    for selection, sim in iter_criteria(model, criteria, request, batches, quiet, with_map):
+        selections.append(selection)
+    return selections, sim
+
+
+def iter_criteria(model: PreTrainedModel, criteria: Sequence[str], request: SelectionRequest,
+                  batches: Sequence[CalibrationBatch], quiet: bool = False,
+                  with_map: bool = True) -> Iterator[tuple[Selection, SimilarityStats | None]]:
+    """Each criterion's plan at one depth as soon as it is chosen, with the similarity pass's statistics.
 
     ONE similarity pass serves every similarity criterion and the layer-similarity map (its
     cost is stated once, as shared); each other criterion runs and is timed on its own. The
@@ -94,7 +104,6 @@ def score_criteria(model: PreTrainedModel, criteria: Sequence[str], request: Sel
         shared_cost = Work(passes=1, block_runs=windows * request.num_layers, seconds=time.perf_counter() - start
                            ).to_json(windows) | {"shared": "one similarity pass for every similarity criterion and the map"}
     shared: dict = {}
-    selections = []
     for name in criteria:
         spec = get_criterion(name)
         scoring = Scoring(model, batches, sim, quiet, shared=shared)
@@ -106,6 +115,5 @@ def score_criteria(model: PreTrainedModel, criteria: Sequence[str], request: Sel
         cost = shared_cost if spec.needs_similarity else scoring.work.to_json(windows)
         if partner:  # the same measurement as an earlier criterion's: its cost, said once
             cost = cost | {"shared": f"measured once for {partner} and {name}"}
-        selections.append(Selection(name, plan, cost, scoring.details.get(name, {})))
         log.info("%s removes blocks %s (%.1f s)", name, list(plan.removed), cost.get("seconds", 0.0))
-    return selections, sim
+        yield Selection(name, plan, cost, scoring.details.get(name, {})), sim
