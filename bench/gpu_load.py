@@ -6,7 +6,7 @@
 Builds a random Llama of the given shape on the GPU and saves it (fp32 by default). Then, each
 in a fresh subprocess (so the numbers are its own), it loads that folder:
 - `direct`: `load_model(folder, LoadOptions(device="cuda"))`, i.e. `from_pretrained(device_map="cuda")`
-  in bf16, what `ghosted_core.models` does;
+  in bf16, what `ghosted_core.model.loading` does;
 - `staged`: `from_pretrained` on the CPU, then `.to("cuda")`, what it did before.
 Per method: load seconds, peak anonymous host memory above the process's level after CUDA
 start-up (RssAnon sampled every 2 ms; file-backed pages of the memory-mapped checkpoint are not

@@ -3,7 +3,7 @@
     .venv/bin/python bench/tasks_speed.py            # the 8 obtainable paper tasks, 100 examples each
     .venv/bin/python bench/tasks_speed.py --quick    # 3 tasks, 20 examples each
 
-Runs lm-eval (through `ghosted_core.tasks.evaluate_tasks`) on SmolLM2-135M and on the same
+Runs lm-eval (through `ghosted_core.evaluation.tasks.evaluate_tasks`) on SmolLM2-135M and on the same
 model with streamline's 7 blocks removed and a ghost operator (a view sharing the weights),
 on the offline task data, and prints accuracy and seconds per 100 examples per task.
 """

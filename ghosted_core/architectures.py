@@ -36,6 +36,10 @@ class Architecture:
     # every block normalizes its attention and MLP outputs before the residual add (Gemma3's post-norms), so a
     # scale on the residual stream is not carried by o_proj/down_proj alone
     post_norms: bool = False
+    # the modules of a block whose outputs are added to the residual stream as they are: scaling their outputs by s
+    # scales the stream leaving the block by s (the magnitude compensation's fold sites). Linears (weight and bias
+    # scale) or, where post_norms, norms (gain: offset + γ scales)
+    residual_writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
 
     @property
     def branch_folds_into_down_proj(self) -> bool:
@@ -51,7 +55,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen2", "Qwen2", leading_count_fields=("max_window_layers",)),
         Architecture("qwen3", "Qwen3", leading_count_fields=("max_window_layers",)),
         Architecture("gemma3_text", "Gemma3", branch="post_feedforward_layernorm", norm_gain_offset=1.0,
-                     post_norms=True),
+                     post_norms=True, residual_writers=("post_attention_layernorm", "post_feedforward_layernorm")),
     )
 }
 

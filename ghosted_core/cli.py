@@ -22,6 +22,7 @@ from ghosted_core.export.folder import EXPORT_MODES, check_export, export_varian
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
 from ghosted_core.recovery.assessment import HELDOUT_FLAG
+from ghosted_core.recovery.magcomp import MAGCOMP_FORMS
 from ghosted_core.recovery.operators import OPERATORS, FitOptions
 from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
 from ghosted_core.run.result import RunResult
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(C = hidden size; e.g. 32 at --seqlen 512 for C = 4096); fewer than C tokens make the "
                         "least-squares fits rank-deficient (a relative ridge then decides them, with a warning)")
     p.add_argument("--seqlen", type=int, default=512, help="calibration sequence length (paper: 2048)")
+    p.add_argument("--bos", default="auto", choices=list(corpora.BOS_RULES),
+                   help="start every calibration and perplexity window with the BOS token: auto (when the tokenizer "
+                        "adds one, as Gemma-3's does), window (always) or none (plain text windows)")
     p.add_argument("--heldout_size", type=int, default=None, help="held-out calibration sequences (default train_size/8)")
     p.add_argument("--eval_ppl", default="ptb,wiki",
                    help="comma list of perplexity corpora ('none' to skip; yours = --user_text)")
@@ -89,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="absolute: the paper's ε; relative: ε = λ·tr(XᵀX)/C")
     p.add_argument("--epsilon", type=float, default=FitOptions.epsilon, help="absolute ridge ε")
     p.add_argument("--ridge_lambda", type=float, default=FitOptions.ridge_lambda, help="relative ridge λ")
+    p.add_argument("--magcomp_form", default=FitOptions.magcomp_form, choices=MAGCOMP_FORMS,
+                   help="magcomp's scalar: global = mean|X_post| / mean|X_pre| (issue 18), channel = the mean of "
+                        "per-channel ratios (Prune&Comp's code); _ordinary: attention-sink tokens left out")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per calibration forward pass")
     p.add_argument("--calibration_pipeline", default="auto", choices=["auto", *CALIBRATION_PIPELINES],
                    help="full: one forward per batch; blocks: hidden states on the CPU, one block at a time on the "
@@ -105,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save_model", default=None, metavar="DIR",
                    help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
     p.add_argument("--export", default="auto", choices=EXPORT_MODES,
-                   help="format of --save_model: stock (plain transformers and serving engines; none and the "
-                        "replaceme family), remote_code (needs trust_remote_code=True; every operator), auto (stock "
+                   help="format of --save_model: stock (plain transformers and serving engines; "
+                        + ", ".join(name for name, spec in OPERATORS.items() if spec.stock)
+                        + "), remote_code (needs trust_remote_code=True; every operator), auto (stock "
                         "where the variant folds, remote_code otherwise)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
@@ -160,6 +168,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         seqlen=args.seqlen,
         heldout_size=args.heldout_size,
         seed=args.seed,
+        bos=args.bos,
         eval_corpora=eval_corpora,
         eval_seqlen=args.eval_seqlen,
         eval_max_tokens=args.eval_max_tokens or None,
@@ -168,7 +177,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         task_batch_size=args.task_batch_size,
         prompt=args.prompt,
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
-        fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda),
+        fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda,
+                       magcomp_form=args.magcomp_form),
         calibrate=CalibrationOptions(sink_rule=args.sink_rule, sink_ratio=args.sink_ratio, batch_size=args.batch_size,
                                      quiet=args.quiet, pipeline=args.calibration_pipeline,
                                      stats_device=args.stats_device, sink_capacity=args.sink_capacity,
@@ -195,9 +205,13 @@ def _corpus_lines(report: dict, corpora: list[str]) -> list[str]:
     if report["calibration"]["label"]:
         cal = report["calibration"]
         lines.append(f"calibration: {cal['label']}, {cal['sequences']} x {cal['seqlen']} tokens (seed {cal['seed']})")
+    bos = report.get("bos") or {}
+    if bos.get("applied") == "window":
+        lines.append(f"windows: each starts with {bos['token']} (--bos {bos['rule']}), never scored")
     for name in corpora:
         info = report["corpora"][name]
-        lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens")
+        lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens, "
+                     f"{info.get('predicted_tokens')} predicted")
     return lines
 
 

@@ -9,10 +9,14 @@ hence 576 = 36·16, 640 = 20·32, 896 = 28·32, 960 = 60·16, 1536 = 12·128, 30
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ghosted_core.errors import GhostedError
+
+if TYPE_CHECKING:  # torch is imported where the transform runs
+    import torch
 
 
 def _is_prime(q: int) -> bool:
@@ -97,7 +101,7 @@ def _sylvester(order: int) -> np.ndarray:
     return matrix
 
 
-def hadamard_transform(x: "torch.Tensor") -> "torch.Tensor":
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """x @ H over the last axis without building H (C×C).
 
     H = H_K ⊗ H_{2^m} / √C, and Sylvester's H_{2^m} is itself a Kronecker product of smaller

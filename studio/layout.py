@@ -12,6 +12,7 @@ from ghosted_core.selection.criteria import CRITERIA
 from ghosted_core.evaluation.tasks import TASKS
 from studio.cache import num_blocks
 from ghosted_core.export.folder import EXPORT_MODES
+from ghosted_core.recovery.operators import OPERATORS
 from studio.outputs import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES
 from studio.handlers import depth_info, model_note, on_criterion_change, on_history_select, on_mode_change, \
     on_model_change, on_run, on_settings_change, on_stop, on_submit, on_upload, upload_available
@@ -131,9 +132,10 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                                                label="Variant to download", elem_id="save-variant",
                                                info="must be one of the operators above (SmolLM2: about 0.4 GB)")
                     export_format = gr.Radio(list(EXPORT_MODES), value=DEFAULTS.export_format, label="Format",
-                                             info="stock: a plain Hugging Face model (none and the replaceme family "
-                                                  "fold into it); remote_code: loads with trust_remote_code=True; "
-                                                  "auto: stock where the variant folds")
+                                             info="stock: a plain Hugging Face model ("
+                                                  + ", ".join(n for n, spec in OPERATORS.items() if spec.stock)
+                                                  + " fold into it); remote_code: loads with "
+                                                  "trust_remote_code=True; auto: stock where the variant folds")
                     model_file = gr.File(label="Recovered model (zip)", elem_id="model-file", interactive=False)
                     save_note_md = gr.Markdown(SAVE_HINT, elem_classes="caption", elem_id="save-note")
                     gr.Markdown(upload_note, elem_classes="caption", elem_id="upload-note")

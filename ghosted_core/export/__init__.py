@@ -4,4 +4,5 @@
 - `fold`: a variant's weights as a stock state dict (ReplaceMe folded into down_proj) or as its own tree.
 - `checkpoint`: offload-aware tensor reading, safetensors shards, a clean config.json.
 - `model_card`: the export's README.md and the run facts it states.
+- `gguf`: a stock export converted to GGUF by llama.cpp's own converter; llama.cpp generation and perplexity.
 """

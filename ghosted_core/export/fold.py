@@ -7,6 +7,10 @@ A variant is the dense model's kept blocks plus operator modules (see modeling_g
 - an "after" map follows a module's output. After the MLP of a Llama-style block it folds
   exactly into `down_proj`: that projection writes only to the residual stream, so
   y T = a (Tᵀ W_down)ᵀ + b T. After Gemma3's `post_feedforward_layernorm` it does not fold.
+- upstream scales (magcomp, `model.scaling`) always fold, in both formats: a scaled writer's
+  weight and bias times s (a norm's gain: (o + γ)·s − o, o = `norm_gain_offset`), the stream
+  scale of block 0 into the embeddings, and, where the LM head is tied to them, the final
+  norm's gain divided by it, so the logits stay as they were.
 
 `stock_blockers` says why a variant cannot be a stock checkpoint (empty: it can);
 `stock_tensors` yields its folded stock state dict block by block; `variant_tensors`
@@ -23,6 +27,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.export.checkpoint import module_tensors
 from ghosted_core.model.modeling_ghosted import OPERATOR_TYPES, PatchedBlock
+from ghosted_core.model.scaling import ScaledOutput, StreamScale, stream_scale
 from ghosted_core.architectures import architecture_of
 
 Chunk = dict[str, torch.Tensor]
@@ -32,34 +37,78 @@ def _entry(path: str, kind: str, operator: nn.Module) -> dict:
     return {"path": path, "kind": kind, "type": type(operator).__name__, "width": int(operator.matrix().shape[0])}
 
 
-def operator_layout(model: PreTrainedModel) -> list[dict]:
-    """Where the variant's operator modules sit: boundary patches, and maps appended after a module."""
+def _is_stream_scale(module: nn.Module) -> bool:
+    return isinstance(module, PatchedBlock) and isinstance(module.patch, StreamScale)
+
+
+def _layout(model: PreTrainedModel) -> list[tuple[str, dict]]:
+    """(path in the view, layout entry) per operator module; entry paths are those of the folded tree, where
+    upstream scales are not operators and leave no wrapper (a scaled writer sits inside an after-map, never
+    around one, so only block 0's stream scale moves paths)."""
+    scaled = [path for path, module in model.named_modules() if _is_stream_scale(module)]
+
+    def folded(path: str) -> str:
+        for outer in scaled:
+            if path.startswith(f"{outer}.inner"):
+                return outer + path[len(f"{outer}.inner"):]
+        return path
+
     layout = []
     for path, module in model.named_modules():
+        if _is_stream_scale(module):
+            continue
         if isinstance(module, PatchedBlock):
-            layout.append(_entry(path, "patch", module.patch))
+            layout.append((path, _entry(folded(path), "patch", module.patch)))
         elif isinstance(module, nn.Sequential) and len(module) == 2 and type(module[1]).__name__ in OPERATOR_TYPES:
-            layout.append(_entry(path, "after", module[1]))
+            layout.append((path, _entry(folded(path), "after", module[1])))
     return layout
 
 
+def operator_layout(model: PreTrainedModel) -> list[dict]:
+    """Where the variant's operator modules sit: boundary patches, and maps appended after a module."""
+    return [entry for _path, entry in _layout(model)]
+
+
+def fold_scales(module: nn.Module, chunk: Chunk, offset: float) -> tuple[Chunk, float]:
+    """`chunk` (module_tensors of `module`, keys relative to it) with every `ScaledOutput` under `module` folded
+    into its inner weights, and a block-0 `StreamScale` wrapper stripped; also returns that stream scale (the
+    factor the embeddings must carry, 1.0 if none). A Linear's weight and bias are multiplied by s; a norm's
+    gain γ becomes (offset + γ)·s − offset. Memory: one new tensor per scaled weight, in float64 while computed.
+    """
+    for path, sub in module.named_modules():
+        if not isinstance(sub, ScaledOutput):
+            continue
+        inner, outer = (f"{path}.inner.", f"{path}.") if path else ("inner.", "")
+        linear = isinstance(sub.inner, nn.Linear)
+        for key in [k for k in chunk if k.startswith(inner)]:
+            value = chunk.pop(key)
+            v = value.double()
+            v = v * sub.scale if linear else (offset + v) * sub.scale - offset
+            chunk[outer + key[len(inner):]] = v.to(value.dtype)
+    scale = stream_scale(module)
+    if _is_stream_scale(module):
+        chunk = {key.removeprefix("inner."): value for key, value in chunk.items()}  # StreamScale holds no tensor
+    return chunk, scale
+
+
 def _folds_into_down_proj(model: PreTrainedModel, path: str) -> bool:
-    wrapped = model.get_submodule(path)[0]
+    down = getattr(model.get_submodule(path)[0], "down_proj", None)
+    down = down.inner if isinstance(down, ScaledOutput) else down
     return architecture_of(model.config).branch_folds_into_down_proj and path.rpartition(".")[2] == "mlp" \
-        and isinstance(getattr(wrapped, "down_proj", None), nn.Linear)
+        and isinstance(down, nn.Linear)
 
 
 def stock_blockers(model: PreTrainedModel) -> list[str]:
     """Why the variant cannot be saved as a stock checkpoint, one reason per operator (empty: it can)."""
     reasons = []
-    for entry in operator_layout(model):
+    for view_path, entry in _layout(model):
         width = entry["width"]
         if entry["kind"] == "patch":
             site = "the final norm" if entry["path"].endswith("norm") else \
                 f"block {entry['path'].rpartition('.')[2]} of the pruned model"
             reasons.append(f"a {width}x{width} map on the residual stream entering {site} does not fold into stock "
                            "weights (every RMSNorm after it would see a different norm)")
-        elif not _folds_into_down_proj(model, entry["path"]):
+        elif not _folds_into_down_proj(model, view_path):
             reasons.append(f"the map after {entry['path']} does not fold: a norm sits between the MLP's down_proj "
                            "and the residual stream (Gemma3's post_feedforward_layernorm)")
     return reasons
@@ -84,35 +133,51 @@ def _tied(model: PreTrainedModel) -> bool:
     return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
 
 
-def _rest(model: PreTrainedModel) -> Chunk:
-    """Everything outside the decoder blocks (embeddings, final norm, LM head unless tied)."""
+def _rest(model: PreTrainedModel, embed_scale: float = 1.0) -> Chunk:
+    """Everything outside the decoder blocks (embeddings, final norm, LM head unless tied), with the
+    embeddings times `embed_scale` and, when the head is tied to them, the final norm's gain divided by it."""
     chunk = dict(module_tensors(model, skip=[model.model.layers]))
-    if _tied(model):
+    tied = _tied(model)
+    if tied:
         chunk.pop("lm_head.weight", None)  # transformers ties it back to the embeddings on load
+    if embed_scale != 1.0:
+        key = "model.embed_tokens.weight"
+        chunk[key] = (chunk[key].double() * embed_scale).to(chunk[key].dtype)
+        if tied:  # the head reads the scaled embeddings: the final norm's output must shrink by as much
+            offset = architecture_of(model.config).norm_gain_offset
+            key = "model.norm.inner.weight" if isinstance(model.model.norm, PatchedBlock) else "model.norm.weight"
+            chunk[key] = ((offset + chunk[key].double()) / embed_scale - offset).to(chunk[key].dtype)
     return chunk
+
+
+def _block_chunks(model: PreTrainedModel, fold_after: bool) -> Iterator[Chunk]:
+    """One chunk per decoder block (keys `model.layers.i.…`) with upstream scales folded, then the rest."""
+    offset = architecture_of(model.config).norm_gain_offset
+    after = {entry["path"] for entry in operator_layout(model)} if fold_after else set()
+    embed_scale = 1.0
+    for i, block in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        chunk, scale = fold_scales(block, dict(module_tensors(block)), offset)
+        embed_scale *= scale
+        for path in sorted(p[len(prefix):] for p in after if p.startswith(prefix)):
+            chunk = _fold_after_mlp(chunk, path)
+        yield {prefix + key: value for key, value in chunk.items()}
+    yield _rest(model, embed_scale)
 
 
 def stock_tensors(model: PreTrainedModel) -> Iterator[Chunk]:
     """The stock state dict of a foldable variant, one decoder block per chunk, then the rest.
 
     Memory: one block's tensors at a time beyond the model (copied only if offloaded or on
-    a GPU); folding costs one (C, C) @ (C, I) float64 product per folded boundary.
+    a GPU, or scaled); folding costs one (C, C) @ (C, I) float64 product per folded boundary.
     """
     blockers = stock_blockers(model)
     if blockers:
         raise ValueError(f"variant does not fold into a stock checkpoint: {blockers[0]}")
-    after = {entry["path"] for entry in operator_layout(model)}
-    for i, block in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}."
-        chunk = dict(module_tensors(block))
-        for path in sorted(p[len(prefix):] for p in after if p.startswith(prefix)):
-            chunk = _fold_after_mlp(chunk, path)
-        yield {prefix + key: value for key, value in chunk.items()}
-    yield _rest(model)
+    yield from _block_chunks(model, fold_after=True)
 
 
 def variant_tensors(model: PreTrainedModel) -> Iterator[Chunk]:
-    """The variant's own state dict (keys as in its module tree), one block per chunk, then the rest."""
-    for i, block in enumerate(model.model.layers):
-        yield dict(module_tensors(block, f"model.layers.{i}."))
-    yield _rest(model)
+    """The variant's own state dict (keys as in its module tree, upstream scales folded), one block per chunk,
+    then the rest."""
+    yield from _block_chunks(model, fold_after=False)

@@ -4,7 +4,8 @@ Two formats, chosen per variant (`mode="auto"`) or asked for:
 - **stock**: a plain Hugging Face checkpoint of the same architecture class with fewer
   `num_hidden_layers` (per-layer config lists sliced), ReplaceMe's map folded into the
   down_proj of the block before each cut, tied embeddings still tied. Plain transformers and
-  serving engines load it. Possible for plain pruning and the replaceme family (see `fold`).
+  serving engines load it. Possible for plain pruning, the replaceme family and magcomp (the
+  operators registered `stock=True`; see `fold`).
 - **remote_code**: the variant's own module tree, with `modeling_ghosted.py` (self-contained)
   registered through `auto_map`; `AutoModelForCausalLM.from_pretrained(folder,
   trust_remote_code=True)` loads it. Its model type (`ghosted_llama`, …) is not a stock one,
@@ -35,7 +36,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.export.fold import operator_layout, stock_blockers, stock_tensors, variant_tensors
 from ghosted_core.hub import hub_reachable
 from ghosted_core.export.model_card import model_card
-from ghosted_core.recovery.operators import get_operator
+from ghosted_core.recovery.operators import OPERATORS, get_operator
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,8 @@ def choose_mode(model: PreTrainedModel, mode: str = "auto") -> tuple[str, str]:
     if mode == "remote_code":
         return "remote_code", "remote code was asked for (this variant would also fold into a stock checkpoint)"
     operator = _record(model).get("operator", "none")
-    if operator == "none":
-        return "stock", "plain pruning: the kept blocks are unchanged"
-    return "stock", (f"{operator}'s map on the MLP output of the block before each cut is folded into that block's "
-                     "down_proj (exact: the projection writes only to the residual stream)")
+    fold = get_operator(operator).fold if operator in OPERATORS else ""
+    return "stock", fold or f"{operator}'s variant folds into stock weights"
 
 
 def check_export(operators: Sequence[str], mode: str) -> None:
@@ -99,7 +98,8 @@ def check_export(operators: Sequence[str], mode: str) -> None:
     never = [name for name in dict.fromkeys(operators) if not get_operator(name).stock]
     if mode == "stock" and never:
         raise GhostedError(f"--export stock: {', '.join(never)} cannot fold into a stock checkpoint (a map on the whole "
-                           "residual stream); use --export remote_code or auto, or only none and the replaceme family")
+                           "residual stream); use --export remote_code or auto, or only the stock operators "
+                           f"({', '.join(name for name, spec in OPERATORS.items() if spec.stock)})")
 
 
 def _expected_keys(model: PreTrainedModel, config_values: dict, remote: bool) -> set[str]:

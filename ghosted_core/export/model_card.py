@@ -113,8 +113,9 @@ def _loading(mode: str, reason: str, architecture: str) -> list[str]:
                   f"`{architecture}` with fewer blocks and inserts the recovery operators as modules; `config.json` "
                   "points at it through `auto_map`. Without `trust_remote_code=True`, transformers refuses the folder "
                   "(its model type is not a stock one) instead of loading it wrongly. Serving engines that load only "
-                  "stock architectures (vLLM, TGI, llama.cpp) cannot serve it; a stock-foldable operator "
-                  "(`none` or the `replaceme` family) gives a stock checkpoint instead."]
+                  "stock architectures (vLLM, TGI, llama.cpp) cannot serve it; a stock-foldable operator ("
+                  + ", ".join(f"`{name}`" for name, spec in OPERATORS.items() if spec.stock)
+                  + ") gives a stock checkpoint instead."]
     else:
         lines += [f"A stock `{architecture}` checkpoint: fewer `num_hidden_layers`, per-layer config lists sliced, "
                   f"{reason}. It loads in plain transformers and in engines that serve this architecture "

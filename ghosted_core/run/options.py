@@ -74,6 +74,7 @@ class RunOptions:
     seqlen: int = 512  # calibration sequence length (the paper: 2048)
     heldout_size: int | None = None  # held-out calibration sequences for boundary errors (None: train_size // 8, at least 1)
     seed: int = 0
+    bos: str = "auto"  # every window starts with BOS: "auto" (when the tokenizer adds one), "window" (always), "none"
     eval_corpora: tuple[str, ...] = ("ptb", "wiki")
     eval_seqlen: int | None = None  # perplexity window length (None: seqlen)
     eval_max_tokens: int | None = 8192  # perplexity token cap per corpus (None: the whole split)
@@ -109,6 +110,8 @@ def validate(options: RunOptions, num_layers: int | None = None, max_positions: 
     """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
     check_load_options(options.load)
+    if options.bos not in corpora.BOS_RULES:
+        raise GhostedError(f"unknown BOS rule {options.bos!r}; use one of: {', '.join(corpora.BOS_RULES)}")
     for name in (options.calibration, *options.eval_corpora):
         if name == USER_CORPUS:
             options.corpus(name, "evaluation")  # refuses "your text" without the text

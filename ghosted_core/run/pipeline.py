@@ -63,6 +63,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     result.tokenizer = tokenizer
+    result.bos = corpora.resolve_bos(tokenizer, options.bos).to_json()
     result.models["dense"] = dense
     validate(options, loaded.num_layers, max_positions(dense.config))
     yield done("load model")
@@ -100,10 +101,9 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
     first_windows = None
     for corpus in options.eval_corpora:
         windows = corpora.evaluation_windows(tokenizer, options.corpus(corpus, "evaluation"), eval_seqlen,
-                                          options.eval_max_tokens)
+                                             options.eval_max_tokens, options.bos)
         first_windows = windows if first_windows is None else first_windows
-        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | {"windows": len(windows),
-                                                                                 "tokens": int(windows.numel())}
+        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | window_counts(windows)
         result.perplexity[corpus] = perplexity(dense, result.models, windows, options.eval_batch_size, options.quiet,
                                                desc=f"perplexity {corpus}", should_stop=should_stop)
         yield done("perplexity")
@@ -151,7 +151,8 @@ def _record_run(result: RunResult) -> None:
 def calibration_batches(tokenizer, options: RunOptions) -> tuple[list, int]:
     """The seeded calibration windows of a run as forward-pass batches (fit, then held-out), and the fit token count."""
     fit_ids, heldout_ids = corpora.calibration_windows(tokenizer, options.corpus(options.calibration, "calibration"),
-                                                    options.train_size, options.seqlen, options.seed, options.heldout)
+                                                       options.train_size, options.seqlen, options.seed, options.heldout,
+                                                       options.bos)
     return make_batches(fit_ids, heldout_ids, options.calibrate.batch_size), int(fit_ids.numel())
 
 
@@ -159,6 +160,12 @@ def corpus_entry(options: RunOptions, name: str, split: str) -> dict:
     """The results.json record of a corpus: its label, whether it is the paper's own data, whether it is the user's."""
     corpus = corpora.get_corpus(options.corpus(name, split), split)
     return {"label": corpus.label, "real": corpus.real, "user": name == USER_CORPUS}
+
+
+def window_counts(windows) -> dict:
+    """What results.json says about a corpus's perplexity windows: how many, their tokens (a BOS
+    per window included, where the rule adds one) and the predictions the perplexity rests on."""
+    return {"windows": len(windows), "tokens": int(windows.numel()), "predicted_tokens": corpora.predicted_tokens(windows)}
 
 
 def run(options: RunOptions, loaded: LoadedModel | None = None) -> RunResult:

@@ -32,7 +32,7 @@ from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.run.fitting import fit_variants
 from ghosted_core.run.options import RunOptions, statistics_bytes_per_boundary
-from ghosted_core.run.pipeline import corpus_entry
+from ghosted_core.run.pipeline import corpus_entry, window_counts
 from ghosted_core.run.result import fit_json
 from ghosted_core.statistics import BoundaryStats
 from ghosted_core.stopping import StopCheck
@@ -160,7 +160,7 @@ def dense_evaluation(dense: PreTrainedModel, tokenizer, options: RunOptions, pla
     """Dense perplexity per corpus from one pass each, with the dense states kept (none when over the cap)."""
     seqlen = options.eval_seqlen or options.seqlen
     windows = {corpus: corpora.evaluation_windows(tokenizer, options.corpus(corpus, "evaluation"), seqlen,
-                                               options.eval_max_tokens) for corpus in options.eval_corpora}
+                                               options.eval_max_tokens, options.bos) for corpus in options.eval_corpora}
     starts = Counter(first_changed_block(plan) for plan in plans)
     element = torch.tensor([], dtype=dense.dtype).element_size()
     # memory: evaluation tokens × C × dtype bytes per distinct first changed block
@@ -177,8 +177,7 @@ def dense_evaluation(dense: PreTrainedModel, tokenizer, options: RunOptions, pla
         states = dense_prefix_states(dense, win, sorted(starts) if keep else [], options.eval_batch_size,
                                      options.quiet, desc=f"perplexity {corpus} dense")
         evaluation.perplexity[corpus] = states.dense_perplexity
-        evaluation.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | {
-            "windows": len(win), "tokens": int(win.numel()), "predicted_tokens": states.tokens}
+        evaluation.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | window_counts(win)
         evaluation.cached[corpus] = states
     return evaluation
 

@@ -40,6 +40,7 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None
+    bos: dict = field(default_factory=dict)  # the BOS rule and what it gave (corpora.BosRule.to_json)
     models: dict[str, PreTrainedModel] = field(default_factory=dict, repr=False)  # dense + variants (not serialized)
     tokenizer: object = field(default=None, repr=False)
 
@@ -90,6 +91,7 @@ def run_json(result) -> dict:
             "stats_device": cal.stats_device, "products": cal.products,
         },
         "memory_plan": result.memory_plan.to_json() if result.memory_plan else None,
+        "bos": result.bos or {"rule": opts.bos},  # which token starts every window (the paper: one BOS per corpus)
         "evaluation": {"seqlen": opts.eval_seqlen or opts.seqlen, "max_tokens": opts.eval_max_tokens},
         "corpora": result.corpora,
         "timings": {k: round(v, 3) for k, v in result.timings.items()},

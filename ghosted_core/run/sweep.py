@@ -31,6 +31,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from ghosted_core.data import corpora
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory import MemoryPlan, max_boundaries
 from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
@@ -114,6 +115,7 @@ class SweepResult:
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None  # planned before loading, for every depth's boundaries at once
+    bos: dict = field(default_factory=dict)  # the BOS rule and what it gave (corpora.BosRule.to_json)
 
     @property
     def variant_names(self) -> list[str]:
@@ -177,6 +179,7 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
         loaded = load_model(options.model, options.load)
     check_sweep(options, chosen, loaded.num_layers, max_positions(loaded.model.config))
     dense, tokenizer = loaded.model, loaded.tokenizer
+    result.bos = corpora.resolve_bos(tokenizer, options.bos).to_json()
     result.model_description = loaded.description
     result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     clock.tick("load model")
