@@ -9,9 +9,10 @@
 - `kl`: output-grounded removal of a run by KL to the dense next-token distribution.
 - `swap`: No Free Swap's replacement and interchange probes, and the removals they guide (swap_kl, swap_kl_repl).
 - `weights`: forward-free selection from the weights (ours, inspired by WRP's abstract).
+- `prunecomp`: Prune&Comp's iterative Block Influence on the magnitude-compensated model.
 - `choose`: select_blocks (a run), select_blocks_depths (a sweep), score_criteria (a comparison).
 
 Importing the package registers every criterion (the modules below register themselves).
 """
 
-from ghosted_core.selection import kl, sleb, swap, weights  # noqa: F401  (registration)
+from ghosted_core.selection import kl, prunecomp, sleb, swap, weights  # noqa: F401  (registration)

@@ -36,7 +36,7 @@ from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_
 
 COST = "no forward pass: L·C²·(H·d + I) multiply-adds for the write-space Grams; memory: 2·L Grams of C × C (float32)"
 LABEL = "ours, inspired by WRP's abstract (no WRP code is public)"
-BRANCHES = (("self_attn.o_proj", "post_attention_layernorm"), ("mlp.down_proj", "post_feedforward_layernorm"))
+PROJECTIONS = ("self_attn.o_proj", "mlp.down_proj")  # what each branch writes through, before any post-norm
 
 
 def _write_matrix(block: nn.Module, projection: str, post_norm: str | None, offset: float) -> tuple[torch.Tensor, float]:
@@ -53,10 +53,11 @@ def weight_similarity(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tenso
     arch = architecture_of(model.config)
     blocks = decoder_blocks(model)
     sims, scales = [], []
-    for projection, post_norm in BRANCHES:
+    post_norms = arch.residual_writers if arch.post_norms else (None, None)  # Gemma3: the norms after each branch
+    for projection, post_norm in zip(PROJECTIONS, post_norms):
         grams, rs = [], []
         for block in blocks:
-            a, r = _write_matrix(block, projection, post_norm if arch.post_norms else None, arch.norm_gain_offset)
+            a, r = _write_matrix(block, projection, post_norm, arch.norm_gain_offset)
             grams.append((a @ a.T).reshape(-1))  # (C²,) memory: C² float32 per layer
             rs.append(r)
         flat = torch.stack(grams)  # (L, C²)
