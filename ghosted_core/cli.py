@@ -1,7 +1,8 @@
 """Command line: `python -m ghosted_core` with the seed repository's flags.
 
 Parses, builds `RunOptions`, calls `run.pipeline.run` (or `run.sweep.run_sweep` for a depth range
-`--total_num_prune START:STOP:STEP`), writes OUTDIR/results.json and prints a summary table.
+`--total_num_prune START:STOP:STEP`, or `run.compare.run_compare` for a comma list of criteria),
+writes OUTDIR/results.json and prints a summary table.
 Holds no method logic. Bad input: one line on stderr, exit code 2.
 """
 
@@ -28,6 +29,7 @@ from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOpt
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run
 from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, parse_layers
+from ghosted_core.run.compare import CompareResult, parse_criteria, run_compare
 from ghosted_core.run.sweep import SweepResult, parse_depths, run_sweep
 from ghosted_core.evaluation.tasks import parse_tasks
 from ghosted_core.data.user_text import USER_CORPUS, canonical, from_file
@@ -46,12 +48,26 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip() and item.strip().lower() != "none")
 
 
+def _criteria(text: str) -> str:
+    """One criterion, or a comma list of them (a comparison); argparse reports an unknown name."""
+    for name in (n.strip() for n in text.split(",")):
+        if name not in CRITERIA:
+            raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(CRITERIA)})")
+    return text
+
+
+def is_comparison(args: argparse.Namespace) -> bool:
+    return "," in args.pruning_method
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="python -m ghosted_core",
                        description="Prune decoder blocks of a causal LM and recover them without training.")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"embedded model ({', '.join(embedded_names())}), local folder, or Hub id")
-    p.add_argument("--pruning_method", default="streamline", choices=list(CRITERIA), help="how blocks are chosen")
+    p.add_argument("--pruning_method", default="streamline", type=_criteria,
+                   help=f"how blocks are chosen: {', '.join(CRITERIA)}; a comma list (streamline,shortgpt,sleb) "
+                        "compares the criteria in one run (one calibration pass for every plan)")
     p.add_argument("--layers", default="", help="blocks to remove for --pruning_method manual, e.g. 20,21,25-27")
     p.add_argument("--total_num_prune", default="7",
                    help="number of blocks to remove, or a depth sweep START:STOP:STEP with STOP included "
@@ -157,7 +173,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         model=args.model,
         load=LoadOptions(device=args.device, dtype=args.dtype, max_memory=parse_max_memory(args.max_memory),
                          offload_folder=args.offload_folder),
-        criterion=args.pruning_method,
+        criterion=parse_criteria(args.pruning_method)[0] if is_comparison(args) else args.pruning_method,
         num_prune=parse_depths(args.total_num_prune)[0] if is_sweep(args) else _depth(args.total_num_prune),
         layers=parse_layers(args.layers),
         cosine=args.cosine,
@@ -311,11 +327,17 @@ def main(argv: list[str] | None = None) -> int:
         transformers.utils.logging.disable_progress_bar()
     try:
         options = options_from_args(args)
-        if is_sweep(args) and args.save_model:
-            raise GhostedError("--save_model saves the variants of one depth; run a single --total_num_prune to save")
+        if (is_sweep(args) or is_comparison(args)) and args.save_model:
+            raise GhostedError("--save_model saves the variants of one depth and one criterion; run a single "
+                               "--total_num_prune and --pruning_method to save")
+        if is_sweep(args) and is_comparison(args):
+            raise GhostedError("a criteria comparison runs at one depth: give --total_num_prune a single number")
         if args.save_model:
             check_export([v.operator for v in options.variants], args.export)
-        result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
+        if is_comparison(args):
+            result = run_compare(options, parse_criteria(args.pruning_method))
+        else:
+            result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -323,6 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     report = result.to_json()
     (outdir / "results.json").write_text(json.dumps(report, indent=2))
+    if isinstance(result, CompareResult):
+        from ghosted_core.report.compare import compare_text, write_compare_html
+
+        print(compare_text(report))
+        print(f"charts: {write_compare_html(report, outdir / 'compare.html')}")
+        print(f"results: {outdir / 'results.json'}")
+        return 0
     if isinstance(result, SweepResult):
         from ghosted_core.report.sweep import write_sweep_html  # the app's charts, drawn once more into a file
 
