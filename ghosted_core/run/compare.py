@@ -145,10 +145,12 @@ class CompareResult:
 
 
 def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedModel | None = None,
-                   should_stop: StopCheck = None) -> Iterator[tuple[str, CompareResult]]:
+                   should_stop: StopCheck = None, shared: dict | None = None) -> Iterator[tuple[str, CompareResult]]:
     """Run a comparison, yielding (stage, result so far) after each criterion's scoring and evaluation.
 
     `should_stop` is polled before every stage and between perplexity batches (`stopping.RunStopped`).
+    `shared`: pass one table to comparisons at several depths on the same calibration text (deepest first)
+    and sleb's and prunecomp's rounds and the swap probes are measured once (`selection.choose.iter_criteria`).
     """
     chosen = check_compare(options, criteria)
     options = dataclasses.replace(options, criterion=chosen[0])
@@ -176,7 +178,7 @@ def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedM
     result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
     result.calibration_label = result.corpora[options.calibration]["label"]
     request = selection_request(options, loaded.num_layers)
-    for selection, sim in iter_criteria(dense, chosen, request, batches, options.quiet):
+    for selection, sim in iter_criteria(dense, chosen, request, batches, options.quiet, shared=shared):
         result.selections[selection.criterion] = selection
         result.similarity_map = sim.map if sim is not None else None
         clock.tick(f"score {selection.criterion}")
@@ -216,9 +218,10 @@ def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedM
         yield f"evaluate {name}", result
 
 
-def run_compare(options: RunOptions, criteria: Sequence[str], loaded: LoadedModel | None = None) -> CompareResult:
+def run_compare(options: RunOptions, criteria: Sequence[str], loaded: LoadedModel | None = None,
+                shared: dict | None = None) -> CompareResult:
     """Run every stage of a comparison and return the final result."""
     result = None
-    for _stage, result in compare_stages(options, criteria, loaded):
+    for _stage, result in compare_stages(options, criteria, loaded, shared=shared):
         pass
     return result

@@ -85,13 +85,15 @@ def score_criteria(model: PreTrainedModel, criteria: Sequence[str], request: Sel
 
 
 def iter_criteria(model: PreTrainedModel, criteria: Sequence[str], request: SelectionRequest,
-                  batches: Sequence[CalibrationBatch], quiet: bool = False,
-                  with_map: bool = True) -> Iterator[tuple[Selection, SimilarityStats | None]]:
+                  batches: Sequence[CalibrationBatch], quiet: bool = False, with_map: bool = True,
+                  shared: dict | None = None) -> Iterator[tuple[Selection, SimilarityStats | None]]:
     """Each criterion's plan at one depth as soon as it is chosen, with the similarity pass's statistics.
 
     ONE similarity pass serves every similarity criterion and the layer-similarity map (its
     cost is stated once, as shared); each other criterion runs and is timed on its own. The
-    `shared` table lets criteria that measure the same thing (swap_kl's two probes) compute it once.
+    `shared` table lets criteria that measure the same thing compute it once: swap_kl's two probes,
+    and, when a caller passes the same table to several depths on the same batches, sleb's and
+    prunecomp's rounds (a deeper run's first rounds are the shallower run) and the swap probes.
     """
     for name in criteria:
         check_request(name, request)
@@ -103,17 +105,18 @@ def iter_criteria(model: PreTrainedModel, criteria: Sequence[str], request: Sele
         sim = measure_similarity_depths(model, [request.n], batches, request.cosine, quiet, with_map)[max(request.n, 1)]
         shared_cost = Work(passes=1, block_runs=windows * request.num_layers, seconds=time.perf_counter() - start
                            ).to_json(windows) | {"shared": "one similarity pass for every similarity criterion and the map"}
-    shared: dict = {}
+    shared = {} if shared is None else shared
     for name in criteria:
         spec = get_criterion(name)
         scoring = Scoring(model, batches, sim, quiet, shared=shared)
-        start = time.perf_counter()
+        fresh, start = scoring.work, time.perf_counter()
         plan = spec.select(request, scoring)
-        partner = scoring.details.get(name, {}).get("shared_with")
-        if not partner:
+        if scoring.work is fresh:
             scoring.work.seconds = time.perf_counter() - start
         cost = shared_cost if spec.needs_similarity else scoring.work.to_json(windows)
-        if partner:  # the same measurement as an earlier criterion's: its cost, said once
-            cost = cost | {"shared": f"measured once for {partner} and {name}"}
+        if scoring.work is not fresh:  # an earlier measurement's result (and cost), said once
+            partner = scoring.details.get(name, {}).get("shared_with")
+            cost = cost | {"shared": f"measured once for {partner} and {name}" if partner else
+                           "the same measurement as an earlier scoring in this run (its cost)"}
         log.info("%s removes blocks %s (%.1f s)", name, list(plan.removed), cost.get("seconds", 0.0))
         yield Selection(name, plan, cost, scoring.details.get(name, {})), sim

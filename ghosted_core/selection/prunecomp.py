@@ -41,10 +41,8 @@ COST = ("2 passes per round (Block Influence on the current model; the scale up 
         "all; memory: two residual streams of a batch and one boundary's per-channel sums")
 
 
-@register_criterion("prunecomp", paper="Prune&Comp (arXiv 2507.18212)", needs="forward", cost=COST,
-                    label="iterative BI on the magnitude-compensated model")
-def select_prunecomp(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
-    """n rounds: remove the lowest-BI block of the current model, compensate its magnitude, rescore."""
+def iterate(scoring: Scoring, request: SelectionRequest) -> tuple[list[dict], tuple[float, ...]]:
+    """The n rounds: per round the removed block, its BI and its scale; and round 1's BI per block."""
     dense = scoring.model
     alive = list(range(request.num_layers))
     removed: list[int] = []
@@ -73,6 +71,21 @@ def select_prunecomp(request: SelectionRequest, scoring: Scoring) -> PruningPlan
             current = compensate(current, Boundary(past["removed"], past["removed"] + 1), removed, past["scale"])
         log.info("prunecomp round %d removes block %d (BI %.5f, scale %.4f)", len(removed), block,
                  influence[position], scale)
+    return rounds, first_scores
+
+
+@register_criterion("prunecomp", paper="Prune&Comp (arXiv 2507.18212)", needs="forward", cost=COST,
+                    label="iterative BI on the magnitude-compensated model")
+def select_prunecomp(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
+    """n rounds: remove the lowest-BI block of the current model, compensate its magnitude, rescore."""
+    earlier = scoring.shared.get("prunecomp")
+    if earlier is not None and len(earlier[0]) >= request.n:  # a deeper run on the same batches: its first rounds
+        rounds, first_scores, scoring.work = earlier
+        rounds = rounds[:request.n]
+    else:
+        rounds, first_scores = iterate(scoring, request)
+        scoring.shared["prunecomp"] = (rounds, first_scores, scoring.work)
+    removed = [r["removed"] for r in rounds]
     scoring.details["prunecomp"] = {"order": removed, "rounds": rounds, "form": FORM}
     return PruningPlan(request.num_layers, tuple(removed), "prunecomp", first_scores,
                        "Block Influence 1 − mean cos(h_i, h_i+1) on the dense model (round 1; later rounds rescore "

@@ -213,7 +213,13 @@ COST = ("n rounds; per window and round one pass of the current model's missing 
                     label="greedy by calibration NLL, every block a candidate")
 def select_sleb(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """n greedy rounds, each removing the block whose removal gives the lowest calibration NLL."""
-    result = sleb_order(scoring.model, request.n, scoring.batches, scoring.work, scoring.quiet)
+    earlier = scoring.shared.get("sleb")
+    if earlier is not None and len(earlier[0].order) >= request.n:  # a deeper run on the same batches: its first rounds
+        full, scoring.work = earlier
+        result = SlebResult(full.order[:request.n], full.rounds[:request.n], full.tokens)
+    else:
+        result = sleb_order(scoring.model, request.n, scoring.batches, scoring.work, scoring.quiet)
+        scoring.shared["sleb"] = (result, scoring.work)
     first = result.rounds[0]
     scores = tuple((x if x is not None else b) / result.tokens for x, b in zip(first.nll, first.bound))
     scoring.details["sleb"] = {

@@ -110,7 +110,7 @@ def guided_removal(scores: list[float], n: int, spacing: int = SPACING) -> tuple
 def _select(request: SelectionRequest, scoring: Scoring, probe: str, name: str) -> PruningPlan:
     if "swap" not in scoring.shared:  # both probes from one set of passes, whichever criterion asks first
         scoring.shared["swap"] = (swap_distances(scoring), name, scoring.work)
-    distances, first, scoring.work = scoring.shared["swap"]
+    distances, first, scoring.work = scoring.shared["swap"]  # the measurement's own cost, whoever asks
     scores = layer_scores(distances[probe], request.num_layers)
     removed = guided_removal(scores, request.n)
     scoring.details[name] = {

@@ -107,3 +107,17 @@ def test_each_criterion_equals_its_own_run_and_coinciding_plans_are_computed_onc
     sleb = run(replace(options, criterion="sleb"), loaded)
     assert result.selections["sleb"].plan.removed == sleb.plan.removed
     assert rows["sleb", "ghost_capped"]["ppl"]["ptb"] == pytest.approx(sleb.perplexity["ptb"]["ghost_capped"], rel=1e-6)
+
+
+def test_depths_sharing_one_table_reuse_the_deeper_rounds_and_probes(loaded, tiny_model_folder):
+    options = options_for(tiny_model_folder, variants="none", n=2)
+    criteria = ["sleb", "prunecomp", "swap_kl", "swap_kl_repl"]
+    shared: dict = {}
+    deep = run_compare(options, criteria, loaded, shared)
+    shallow = run_compare(replace(options, num_prune=1), criteria, loaded, shared)
+    alone = run_compare(replace(options, num_prune=1), criteria, loaded)
+    for name in criteria:
+        assert shallow.selections[name].plan.removed == alone.selections[name].plan.removed
+        assert "shared" in shallow.selections[name].cost and "shared" not in alone.selections["sleb"].cost
+    assert list(shallow.selections["sleb"].details["order"]) == list(deep.selections["sleb"].details["order"][:1])
+    assert shallow.selections["sleb"].cost["seconds"] == deep.selections["sleb"].cost["seconds"] > 0
