@@ -8,6 +8,8 @@ where they stopped.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import tempfile
 import time
@@ -27,14 +29,15 @@ from ghosted_core.run.sweep import check_sweep, parse_depths
 from studio.cache import model_shape, num_blocks
 from studio.history import add_run, settings_of
 from studio.presets_view import find_preset, preset_note
-from studio.runner import QuickTasks, build_options, build_request, check_options, run_job, run_sweep_job, \
-    settings_advice
+from studio.runner import QuickTasks, build_options, build_request, check_options, run_compare_job, run_job, \
+    run_sweep_job, settings_advice
 from studio.runs import RUNS, ActiveRun
 from studio.user_input import corpora_with_text, read_user_text
-from studio.settings import DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP
+from studio.settings import COMPARE, DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP
 from studio.status import NOTHING_SHOWN, advice_lines, complete_status, failed_status, refused_status, \
     report_advice, running_status, shown_state, stopped_before_start, stopped_status
-from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outputs, history_outputs, page_message, render, render_sweep, write_results
+from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outputs, history_outputs, page_message, \
+    render, render_compare, render_sweep, write_results
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,11 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
            samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
            new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
            export_format: str = "auto", mode: str = "single depth", depths: str = "2:10:2", your_text: str | None = None,
-           your_file: str | None = None, text_use: str = "evaluation", submitted: float | None = None,
-           shown: dict | None = None, history: list[dict] | None = None, request: gr.Request | None = None,
-           progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
-    """Run button: stream a single-depth run or a sweep into the page, with the session's state; failures become gr.Error."""
+           your_file: str | None = None, text_use: str = "evaluation", compare_criteria: list[str] | None = None,
+           submitted: float | None = None, shown: dict | None = None, history: list[dict] | None = None,
+           request: gr.Request | None = None, progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
+    """Run button: stream a single-depth run, a sweep or a comparison into the page, with the session's state;
+    failures become gr.Error."""
     settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
     start = time.perf_counter()
     queued = time.time() - submitted if submitted else None
@@ -63,7 +67,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
                                         evals, eval_tokens, prompt, new_tokens), user_text=text)
         quick = QuickTasks(bool(tasks_on), tuple(task_names or ()), int(task_examples))
-        job = build_request(options, quick, save_variant, export_format, mode, depths)
+        job = build_request(options, quick, save_variant, export_format, mode, depths, tuple(compare_criteria or ()))
         stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
     except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
         yield as_outputs({"status": refused_status(page_message(err), shown)})
@@ -76,8 +80,13 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         yield as_outputs(blank_outputs(running_status(stages[0], 0, len(stages), 0.0, None, advice, queued))
                          | {"shown": NOTHING_SHOWN})
         with tempfile.TemporaryDirectory(prefix="ghosted-run-") as folder:  # removed when the run ends or is stopped
-            updates = (run_sweep_job(job.options, job.depths, run.stop.is_set) if job.sweep else
-                       run_job(job.options, job.quick, job.save_variant, folder, run.stop.is_set, job.export_format))
+            if job.compare:
+                updates, draw = run_compare_job(job.options, job.criteria, run.stop.is_set), render_compare
+            elif job.sweep:
+                updates, draw = run_sweep_job(job.options, job.depths, run.stop.is_set), render_sweep
+            else:
+                updates = run_job(job.options, job.quick, job.save_variant, folder, run.stop.is_set, job.export_format)
+                draw = render
             for done, (stage, report) in enumerate(updates, start=1):
                 run.done, run.report = done, report
                 elapsed = time.perf_counter() - start
@@ -87,7 +96,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                     advice = report_advice(report) + [Advice(note) for note in job.notes]
                 status = (running_status(following, done, len(stages), elapsed, report, advice, queued) if following
                           else complete_status(elapsed, report, advice, queued))
-                values = (render_sweep if job.sweep else render)(report, status, write_results(report, folder))
+                values = draw(report, status, write_results(report, folder))
                 values["shown"] = shown_state(report, "in progress" if following else "complete")
                 if following is None:
                     values |= history_outputs(add_run(history, settings, report, "complete"), folder)
@@ -190,10 +199,30 @@ def on_settings_change(model: str, criterion: str, depth: float, manual_blocks: 
 
 
 def on_mode_change(mode: str, criterion: str) -> tuple:
-    """Sweep: the depth range instead of one depth, and the sweep's results instead of a single run's."""
-    sweep = mode == SWEEP
-    return (gr.update(visible=not sweep and criterion not in ("manual", "none")), gr.update(visible=sweep),
-            gr.update(visible=not sweep), gr.update(visible=sweep))
+    """Sweep: the depth range instead of one depth, and the sweep's results instead of a single run's. Compare: the
+    criteria list instead of one criterion, one depth, and the comparison's map, scores and table."""
+    sweep, compare = mode == SWEEP, mode == COMPARE
+    single = not sweep and not compare
+    return (gr.update(visible=compare or (single and criterion not in ("manual", "none"))), gr.update(visible=sweep),
+            gr.update(visible=single), gr.update(visible=sweep), gr.update(visible=compare),
+            gr.update(visible=not compare), gr.update(visible=compare))
+
+
+@functools.wraps(on_run)  # the same parameters, so Gradio passes the Run inputs, the request and the progress
+def on_rerun_on_your_text(*args, **kwargs) -> Iterator[tuple]:
+    """The comparison again, its blocks chosen (and operators fitted) on your text: one click.
+
+    Your text takes the calibration role (and keeps the evaluation role if it had it); refused when no
+    text is pasted or uploaded."""
+    values = inspect.signature(on_run).bind(*args, **kwargs).arguments
+    if not (values.get("your_text") or "").strip() and not values.get("your_file"):
+        message = ("paste or upload your text under 'Your text' first: the comparison then reruns with your text "
+                   "choosing the blocks")
+        yield as_outputs({"status": refused_status(message, values.get("shown"))})
+        raise gr.Error(message, duration=TOAST_SECONDS)
+    use = values.get("text_use", "evaluation")
+    values |= {"mode": COMPARE, "text_use": "both" if use in ("evaluation", "both") else "calibration"}
+    yield from on_run(**values)
 
 
 def on_history_select(history: list[dict] | None, event: gr.SelectData) -> tuple:
@@ -236,5 +265,7 @@ def depth_info(layers: int) -> str:
 
 def on_criterion_change(criterion: str, mode: str = "single depth") -> tuple:
     """Depth for similarity criteria (one, or a sweep's range), the block picker for manual, neither for none."""
+    if mode == COMPARE:
+        return gr.update(visible=True), gr.update(visible=False)
     return (gr.update(visible=criterion not in ("manual", "none") and mode != SWEEP),
             gr.update(visible=criterion == "manual"))

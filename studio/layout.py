@@ -15,7 +15,8 @@ from ghosted_core.export.folder import EXPORT_MODES
 from ghosted_core.recovery.operators import OPERATORS
 from studio.outputs import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES
 from studio.handlers import depth_info, model_note, on_criterion_change, on_history_select, on_mode_change, \
-    on_model_change, on_run, on_settings_change, on_stop, on_submit, on_upload, upload_available
+    on_model_change, on_rerun_on_your_text, on_run, on_settings_change, on_stop, on_submit, on_upload, \
+    upload_available
 from studio.history import history_table
 from studio.presets_view import model_choices
 from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, MODES, NO_SAVE, QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS
@@ -23,7 +24,9 @@ from ghosted_core.run.options import OPERATOR_CHOICES
 from studio.user_input import USES
 from studio.speed import default_run_note
 from studio.status import NOTHING_SHOWN
+from ghosted_core.report.compare import compare_table
 from ghosted_core.report.sweep import sweep_table
+from studio.outputs import COMPARE_HINT
 from ghosted_core.report.tables import empty_perplexity_table
 
 log = logging.getLogger(__name__)
@@ -85,8 +88,14 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     criterion = gr.Dropdown([(f"{name}: {CRITERION_HELP.get(name, spec.paper)}", name)
                                              for name, spec in CRITERIA.items()],
                                             value=DEFAULTS.criterion, label="Which blocks to remove", elem_id="criterion")
+                    compare_criteria = gr.Dropdown(
+                        [(f"{name}: {CRITERION_HELP.get(name, spec.paper)}", name) for name, spec in CRITERIA.items()
+                         if name not in ("manual", "none")], value=list(DEFAULTS.compare_criteria), multiselect=True,
+                        label="Criteria to compare", visible=False, elem_id="compare-criteria",
+                        info="each one's blocks, then every operator on every distinct plan (one calibration pass)")
                     mode = gr.Radio(list(MODES), value=DEFAULTS.mode, label="Depth", elem_id="mode",
-                                    info="sweep: every depth of a range from one calibration pass")
+                                    info="sweep: every depth of a range from one calibration pass; compare criteria: "
+                                         "which blocks each criterion removes at one depth, and what each costs")
                     depth = gr.Slider(1, default_layers, value=DEFAULTS.depth, step=1, label="Blocks to remove",
                                       info=depth_info(default_layers), elem_id="depth")
                     depths = gr.Textbox(DEFAULTS.depths, label="Depths to sweep (START:STOP:STEP, STOP included)",
@@ -173,6 +182,15 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     recovered_plot = gr.Plot(show_label=False, elem_id="plot-recovered")
                     sweep_table_df = gr.Dataframe(sweep_table({}), interactive=False, show_label=False,
                                                   elem_id="sweep-table", wrap=True)
+                with gr.Column(visible=False) as compare_box:
+                    gr.Markdown("### Which blocks? Criteria compared", elem_classes="section-title")
+                    compare_caption_md = gr.Markdown(COMPARE_HINT, elem_classes="caption", elem_id="compare-caption")
+                    rerun_btn = gr.Button("Rerun this comparison on your text (it chooses the blocks)",
+                                          elem_id="rerun-your-text", size="sm")
+                    map_plot = gr.Plot(show_label=False, elem_id="plot-map")
+                    criterion_scores_plot = gr.Plot(show_label=False, elem_id="plot-criterion-scores")
+                    compare_table_df = gr.Dataframe(compare_table({}), interactive=False, show_label=False,
+                                                    elem_id="compare-table", wrap=True)
                 results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
                 with gr.Accordion("Runs in this session", open=False, elem_id="history-box"):
                     gr.Markdown("Every run of this browser tab (gone when you close it). Click a row to put that "
@@ -190,13 +208,16 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                    "seed": seed, "eval_corpora": eval_corpora, "eval_tokens": eval_tokens, "prompt": prompt,
                    "new_tokens": new_tokens, "tasks_on": tasks_on, "task_names": task_names,
                    "task_examples": task_examples, "save_variant": save_variant, "export_format": export_format,
-                   "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use}
+                   "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use,
+                   "compare_criteria": compare_criteria}
         components = {"status": status, "generations": generations, "ppl_caption": ppl_caption, "ppl_table": ppl_table,
                       "scores": scores_plot, "errors": errors_plot, "drift": drift_plot, "structure": structure_plot,
                       "tasks_caption": tasks_caption_md, "tasks_table": tasks_table_df, "tasks_plot": tasks_plot,
                       "results_file": results_file, "model_file": model_file, "save_note": save_note_md,
                       "sweep_caption": sweep_caption_md, "curve": curve_plot, "recovered": recovered_plot,
                       "sweep_table": sweep_table_df, "history_table": history_df, "history_file": history_file,
+                      "compare_caption": compare_caption_md, "similarity_map": map_plot,
+                      "criterion_scores": criterion_scores_plot, "compare_table": compare_table_df,
                       "shown": shown, "history": history}
         inputs = [widgets[name] for name in INPUT_NAMES]
         outputs = [components[name] for name in (*OUTPUT_NAMES, *STATE_NAMES)]
@@ -212,8 +233,13 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                      concurrency_limit=None)
         criterion.change(on_criterion_change, [criterion, mode], [depth, manual_blocks], api_visibility="private",
                          concurrency_limit=None)
-        mode.change(on_mode_change, [mode, criterion], [depth, depths, single_box, sweep_box],
+        mode.change(on_mode_change, [mode, criterion], [depth, depths, single_box, sweep_box, compare_box, criterion,
+                                                        compare_criteria],
                     api_visibility="private", concurrency_limit=None)
+        rerun = rerun_btn.click(on_submit, None, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
+                                api_visibility="private")
+        rerun.then(on_rerun_on_your_text, [*inputs, submitted, shown, history], outputs, api_name="rerun_on_your_text",
+                   concurrency_limit=concurrency, concurrency_id="run", show_progress_on=[progress_slot])
         settings = [model, criterion, depth, manual_blocks, operators, samples, seqlen, mode, depths]
         for widget in settings:
             widget.change(on_settings_change, settings, run_advice, api_name="check" if widget is model else None,

@@ -26,7 +26,9 @@ from ghosted_core.run.sweep import check_sweep, parse_depths, sweep_stages
 from ghosted_core.run.sweep import planned_stages as sweep_planned
 from studio.cache import MODELS, model_shape, num_blocks
 from studio.presets_view import device, find_preset
-from studio.settings import DEFAULTS, NO_SAVE, SWEEP, gpu_run, gpu_sweep
+from ghosted_core.run.compare import check_compare, compare_stages
+from ghosted_core.run.compare import planned_stages as compare_planned
+from studio.settings import COMPARE, DEFAULTS, NO_SAVE, SWEEP, gpu_compare, gpu_run, gpu_sweep
 
 
 @dataclass(frozen=True)
@@ -127,14 +129,21 @@ class RunRequest:
     export_format: str = "auto"
     depths: tuple[int, ...] = ()  # a sweep's depths; empty for a single-depth run
     notes: tuple[str, ...] = ()  # settings the request set aside, said in the status
+    criteria: tuple[str, ...] = ()  # a comparison's criteria; empty otherwise
 
     @property
     def sweep(self) -> bool:
         return bool(self.depths)
 
+    @property
+    def compare(self) -> bool:
+        return bool(self.criteria)
+
     def stages(self) -> list[str]:
         if self.sweep:
             return conversion_stage(self.options.model) + sweep_planned(self.depths)
+        if self.compare:
+            return conversion_stage(self.options.model) + compare_planned(self.criteria)
         return planned_stages(self.options, self.quick, self.save_variant)
 
     def advice(self) -> list[Advice]:
@@ -142,16 +151,17 @@ class RunRequest:
 
 
 def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, export_format: str, mode: str,
-                  depths_text: str) -> RunRequest:
+                  depths_text: str, criteria: Sequence[str] = ()) -> RunRequest:
     """A checked request from the options and the mode widgets; GhostedError for anything no run could do."""
-    if mode == SWEEP:
+    if mode == COMPARE:
+        notes = _set_aside(options, quick, save_variant, "a comparison")
+        options = replace(options, prompt=None, tasks=(), layers=())
+        chosen = check_compare(options, [c for c in criteria or () if c not in ("manual", "none")],
+                               num_blocks(options.model))
+        request = RunRequest(options, notes=tuple(notes), criteria=chosen)
+    elif mode == SWEEP:
         depths = parse_depths(depths_text or "")
-        notes = []
-        if options.prompt or quick.enabled:
-            notes.append("a sweep reports perplexity and boundary errors: the prompt and quick tasks apply to "
-                         "single-depth runs")
-        if save_variant and save_variant != NO_SAVE:
-            notes.append("a sweep saves no model: save one from a single-depth run")
+        notes = _set_aside(options, quick, save_variant, "a sweep")
         options = replace(options, prompt=None, tasks=())
         layers = num_blocks(options.model)
         request = RunRequest(options, depths=check_sweep(options, depths, layers), notes=tuple(notes))
@@ -166,6 +176,17 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
     if zerogpu():
         gpu_seconds(options, request.depths or None)  # refuses a run longer than a ZeroGPU call may hold
     return request
+
+
+def _set_aside(options: RunOptions, quick: QuickTasks, save_variant: str, what: str) -> list[str]:
+    """What a sweep or a comparison leaves out of the settings, said in the status."""
+    notes = []
+    if options.prompt or quick.enabled:
+        notes.append(f"{what} reports perplexity and boundary errors: the prompt and quick tasks apply to "
+                     "single-depth runs")
+    if save_variant and save_variant != NO_SAVE:
+        notes.append(f"{what} saves no model: save one from a single-depth run")
+    return notes
 
 
 # ---------------------------------------------------------------- the run (the @spaces.GPU unit)
@@ -240,6 +261,20 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
         report["app"] |= {"saved_model": str(saved.archive), "saved_mode": saved.mode, "saved_reason": saved.reason,
                           "saved_variant": saved.variant}
         yield "save model", report
+
+
+@gpu_compare
+def run_compare_job(options: RunOptions, criteria: tuple[str, ...],
+                    should_stop: StopCheck = None) -> Iterator[tuple[str, dict]]:
+    """Criteria compared: (convert →) load → each criterion's blocks → one calibration pass → each criterion's
+    operators, yielding (stage, the comparison's results.json so far): the map, scores and table grow criterion by
+    criterion."""
+    timings: dict[str, float] = {}
+    loaded = yield from load_stages(options.model, timings, should_stop)
+    for stage, result in compare_stages(options, criteria, loaded, should_stop=should_stop):
+        report = result.to_json()
+        report["timings"] = with_app_timings(report["timings"], timings)
+        yield stage, report
 
 
 @gpu_sweep

@@ -16,7 +16,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 NO_SAVE = "don't save"
 SWEEP = "sweep"  # the mode that runs every depth of a range from one calibration pass
-MODES = ("single depth", SWEEP)
+COMPARE = "compare criteria"  # the mode that scores several criteria at one depth and evaluates every plan
+MODES = ("single depth", SWEEP, COMPARE)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Defaults:
     mode: str = "single depth"  # or SWEEP
     depths: str = "2:10:2"  # a sweep's depths, START:STOP:STEP with STOP included
     text_use: str = "evaluation"  # what "your text" is used for, when given
+    # criteria compared by default: the quick ones (sleb, swap_kl and prunecomp cost many passes: add them at will)
+    compare_criteria: tuple[str, ...] = ("streamline", "shortgpt", "kl", "weights")
 
 
 DEFAULTS = Defaults()
@@ -57,6 +60,12 @@ CRITERION_HELP = {  # short dropdown labels; the registry's paper names are long
     "angular": "angular distance (PruneMe)",
     "manual": "the blocks you list",
     "none": "dense model only",
+    "sleb": "greedy by calibration NLL (SLEB; n rounds)",
+    "kl": "run with the least KL to the dense output",
+    "swap_kl": "interchange probe (No Free Swap; many passes)",
+    "swap_kl_repl": "replacement probe (No Free Swap; many passes)",
+    "weights": "forward-free, from the weights (ours, after WRP's abstract)",
+    "prunecomp": "iterative BI with magnitude compensation (Prune&Comp)",
 }
 
 
@@ -78,5 +87,11 @@ def _sweep_seconds(options, depths, *args, **kwargs) -> int:
     return gpu_seconds(options, tuple(depths))
 
 
+def _compare_seconds(options, criteria, *args, **kwargs) -> int:
+    """Rough: a single run's estimate per criterion (the scoring criteria cost more, the shared passes less)."""
+    return min(300, gpu_seconds(options) * max(1, len(criteria)))
+
+
 gpu_run = _spaces_gpu(_run_seconds)  # decorates studio.runner.run_job
 gpu_sweep = _spaces_gpu(_sweep_seconds)  # decorates studio.runner.run_sweep_job
+gpu_compare = _spaces_gpu(_compare_seconds)  # decorates studio.runner.run_compare_job

@@ -139,10 +139,10 @@ def cost_text(cost: dict) -> str:
     """'3 passes, 812 block runs/window, 4.2 s' (and what it shares)."""
     if not cost:
         return "–"
-    parts = [f"{cost.get('passes', 0)} pass{'es' if cost.get('passes', 0) != 1 else ''}",
-             f"{cost.get('block_runs_per_window', 0):.0f} block runs/window"]
-    if cost.get("head_runs_per_window"):
-        parts.append(f"{cost['head_runs_per_window']:.1f} heads/window")
+    parts = []
+    if "full_pass_equivalents" in cost:
+        parts.append(f"{cost['full_pass_equivalents']:.1f} full-pass equivalents")
+    parts.append(f"{cost.get('passes', 0)} pass{'es' if cost.get('passes', 0) != 1 else ''} from the tokens")
     parts.append(f"{cost.get('seconds', 0):.1f} s")
     return ", ".join(parts) + (f" [{cost['shared']}]" if cost.get("shared") else "")
 

@@ -71,6 +71,8 @@ def cut_text(report: dict) -> str:
     removed, criterion = report.get("removed_layers", []), report.get("criterion", "")
     if "sweep" in report:
         return f"{criterion} sweep over n = **{', '.join(map(str, report['sweep'].get('depths', [])))}** blocks"
+    if "compare" in report:
+        return f"criteria compared at n = **{report['compare'].get('n')}**: {', '.join(report['compare']['criteria'])}"
     if removed:
         return f"{criterion} removed **{plural(len(removed), 'block')}: {blocks_text(removed)}**"
     if criterion == "none":

@@ -26,7 +26,8 @@ from transformers import PreTrainedModel
 
 from ghosted_core.calibration.collect import collect_stats
 from ghosted_core.data import corpora
-from ghosted_core.evaluation.perplexity import PrefixStates, dense_prefix_states, perplexity, perplexity_from_states
+from ghosted_core.evaluation.perplexity import PrefixStates, dense_prefix_states, perplexity, perplexity_from_states, \
+    shared_prefix
 from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.recovery.operators import needs_of
@@ -198,10 +199,27 @@ def evaluate_plan(dense: PreTrainedModel, options: RunOptions, plan: PruningPlan
     clock.tick("fit operators")
     for corpus, states in cached.items():
         desc = f"perplexity {corpus}, {label or f'n = {result.n}'}"
-        if first_changed_block(plan) in states.states:
-            result.perplexity[corpus] = perplexity_from_states(dense, models, states, options.quiet, desc, should_stop)
-        else:  # over the cache cap: the prefix runs again
-            result.perplexity[corpus] = perplexity(dense, models, states.windows, states.batch_size, options.quiet,
-                                                   desc, should_stop)
+        result.perplexity[corpus] = {}
+        for start, group in _by_kept_start(dense, models, states).items():
+            if start is None:  # no kept state before its first changed block (over the cap, or magcomp's block 0)
+                table = perplexity(dense, group, states.windows, states.batch_size, options.quiet, desc, should_stop)
+            else:
+                table = perplexity_from_states(dense, group, states, options.quiet, desc, should_stop)
+            result.perplexity[corpus] |= table
+        result.perplexity[corpus] = {name: result.perplexity[corpus][name] for name in models}  # the variants' order
     clock.tick("perplexity")
     return result
+
+
+def _by_kept_start(dense: PreTrainedModel, models: dict[str, PreTrainedModel],
+                   states: PrefixStates) -> dict[int | None, dict[str, PreTrainedModel]]:
+    """Variants grouped by the latest kept dense state they can start from (None: none, the prefix runs again).
+
+    A variant that changes blocks from the start (magcomp scales every writer before its cut) would
+    otherwise pull the whole group back to block 0."""
+    groups: dict[int | None, dict[str, PreTrainedModel]] = {}
+    for name, model in models.items():
+        prefix = shared_prefix(dense, model)
+        start = max((j for j in states.states if j <= prefix), default=None)
+        groups.setdefault(start, {})[name] = model
+    return groups

@@ -104,7 +104,8 @@ def iter_criteria(model: PreTrainedModel, criteria: Sequence[str], request: Sele
         start = time.perf_counter()
         sim = measure_similarity_depths(model, [request.n], batches, request.cosine, quiet, with_map)[max(request.n, 1)]
         shared_cost = Work(passes=1, block_runs=windows * request.num_layers, seconds=time.perf_counter() - start
-                           ).to_json(windows) | {"shared": "one similarity pass for every similarity criterion and the map"}
+                           ).to_json(windows, model.config) | {"shared": "one similarity pass (no head) for every "
+                                                                         "similarity criterion and the map"}
     shared = {} if shared is None else shared
     for name in criteria:
         spec = get_criterion(name)
@@ -113,7 +114,7 @@ def iter_criteria(model: PreTrainedModel, criteria: Sequence[str], request: Sele
         plan = spec.select(request, scoring)
         if scoring.work is fresh:
             scoring.work.seconds = time.perf_counter() - start
-        cost = shared_cost if spec.needs_similarity else scoring.work.to_json(windows)
+        cost = shared_cost if spec.needs_similarity else scoring.work.to_json(windows, model.config)
         if scoring.work is not fresh:  # an earlier measurement's result (and cost), said once
             partner = scoring.details.get(name, {}).get("shared_with")
             cost = cost | {"shared": f"measured once for {partner} and {name}" if partner else

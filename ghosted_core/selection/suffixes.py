@@ -38,11 +38,26 @@ class Work:
     head_runs: float = 0.0  # window × (final norm + LM head) evaluations (a vocabulary subset counts its share)
     seconds: float = 0.0
 
-    def to_json(self, windows: int) -> dict:
-        """Counts per calibration window, and the wall time."""
+    def to_json(self, windows: int, config=None) -> dict:
+        """Counts per calibration window and the wall time; with the model's config, also the work in full-pass
+        equivalents (`pass_equivalents`)."""
         per = max(windows, 1)
-        return {"passes": self.passes, "block_runs_per_window": self.block_runs / per,
-                "head_runs_per_window": self.head_runs / per, "seconds": round(self.seconds, 3)}
+        out = {"passes": self.passes, "block_runs_per_window": self.block_runs / per,
+               "head_runs_per_window": self.head_runs / per, "seconds": round(self.seconds, 3)}
+        if config is not None:
+            out["full_pass_equivalents"] = round(pass_equivalents(config, self.block_runs / per, self.head_runs / per), 2)
+        return out
+
+
+def pass_equivalents(config, block_runs: float, head_runs: float) -> float:
+    """Block and head runs per window in full forward passes (L blocks and one head), weighted by the
+    multiply-adds of their projections per token (attention scores left out: they grow with T alike)."""
+    c, inner = config.hidden_size, config.intermediate_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or c // heads
+    block = c * head_dim * (2 * heads + 2 * kv) + 3 * c * inner  # q, o, k, v and the gated MLP
+    head = config.vocab_size * c
+    return (block_runs * block + head_runs * head) / (config.num_hidden_layers * block + head)
 
 
 @dataclass(frozen=True)
