@@ -271,10 +271,7 @@ def run_compare_job(options: RunOptions, criteria: tuple[str, ...],
     criterion."""
     timings: dict[str, float] = {}
     loaded = yield from load_stages(options.model, timings, should_stop)
-    for stage, result in compare_stages(options, criteria, loaded, should_stop=should_stop):
-        report = result.to_json()
-        report["timings"] = with_app_timings(report["timings"], timings)
-        yield stage, report
+    yield from _reports(compare_stages(options, criteria, loaded, should_stop=should_stop), timings)
 
 
 @gpu_sweep
@@ -285,7 +282,12 @@ def run_sweep_job(options: RunOptions, depths: tuple[int, ...], should_stop: Sto
     """
     timings: dict[str, float] = {}
     loaded = yield from load_stages(options.model, timings, should_stop)
-    for stage, result in sweep_stages(options, depths, loaded, should_stop=should_stop):
+    yield from _reports(sweep_stages(options, depths, loaded, should_stop=should_stop), timings)
+
+
+def _reports(stages: Iterator, timings: dict[str, float]) -> Iterator[tuple[str, dict]]:
+    """(stage, results.json so far) of a sweep or a comparison, with the app's own stage times first."""
+    for stage, result in stages:
         report = result.to_json()
         report["timings"] = with_app_timings(report["timings"], timings)
         yield stage, report

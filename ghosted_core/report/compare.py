@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ghosted_core.report.charts import base_figure, empty_figure, wrap_parts
-from ghosted_core.report.tables import PALETTE, blocks_text, corpus_tag, fmt, tokens_text
+from ghosted_core.report.tables import PALETTE, blocks_text, fmt, ppl_columns, tokens_text
 from ghosted_core.selection.criteria import CRITERIA
 
 SCORE_PANEL = 170  # px per criterion in the score chart
@@ -118,10 +118,7 @@ def criterion_scores_figure(report: dict) -> go.Figure:
 def compare_table(report: dict) -> pd.DataFrame:
     """One row per criterion and operator: blocks removed, perplexity and damage recovered per corpus, the cost."""
     corpora = _corpora(report)
-    columns = ["criterion", "blocks removed", "operator"]
-    for corpus in corpora:
-        columns += [f"{corpus_tag(report, corpus)} ppl", f"{corpus_tag(report, corpus)} recovered"]
-    columns += ["criterion cost"]
+    columns = ["criterion", "blocks removed", "operator", *ppl_columns(report, corpora), "criterion cost"]
     compare = _compare(report)
     rows = [["dense", "none", "–", *[x for c in corpora for x in (fmt(compare["dense"]["ppl"][c]), "–")], "–"]] \
         if corpora else []

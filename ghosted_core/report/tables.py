@@ -61,6 +61,11 @@ def corpus_tag(report: dict, corpus: str) -> str:
     return f"{corpus} ({'exact' if info.get('real') else 'stand-in'})"
 
 
+def ppl_columns(report: dict, corpora: Sequence[str]) -> list[str]:
+    """'ptb (exact) ppl', 'ptb (exact) recovered', … for every corpus: a sweep's and a comparison's table columns."""
+    return [f"{corpus_tag(report, corpus)} {what}" for corpus in corpora for what in ("ppl", "recovered")]
+
+
 def plural(count: int, noun: str) -> str:
     """'1 block', '7 blocks'."""
     return f"{count} {noun}{'' if count == 1 else 's'}"

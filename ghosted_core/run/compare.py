@@ -25,13 +25,12 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ghosted_core.data import corpora
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory import MemoryPlan, max_boundaries
-from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
-from ghosted_core.run.options import RunOptions, planned, selection_request, validate
-from ghosted_core.run.pipeline import calibration_batches, corpus_entry
-from ghosted_core.run.plans import Clock, PlanResult, calibrate_plans, dense_evaluation, evaluate_plan
+from ghosted_core.model.loading import LoadedModel
+from ghosted_core.run.options import RunOptions, selection_request, validate
+from ghosted_core.run.plans import Clock, PlanResult, calibrate_plans, calibration_for, dense_evaluation, evaluate_plan, \
+    plan_and_load
 from ghosted_core.run.result import run_json
 from ghosted_core.selection.choose import Selection, iter_criteria
 from ghosted_core.selection.criteria import get_criterion
@@ -156,27 +155,15 @@ def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedM
     options = dataclasses.replace(options, criterion=chosen[0])
     result = CompareResult(options, chosen)
     clock = Clock(result.timings)
-    if loaded is None:
-        config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
-        check_compare(options, chosen, config.num_hidden_layers, max_positions(config))
-    layers = loaded.num_layers if loaded is not None else config.num_hidden_layers
-    boundaries = sum(max_boundaries(c, layers, options.num_prune, options.layers) for c in chosen)
-    options, result.memory_plan = planned(options, loaded, boundaries)
-    result.options = options
-    if loaded is None:
-        loaded = load_model(options.model, options.load)
-    check_compare(options, chosen, loaded.num_layers, max_positions(loaded.model.config))
+    options, loaded = plan_and_load(
+        options, loaded, lambda layers: sum(max_boundaries(c, layers, options.num_prune, options.layers) for c in chosen),
+        lambda layers, positions: check_compare(options, chosen, layers, positions), result)
     dense, tokenizer = loaded.model, loaded.tokenizer
-    result.bos = corpora.resolve_bos(tokenizer, options.bos).to_json()
-    result.model_description = loaded.description
-    result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     clock.tick("load model")
     yield "load model", result
 
     check_stop(should_stop, f"score {chosen[0]}")
-    batches, result.calibration_tokens = calibration_batches(tokenizer, options)
-    result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
-    result.calibration_label = result.corpora[options.calibration]["label"]
+    batches = calibration_for(options, tokenizer, result)
     request = selection_request(options, loaded.num_layers)
     for selection, sim in iter_criteria(dense, chosen, request, batches, options.quiet, shared=shared):
         result.selections[selection.criterion] = selection
@@ -196,8 +183,7 @@ def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedM
 
     check_stop(should_stop, "perplexity dense")
     evaluation = dense_evaluation(dense, tokenizer, options, plans, result.hidden_size)
-    result.dense, result.notes = evaluation.perplexity, result.notes + evaluation.notes
-    result.corpora |= evaluation.corpora
+    evaluation.record(result)
     clock.tick("perplexity dense")
     yield "perplexity dense", result
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +33,9 @@ from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.run.fitting import fit_variants
 from ghosted_core.run.options import RunOptions, statistics_bytes_per_boundary
-from ghosted_core.run.pipeline import corpus_entry, window_counts
+from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
+from ghosted_core.run.options import planned
+from ghosted_core.run.pipeline import calibration_batches, corpus_entry, window_counts
 from ghosted_core.run.result import fit_json
 from ghosted_core.statistics import BoundaryStats
 from ghosted_core.stopping import StopCheck
@@ -41,6 +43,36 @@ from ghosted_core.stopping import StopCheck
 log = logging.getLogger(__name__)
 
 PREFIX_CACHE_BYTES = 2 * 2**30  # default cap on the kept dense evaluation states
+
+
+def plan_and_load(options: RunOptions, loaded: LoadedModel | None, boundaries: Callable[[int], int],
+                  check: Callable[[int, int | None], None], result) -> tuple[RunOptions, LoadedModel]:
+    """Refuse what `check(num_layers, max_positions)` refuses before any weight loads, plan the memory for
+    `boundaries(num_layers)` boundaries alive at once, load, and record the model's facts in `result`
+    (a sweep's or a comparison's)."""
+    if loaded is None:
+        config = peek_config(options.model)
+        check(config.num_hidden_layers, max_positions(config))
+        layers = config.num_hidden_layers
+    else:
+        layers = loaded.num_layers
+    options, result.memory_plan = planned(options, loaded, boundaries(layers))
+    result.options = options
+    if loaded is None:
+        loaded = load_model(options.model, options.load)
+    check(loaded.num_layers, max_positions(loaded.model.config))
+    result.bos = corpora.resolve_bos(loaded.tokenizer, options.bos).to_json()
+    result.model_description = loaded.description
+    result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
+    return options, loaded
+
+
+def calibration_for(options: RunOptions, tokenizer, result) -> list:
+    """The run's calibration batches, with the corpus and its token count recorded in `result`."""
+    batches, result.calibration_tokens = calibration_batches(tokenizer, options)
+    result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
+    result.calibration_label = result.corpora[options.calibration]["label"]
+    return batches
 
 
 class Clock:
@@ -146,6 +178,12 @@ class DenseEvaluation:
     corpora: dict[str, dict]
     notes: list[str]
     starts: Counter  # first changed block → plans still to evaluate from it
+
+    def record(self, result) -> None:
+        """The dense perplexities, the corpora's entries and the notes, into a sweep's or a comparison's result."""
+        result.dense = self.perplexity
+        result.notes += self.notes
+        result.corpora |= self.corpora
 
     def release(self, plan: PruningPlan) -> None:
         """Free the kept states at this plan's first changed block once no later plan needs them."""

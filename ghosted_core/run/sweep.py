@@ -31,15 +31,13 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from ghosted_core.data import corpora
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory import MemoryPlan, max_boundaries
-from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
+from ghosted_core.model.loading import LoadedModel
 from ghosted_core.plan import PruningPlan
-from ghosted_core.run.options import RunOptions, planned, validate
-from ghosted_core.run.pipeline import calibration_batches, corpus_entry
-from ghosted_core.run.plans import PREFIX_CACHE_BYTES, Clock, PlanResult, calibrate_plans, dense_evaluation, \
-    evaluate_plan
+from ghosted_core.run.options import RunOptions, validate
+from ghosted_core.run.plans import PREFIX_CACHE_BYTES, Clock, PlanResult, calibrate_plans, calibration_for, \
+    dense_evaluation, evaluate_plan, plan_and_load
 from ghosted_core.run.result import run_json
 from ghosted_core.selection.choose import select_blocks_depths
 from ghosted_core.selection.criteria import SelectionRequest, get_criterion
@@ -167,28 +165,16 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     result = SweepResult(options, chosen)
     clock = Clock(result.timings)
 
-    if loaded is None:
-        config = peek_config(options.model)  # refuse bad depths and lengths before loading weights
-        check_sweep(options, chosen, config.num_hidden_layers, max_positions(config))
     # The statistics of every depth live at once: plan for the boundaries of all depths together.
-    layers = loaded.num_layers if loaded is not None else config.num_hidden_layers
-    boundaries = sum(max_boundaries(options.criterion, layers, n, options.layers) for n in chosen)
-    options, result.memory_plan = planned(options, loaded, boundaries)
-    result.options = options
-    if loaded is None:
-        loaded = load_model(options.model, options.load)
-    check_sweep(options, chosen, loaded.num_layers, max_positions(loaded.model.config))
+    options, loaded = plan_and_load(
+        options, loaded, lambda layers: sum(max_boundaries(options.criterion, layers, n, options.layers) for n in chosen),
+        lambda layers, positions: check_sweep(options, chosen, layers, positions), result)
     dense, tokenizer = loaded.model, loaded.tokenizer
-    result.bos = corpora.resolve_bos(tokenizer, options.bos).to_json()
-    result.model_description = loaded.description
-    result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     clock.tick("load model")
     yield "load model", result
 
     check_stop(should_stop, "score blocks")
-    batches, result.calibration_tokens = calibration_batches(tokenizer, options)
-    result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
-    result.calibration_label = result.corpora[options.calibration]["label"]
+    batches = calibration_for(options, tokenizer, result)
     requests = [SelectionRequest(loaded.num_layers, n, (), options.cosine) for n in chosen]
     for n, (plan, _sim) in zip(chosen, select_blocks_depths(dense, options.criterion, requests, batches, options.quiet)):
         result.plans[n] = plan
@@ -204,8 +190,7 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
     check_stop(should_stop, "perplexity dense")
     evaluation = dense_evaluation(dense, tokenizer, options, list(result.plans.values()), result.hidden_size,
                                   sweep.prefix_cache_bytes)
-    result.dense, result.notes = evaluation.perplexity, result.notes + evaluation.notes
-    result.corpora |= evaluation.corpora
+    evaluation.record(result)
     clock.tick("perplexity dense")
     yield "perplexity dense", result
 

@@ -14,6 +14,8 @@ L−n+2 heads, against L−n+1 full passes naively. Memory: the candidates' stat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.next_token import count_targets, kl_sums
@@ -23,17 +25,15 @@ COST = ("one dense pass per window, then every run start's suffix from the cache
         "and L−n+2 heads per window (naive: L−n+1 full passes); memory: L+1 residual states per batch")
 
 
-def run_kl(scoring: Scoring, n: int) -> list[float]:
-    """Mean KL(p_dense ‖ p_without s…s+n−1) per position, for s = 0 … L−n."""
-    runner = CandidateRunner(scoring.model, scoring.work)
+def mean_kl(scoring: Scoring, runner: CandidateRunner, variants: Sequence[tuple[int, tuple]]) -> list[float]:
+    """Per variant (entry slot, steps from it): mean KL(p_dense ‖ p_variant) per calibration position, each variant
+    run from the dense state entering its entry slot (one dense pass per batch keeps them all)."""
     num_layers = len(runner.blocks)
-    starts = range(num_layers - n + 1)
-    totals = [0.0] * len(starts)
+    totals = [0.0] * len(variants)
     positions = 0
     for batch in scoring.fit_batches:
         states = runner.dense_states(batch.input_ids, batch.attention_mask)  # h_0 … h_L
-        candidates = [Candidate(states[s], tuple((j, runner.blocks[j]) for j in range(s + n, num_layers)))
-                      for s in starts]
+        candidates = [Candidate(states[entry], steps) for entry, steps in variants]
         sums: list[float] = []
         for group in chunks(candidates):
             sums += kl_sums(scoring.model, runner.run(group, batch.attention_mask), states[num_layers],
@@ -41,6 +41,14 @@ def run_kl(scoring: Scoring, n: int) -> list[float]:
         totals = [t + x for t, x in zip(totals, sums)]
         positions += count_targets(batch.input_ids, batch.attention_mask, targets=False)
     return [t / max(positions, 1) for t in totals]
+
+
+def run_kl(scoring: Scoring, n: int) -> list[float]:
+    """Mean KL(p_dense ‖ p_without s…s+n−1) per position, for s = 0 … L−n."""
+    runner = CandidateRunner(scoring.model, scoring.work)
+    num_layers = len(runner.blocks)
+    return mean_kl(scoring, runner, [(s, tuple((j, runner.blocks[j]) for j in range(s + n, num_layers)))
+                                     for s in range(num_layers - n + 1)])
 
 
 @register_criterion("kl", paper="output-grounded removal (the measure the cosine criteria approximate)", needs="forward",

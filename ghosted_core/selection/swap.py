@@ -31,8 +31,8 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.model.surgery import shallow_view
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
-from ghosted_core.selection.next_token import count_targets, kl_sums
-from ghosted_core.selection.suffixes import Candidate, CandidateRunner, chunks
+from ghosted_core.selection.kl import mean_kl
+from ghosted_core.selection.suffixes import CandidateRunner
 
 WINDOW = 3  # pairs with j − i ≤ WINDOW (Qwen3-8B and Pythia in the paper)
 SPACING = 1  # no two removed blocks within SPACING of each other (Table 14's Δ = 1: no adjacent removals)
@@ -70,18 +70,8 @@ def swap_distances(scoring: Scoring, window: int = WINDOW) -> dict[str, dict[tup
         variants.append(("j<-i", (i, j), j, ((j, views[j, i]),) + dense(j + 1)))
         middle = tuple((k, blocks[k]) for k in range(i + 1, j))
         variants.append(("i<->j", (i, j), i, ((i, views[i, j]),) + middle + ((j, views[j, i]),) + dense(j + 1)))
-    totals = [0.0] * len(variants)
-    positions = 0
-    for batch in scoring.fit_batches:
-        states = runner.dense_states(batch.input_ids, batch.attention_mask)
-        candidates = [Candidate(states[entry], steps) for _kind, _pair, entry, steps in variants]
-        sums: list[float] = []
-        for group in chunks(candidates):
-            sums += kl_sums(scoring.model, runner.run(group, batch.attention_mask), states[num_layers],
-                            batch.attention_mask, scoring.work)
-        totals = [t + x for t, x in zip(totals, sums)]
-        positions += count_targets(batch.input_ids, batch.attention_mask, targets=False)
-    mean = {(kind, pair): t / max(positions, 1) for (kind, pair, _e, _s), t in zip(variants, totals)}
+    found = mean_kl(scoring, runner, [(entry, steps) for _kind, _pair, entry, steps in variants])
+    mean = {(kind, pair): value for (kind, pair, _e, _s), value in zip(variants, found)}
     return {"replacement": {p: max(mean["i<-j", p], mean["j<-i", p]) for p in chosen},
             "interchange": {p: mean["i<->j", p] for p in chosen},
             "directions": {p: (mean["i<-j", p], mean["j<-i", p]) for p in chosen}}

@@ -15,6 +15,7 @@ from ghosted_core.run.compare import check_compare, compare_stages, parse_criter
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run
 from ghosted_core.selection.criteria import CRITERIA
+from test_sweep import ForwardCounter  # counts the embedding's calls: passes that start from the tokens
 
 EVERY = [name for name in CRITERIA if name not in ("none", "manual")]
 
@@ -28,19 +29,6 @@ def options_for(folder, variants: str = "none,ghost_capped,replaceme,magcomp", n
     return RunOptions(model=str(folder), num_prune=n, variants=parse_variants(variants), calibration="ptb",
                       train_size=4, seqlen=32, heldout_size=2, eval_corpora=("ptb", "wiki"), eval_max_tokens=96,
                       eval_batch_size=2, drift_windows=0, quiet=True, calibrate=CalibrationOptions(quiet=True, batch_size=2))
-
-
-class EmbeddingCalls:
-    def __init__(self, model):
-        self.count = 0
-        self.handle = model.model.embed_tokens.register_forward_hook(self._hook)
-
-    def _hook(self, *_):
-        self.count += 1
-
-    def take(self) -> int:
-        count, self.count = self.count, 0
-        return count
 
 
 def test_parse_and_check_refuse_what_a_comparison_cannot_do(tiny_model_folder):
@@ -62,7 +50,7 @@ def test_every_criterion_in_one_process_with_one_calibration_pass(loaded, tiny_m
     calls = []
     real = plans_module.collect_stats
     monkeypatch.setattr(plans_module, "collect_stats", lambda *a, **k: calls.append(list(a[1])) or real(*a, **k))
-    counter = EmbeddingCalls(loaded.model)
+    counter = ForwardCounter(loaded.model)
     try:
         passes = {}
         for stage, result in compare_stages(options_for(tiny_model_folder), EVERY, loaded):
