@@ -28,7 +28,7 @@ from ghosted_core.recovery.operators import OPERATORS, FitOptions
 from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run
-from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, parse_layers
+from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, criterion_title, parse_layers
 from ghosted_core.run.compare import CompareResult, parse_criteria, run_compare
 from ghosted_core.run.sweep import SweepResult, parse_depths, run_sweep
 from ghosted_core.evaluation.tasks import parse_tasks
@@ -273,7 +273,7 @@ def sweep_summary(result: SweepResult) -> str:
 def summary(result: RunResult) -> str:
     """A plain-text table of perplexity and boundary error per variant, with corpus labels."""
     report = result.to_json()
-    lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {report['criterion']} | "
+    lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {criterion_title(report['criterion'])} | "
              f"removed: {report['removed_layers']} | boundaries: {report['boundaries']}"]
     corpora = list(result.perplexity)
     lines += _corpus_lines(report, corpora)

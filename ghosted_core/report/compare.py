@@ -16,7 +16,7 @@ from plotly.subplots import make_subplots
 
 from ghosted_core.report.charts import base_figure, empty_figure, wrap_parts
 from ghosted_core.report.tables import PALETTE, blocks_text, fmt, ppl_columns, tokens_text
-from ghosted_core.selection.criteria import CRITERIA
+from ghosted_core.selection.criteria import CRITERIA, criterion_title
 
 SCORE_PANEL = 170  # px per criterion in the score chart
 
@@ -29,11 +29,6 @@ def criterion_colors(names: list[str]) -> dict[str, str]:
     """A stable colour per criterion, in the registry's order."""
     order = list(CRITERIA)
     return {name: PALETTE[(order.index(name) if name in order else len(order)) % len(PALETTE)] for name in names}
-
-
-def _title(name: str) -> str:
-    spec = CRITERIA.get(name)
-    return spec.title if spec else name
 
 
 def _corpora(report: dict) -> list[str]:
@@ -81,7 +76,7 @@ def criterion_scores_figure(report: dict) -> go.Figure:
     if not selections:
         return empty_figure("each criterion's scores appear as it finishes")
     names = list(selections)
-    titles = [f"{_title(n)}: {blocks_text(selections[n]['removed_layers'])}"[:70] for n in names]
+    titles = [f"{criterion_title(n)}: {blocks_text(selections[n]['removed_layers'])}"[:70] for n in names]
     lines = wrap_parts(["Criterion scores, each choice highlighted", *_subtitle(report)[:2]])
     fig = make_subplots(rows=len(names), cols=1, subplot_titles=titles, vertical_spacing=0.32 / len(names) + 0.02)
     colors = criterion_colors(names)
@@ -123,7 +118,7 @@ def compare_table(report: dict) -> pd.DataFrame:
     rows = [["dense", "none", "–", *[x for c in corpora for x in (fmt(compare["dense"]["ppl"][c]), "–")], "–"]] \
         if corpora else []
     for row in compare.get("table", []):
-        cells = [_title(row["criterion"]), blocks_text(row["removed_layers"]), row["operator"]]
+        cells = [criterion_title(row["criterion"]), blocks_text(row["removed_layers"]), row["operator"]]
         for corpus in corpora:
             share = row["recovered"].get(corpus)
             cells += [fmt(row["ppl"].get(corpus)), "–" if share is None or row["operator"] == "none" else f"{share:.0%}"]
@@ -166,7 +161,7 @@ def compare_text(report: dict) -> str:
     lines = [f"compare: {report.get('model', '')} ({report.get('num_layers', '?')} blocks), n = {compare.get('n')}",
              compare.get("calibration_note", "")]
     for name, selection in compare.get("selections", {}).items():
-        lines.append(f"  {_title(name)}: blocks {blocks_text(selection['removed_layers'])} | {cost_text(selection['cost'])}")
+        lines.append(f"  {criterion_title(name)}: blocks {blocks_text(selection['removed_layers'])} | {cost_text(selection['cost'])}")
     table = compare_table(report)
     lines.append(table.to_string(index=False))
     lines += [f"note: {note}" for note in report.get("notes", [])]

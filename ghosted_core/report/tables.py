@@ -11,6 +11,7 @@ import pandas as pd
 from ghosted_core.planning.advice import worse_than_pruning
 from ghosted_core.evaluation.tasks import TASKS
 from ghosted_core.run.options import OPERATOR_CHOICES
+from ghosted_core.selection.criteria import criterion_title
 
 
 PALETTE = ("#dc2626", "#ea580c", "#ca8a04", "#4f46e5", "#0d9488", "#16a34a", "#9333ea", "#db2777", "#0891b2",
@@ -73,7 +74,7 @@ def plural(count: int, noun: str) -> str:
 
 def cut_text(report: dict) -> str:
     """What the run removes: the blocks once chosen, never 'removed 0 blocks: none' before they are scored."""
-    removed, criterion = report.get("removed_layers", []), report.get("criterion", "")
+    removed, criterion = report.get("removed_layers", []), criterion_title(report.get("criterion", ""))
     if "sweep" in report:
         return f"{criterion} sweep over n = **{', '.join(map(str, report['sweep'].get('depths', [])))}** blocks"
     if "compare" in report:

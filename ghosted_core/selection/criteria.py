@@ -109,6 +109,12 @@ def get_criterion(name: str) -> CriterionSpec:
     return lookup(CRITERIA, name, "pruning method")
 
 
+def criterion_title(name: str) -> str:
+    """A criterion's name with its label ("weights (ours, inspired by WRP's abstract …)"), as tables show it."""
+    spec = CRITERIA.get(name)
+    return spec.title if spec else name
+
+
 # ---------------------------------------------------------------- the similarity criteria
 
 SHARED_PASS = ("one forward pass over the calibration text, shared by every similarity criterion; memory: the last "
