@@ -18,11 +18,12 @@ from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES
 from ghosted_core.errors import GhostedError
+from ghosted_core.files import check_new_folder, check_writable_folder, write_text
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
-from ghosted_core.recovery.assessment import HELDOUT_FLAG
+from ghosted_core.recovery.assessment import HELDOUT_FLAG, SHOWN, Diagnostics
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS
 from ghosted_core.recovery.operators import OPERATORS, FitOptions
 from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sink_capacity", type=int, default=None,
                    help="attention-sink token rows kept per boundary (default 4 per calibration sequence, at least 64); "
                         "more spill into C×C moments with a warning")
+    p.add_argument("--diagnostics", action="store_true",
+                   help="also compute, per fit, its condition number, singular values and calibration-token boundary "
+                        "errors (results.json; O(C³) each, off by default: the summary shows none of them)")
     p.add_argument("--outdir", default="out", help="folder for results.json")
     p.add_argument("--save_model", default=None, metavar="DIR",
                    help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
@@ -194,7 +198,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         prompt=args.prompt,
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
         fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda,
-                       magcomp_form=args.magcomp_form),
+                       magcomp_form=args.magcomp_form, condition_number=args.diagnostics),
+        diagnostics=Diagnostics() if args.diagnostics else SHOWN,
         calibrate=CalibrationOptions(sink_rule=args.sink_rule, sink_ratio=args.sink_ratio, batch_size=args.batch_size,
                                      quiet=args.quiet, pipeline=args.calibration_pipeline,
                                      stats_device=args.stats_device, sink_capacity=args.sink_capacity,
@@ -327,48 +332,50 @@ def main(argv: list[str] | None = None) -> int:
         transformers.utils.logging.disable_progress_bar()
     try:
         options = options_from_args(args)
-        if (is_sweep(args) or is_comparison(args)) and args.save_model:
-            raise GhostedError("--save_model saves the variants of one depth and one criterion; run a single "
-                               "--total_num_prune and --pruning_method to save")
-        if is_sweep(args) and is_comparison(args):
-            raise GhostedError("a criteria comparison runs at one depth: give --total_num_prune a single number")
-        if args.save_model:
-            check_export([v.operator for v in options.variants], args.export)
+        outdir = check_outputs(args, options)
         if is_comparison(args):
             result = run_compare(options, parse_criteria(args.pruning_method))
         else:
             result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
+        report = result.to_json()
+        write_text(outdir / "results.json", json.dumps(report, indent=2))
+        if isinstance(result, CompareResult):
+            from ghosted_core.report.compare import compare_text, write_compare_html
+
+            print(compare_text(report))
+            print(f"charts: {write_compare_html(report, outdir / 'compare.html')}")
+        elif isinstance(result, SweepResult):
+            from ghosted_core.report.sweep import write_sweep_html  # the app's charts, drawn once more into a file
+
+            print(sweep_summary(result))
+            print(f"charts: {write_sweep_html(report, outdir / 'sweep.html')}")
+        else:
+            print(summary(result))
+            if args.save_model:
+                report["exports"] = save_variants(result, Path(args.save_model), args.export)
+                write_text(outdir / "results.json", json.dumps(report, indent=2))
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    outdir = Path(args.outdir)
-    outdir.mkdir(parents=True, exist_ok=True)
-    report = result.to_json()
-    (outdir / "results.json").write_text(json.dumps(report, indent=2))
-    if isinstance(result, CompareResult):
-        from ghosted_core.report.compare import compare_text, write_compare_html
-
-        print(compare_text(report))
-        print(f"charts: {write_compare_html(report, outdir / 'compare.html')}")
-        print(f"results: {outdir / 'results.json'}")
-        return 0
-    if isinstance(result, SweepResult):
-        from ghosted_core.report.sweep import write_sweep_html  # the app's charts, drawn once more into a file
-
-        print(sweep_summary(result))
-        print(f"charts: {write_sweep_html(report, outdir / 'sweep.html')}")
-        print(f"results: {outdir / 'results.json'}")
-        return 0
-    print(summary(result))
-    if args.save_model:
-        try:
-            report["exports"] = save_variants(result, Path(args.save_model), args.export)
-        except GhostedError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        (outdir / "results.json").write_text(json.dumps(report, indent=2))
     print(f"results: {outdir / 'results.json'}")
     return 0
+
+
+def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
+    """Everything about the run's outputs that can fail, checked before any work: the folders exist and
+    can be written, an export target is new or empty, the export format suits the operators. Returns --outdir."""
+    if (is_sweep(args) or is_comparison(args)) and args.save_model:
+        raise GhostedError("--save_model saves the variants of one depth and one criterion; run a single "
+                           "--total_num_prune and --pruning_method to save")
+    if is_sweep(args) and is_comparison(args):
+        raise GhostedError("a criteria comparison runs at one depth: give --total_num_prune a single number")
+    outdir = check_writable_folder(args.outdir, "--outdir")
+    if args.save_model:
+        check_export([v.operator for v in options.variants], args.export)
+        check_new_folder(args.save_model, "--save_model")
+    if args.offload_folder:
+        check_writable_folder(args.offload_folder, "--offload_folder")
+    return outdir
 
 
 def save_variants(result: RunResult, folder: Path, mode: str) -> dict[str, dict]:

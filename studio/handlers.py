@@ -13,7 +13,7 @@ import inspect
 import logging
 import tempfile
 import time
-import zipfile
+from html import escape
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +21,10 @@ from pathlib import Path
 import gradio as gr
 
 from ghosted_core.planning.advice import Advice, default_depth
+from ghosted_core.data import user_text
 from ghosted_core.errors import GhostedError
+from ghosted_core.oom import guard_stages
+from ghosted_core.export.archive import unpack_export
 from ghosted_core.export.folder import upload_export
 from ghosted_core.hub import hub_reachable
 from ghosted_core.stopping import RunStopped
@@ -31,9 +34,11 @@ from studio.history import add_run, settings_of
 from studio.presets_view import find_preset, preset_note
 from studio.runner import QuickTasks, build_options, build_request, check_options, run_compare_job, run_job, \
     run_sweep_job, settings_advice
-from studio.runs import RUNS, ActiveRun
+from studio import guard
+from studio.runs import RUNS, ActiveRun, client_gone
+from studio.session_files import serve_outputs
 from studio.user_input import corpora_with_text, read_user_text
-from studio.settings import COMPARE, DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP
+from studio.settings import COMPARE, DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP, TASK_EXAMPLES
 from studio.status import NOTHING_SHOWN, advice_lines, complete_status, failed_status, refused_status, \
     report_advice, running_status, shown_state, stopped_before_start, stopped_status
 from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outputs, history_outputs, page_message, \
@@ -59,21 +64,26 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
     settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
     start = time.perf_counter()
     queued = time.time() - submitted if submitted else None
+    session = request.session_hash if request else ""
     try:
-        text = read_user_text(your_text, your_file)
+        text = read_user_text(guard.text(your_text, "Paste text", user_text.MAX_BYTES), your_file)
         cal, evals = calibration, tuple(eval_corpora or ())
         if text is not None:
             cal, evals = corpora_with_text(text_use, cal, evals)
         options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
                                         evals, eval_tokens, prompt, new_tokens), user_text=text)
-        quick = QuickTasks(bool(tasks_on), tuple(task_names or ()), int(task_examples))
-        job = build_request(options, quick, save_variant, export_format, mode, depths, tuple(compare_criteria or ()))
+        quick = QuickTasks(guard.flag(tasks_on, "Score every variant on quick tasks"), guard.names(task_names, "Tasks"),
+                           guard.whole(task_examples, "Examples per task", 1, TASK_EXAMPLES[1]))
+        job = build_request(options, quick, save_variant, export_format, mode, depths,
+                            guard.names(compare_criteria, "Criteria to compare"))
         stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
     except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
         yield as_outputs({"status": refused_status(page_message(err), shown)})
-        raise gr.Error(page_message(err), duration=TOAST_SECONDS) from err
-    run = RUNS.start(request.session_hash if request else "", stages)
+        raise gr.Error(page_message(err), duration=TOAST_SECONDS, print_exception=False) from err
+    run = RUNS.start(session, stages)
     run.settings = settings
+    gone = client_gone(request)
+    should_stop = lambda: run.stop.is_set() or gone()  # noqa: E731 (Stop pressed, or the client went away)
     report: dict = {}
     try:
         progress(0.0, desc=f"{stages[0]}…")
@@ -81,12 +91,13 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                          | {"shown": NOTHING_SHOWN})
         with tempfile.TemporaryDirectory(prefix="ghosted-run-") as folder:  # removed when the run ends or is stopped
             if job.compare:
-                updates, draw = run_compare_job(job.options, job.criteria, run.stop.is_set), render_compare
+                updates, draw = run_compare_job(job.options, job.criteria, should_stop), render_compare
             elif job.sweep:
-                updates, draw = run_sweep_job(job.options, job.depths, run.stop.is_set), render_sweep
+                updates, draw = run_sweep_job(job.options, job.depths, should_stop), render_sweep
             else:
-                updates = run_job(job.options, job.quick, job.save_variant, folder, run.stop.is_set, job.export_format)
+                updates = run_job(job.options, job.quick, job.save_variant, folder, should_stop, job.export_format)
                 draw = render
+            updates = guard_stages(updates, stages[0])  # out of memory: one message
             for done, (stage, report) in enumerate(updates, start=1):
                 run.done, run.report = done, report
                 elapsed = time.perf_counter() - start
@@ -100,23 +111,23 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                 values["shown"] = shown_state(report, "in progress" if following else "complete")
                 if following is None:
                     values |= history_outputs(add_run(history, settings, report, "complete"), folder)
-                yield as_outputs(values)
+                yield as_outputs(serve_outputs(session, values))
     except RunStopped as stop:  # Stop pressed: the library stopped at its next batch
         run.stopped_at = stop.where
         RUNS.end(run)
         state = f"stopped during {stop.where}"
         with tempfile.TemporaryDirectory(prefix="ghosted-stopped-") as folder:
-            yield as_outputs({"status": stopped_status(stop.where, time.perf_counter() - start, report, stages),
-                              "shown": shown_state(report, state)}
-                             | history_outputs(add_run(history, settings, report, state), folder))
+            yield as_outputs(serve_outputs(session, {
+                "status": stopped_status(stop.where, time.perf_counter() - start, report, stages),
+                "shown": shown_state(report, state)} | history_outputs(add_run(history, settings, report, state), folder)))
     except GhostedError as err:
         message = page_message(err)
         yield as_outputs({"status": failed_status(message, run.current, report),
                           "shown": shown_state(report, f"failed during {run.current}")})
-        raise gr.Error(message, duration=TOAST_SECONDS) from err
+        raise gr.Error(message, duration=TOAST_SECONDS, print_exception=False) from err
     except Exception as err:  # a bug: keep serving, say so, keep the traceback in the log
         log.exception("run failed")
-        message = f"internal error ({type(err).__name__}: {err}); the server log has the traceback"
+        message = f"internal error ({type(err).__name__}: {escape(str(err))}); the server log has the traceback"
         yield as_outputs({"status": failed_status(message, run.current, report),
                           "shown": shown_state(report, f"failed during {run.current}")})
         raise gr.Error(message, duration=TOAST_SECONDS) from err
@@ -137,7 +148,8 @@ def on_stop(shown: dict | None = None, history: list[dict] | None = None,
         each.ended.wait(STOP_WAIT_SECONDS)
     state = f"stopped during {run.stopped_at or run.current}"
     with tempfile.TemporaryDirectory(prefix="ghosted-stopped-") as folder:  # the CSV must outlive the yield only
-        kept = history_outputs(add_run(history, run.settings, run.report or {}, state), folder)
+        kept = serve_outputs(request.session_hash if request else "",
+                             history_outputs(add_run(history, run.settings, run.report or {}, state), folder))
         yield (stop_message(run), shown_state(run.report or {}, state), kept["history"], kept["history_table"],
                kept["history_file"])
 
@@ -151,23 +163,24 @@ def stop_message(run: ActiveRun) -> str:
 
 
 def model_note(name: str) -> str:
-    """An honest note on what this machine can load."""
+    """An honest note on what this machine can load, and whether it opens local folders to its users."""
     hub = "reachable" if hub_reachable() else "not reachable from this machine"
-    return (f"Embedded models load offline. Type a local folder or a Hub id for others (the Hub is {hub}); "
-            "Llama, Mistral, Qwen2/3 and Gemma3 families.")
+    folders = "a local folder or " if guard.local_folders() is not False else ""
+    return (f"Embedded models load offline. Type {folders}a Hub id for others (the Hub is {hub}); "
+            f"Llama, Mistral, Qwen2/3 and Gemma3 families. {guard.local_folders_note()}")
 
 
 def on_model_change(name: str) -> tuple:
     """Bound the depth slider by the model's block count, reset the depth to a quarter of it, describe the model."""
-    name = (name or "").strip()
     try:
+        name, _local = guard.model_name(name)
         layers, width = model_shape(name)
     except GhostedError as err:
-        return f"**Cannot use this model:** {err}", gr.update(), gr.update()
+        return f"**Cannot use this model:** {page_message(err)}", gr.update(), gr.update()
     except Exception as err:  # an unreadable folder or config: say so, keep serving
-        return f"**Cannot read {name!r}:** {err}", gr.update(), gr.update()
+        return f"**Cannot read {escape(repr(name))}:** {escape(str(err))}", gr.update(), gr.update()
     depth = default_depth(layers)
-    note = (f"{name}: {layers} decoder blocks (0–{layers - 1}), width {width}; depth reset to {depth} "
+    note = (f"{escape(name)}: {layers} decoder blocks (0–{layers - 1}), width {width}; depth reset to {depth} "
             f"(a quarter of the blocks).")
     preset = find_preset(name)
     if preset is not None:
@@ -246,16 +259,17 @@ def upload_available() -> tuple[bool, str]:
 def on_upload(model_file: str | None, repo_id: str, token: str) -> tuple[str, str]:
     """Upload the saved model's folder to a new Hub repo; the token box is cleared whatever happens."""
     try:
-        if not model_file or not Path(model_file).is_file():
+        repo_id, token = guard.text(repo_id, "New Hub repo", guard.FIELD_CHARS), guard.text(token, "token", guard.FIELD_CHARS)
+        if not upload_available()[0]:  # nothing is unpacked where nothing can be uploaded
+            raise GhostedError("uploading is off: the Hugging Face Hub cannot be reached from this machine")
+        if not isinstance(model_file, str) or not Path(model_file).is_file():
             raise GhostedError("save a model first: choose a variant under 'Save a recovered model' and run")
         with tempfile.TemporaryDirectory(prefix="ghosted-upload-") as folder:
-            with zipfile.ZipFile(model_file) as archive:
-                archive.extractall(folder)
-            exported = next(p for p in Path(folder).iterdir() if p.is_dir())
-            url = upload_export(exported, (repo_id or "").strip(), token or "")
+            exported = unpack_export(model_file, folder)  # refuses what this app's save panel never writes
+            url = upload_export(exported, repo_id.strip(), token)
     except GhostedError as err:
         return f"**Upload refused:** {page_message(err)}", ""
-    return f"Uploaded to {url}", ""
+    return f"Uploaded to {escape(url)}", ""
 
 
 def depth_info(layers: int) -> str:

@@ -19,9 +19,12 @@ from studio.handlers import depth_info, model_note, on_criterion_change, on_hist
     upload_available
 from studio.history import history_table
 from studio.presets_view import model_choices
-from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, MODES, NO_SAVE, QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS
+from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, MODES, NEW_TOKENS, NO_SAVE, \
+    QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS, TASK_EXAMPLES
 from ghosted_core.run.options import OPERATOR_CHOICES
 from studio.user_input import USES
+from studio.session_files import DELETE_CACHE, SESSION_FILES
+from ghosted_core.data.user_text import MAX_BYTES
 from studio.speed import default_run_note
 from studio.status import NOTHING_SHOWN
 from ghosted_core.report.compare import compare_table
@@ -62,7 +65,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
     prompts = read_prompts()
     default_layers = num_blocks_or(DEFAULTS.model, 30)
     can_upload, upload_note = upload_available()
-    with gr.Blocks(title="Ghosted Layers Studio", delete_cache=(3600, 7200)) as demo:
+    with gr.Blocks(title="Ghosted Layers Studio", delete_cache=DELETE_CACHE) as demo:
         with gr.Row(equal_height=True):
             with gr.Column(scale=2, elem_id="app-header"):
                 gr.Markdown(
@@ -117,7 +120,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                 with gr.Accordion("Calibration", open=False):
                     calibration = gr.Dropdown(corpus_choices("calibration"), value=DEFAULTS.calibration,
                                               label="Calibration corpus")
-                    samples = gr.Slider(1, 128, value=DEFAULTS.samples, step=1, label="Sequences",
+                    samples = gr.Slider(1, MAX_SAMPLES, value=DEFAULTS.samples, step=1, label="Sequences",
                                         info="the paper: 128")
                     seqlen = gr.Dropdown(list(SEQLENS), value=DEFAULTS.seqlen, label="Sequence length (tokens)",
                                          info="also the perplexity window; the paper: 2048")
@@ -125,16 +128,16 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                 with gr.Accordion("Evaluation", open=False):
                     eval_corpora = gr.CheckboxGroup(corpus_choices("evaluation"), value=list(DEFAULTS.eval_corpora),
                                                     label="Perplexity corpora")
-                    eval_tokens = gr.Slider(256, 16384, value=DEFAULTS.eval_tokens, step=256,
+                    eval_tokens = gr.Slider(*EVAL_TOKENS, value=DEFAULTS.eval_tokens, step=256,
                                             label="Perplexity tokens per corpus")
                 with gr.Accordion("Generation", open=True):
                     prompt = gr.Textbox(prompts[0], label="Prompt", lines=2)
                     gr.Examples([[p] for p in prompts], inputs=[prompt], label="Example prompts")
-                    new_tokens = gr.Slider(4, 128, value=DEFAULTS.new_tokens, step=4, label="New tokens")
+                    new_tokens = gr.Slider(*NEW_TOKENS, value=DEFAULTS.new_tokens, step=4, label="New tokens")
                 with gr.Accordion("Quick zero-shot tasks", open=False):
                     tasks_on = gr.Checkbox(False, label="Score every variant on quick tasks (slow: minutes)")
                     task_names = gr.CheckboxGroup(list(TASKS), value=list(DEFAULTS.tasks), label="Tasks")
-                    task_examples = gr.Slider(5, 200, value=DEFAULTS.task_examples, step=5,
+                    task_examples = gr.Slider(*TASK_EXAMPLES, value=DEFAULTS.task_examples, step=5,
                                               label="Examples per task (seeded subset)")
                 with gr.Accordion("Save a recovered model", open=False, elem_id="save-box"):
                     save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES, value=DEFAULTS.save_variant,
@@ -250,6 +253,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                           api_visibility="private", concurrency_limit=None)
         upload_btn.click(on_upload, [model_file, repo_id, token], [upload_result, token], api_name="upload",
                          concurrency_limit=None)
+        demo.unload(on_session_end)  # a closed tab: the files served to it go
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency)
     return demo
 
@@ -263,9 +267,17 @@ def num_blocks_or(name: str, fallback: int) -> int:
         return fallback
 
 
+def on_session_end(request: gr.Request) -> None:
+    """Gradio's unload event: the session's tab is closed (its heartbeat stream ended)."""
+    SESSION_FILES.end(request.session_hash)
+
+
 def launch_options() -> dict:
-    """Theme and CSS, which Gradio 6 takes at launch."""
+    """Theme and CSS, which Gradio 6 takes at launch; the server's upload limit (enforced by the server, whatever
+    the page says: a larger upload is refused before it is stored); and errors that Gradio itself raises before a
+    handler runs (a file path that was never uploaded, a malformed value) answered with their message, not a bare
+    "Error" (the handlers turn every error of their own into a gr.Error message)."""
     return {"theme": gr.themes.Soft(primary_hue="indigo", neutral_hue="slate"),
-            "css_paths": [ASSETS / "app.css"]}
+            "css_paths": [ASSETS / "app.css"], "max_file_size": MAX_BYTES, "show_error": True}
 
 

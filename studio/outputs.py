@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 from pathlib import Path
@@ -131,12 +132,19 @@ FLAG_LABELS = {
     "--seqlen": "'Sequence length'",
     "--insert_type": "'Operators'",
     "--task_limit": "'Examples per task'",
+    "--seed": "'Seed'",
+    "--eval_max_tokens": "'Perplexity tokens per corpus'",
+    "--max_new_tokens": "'New tokens'",
 }
 
 
 def page_message(err: GhostedError) -> str:
-    """The library's message with CLI flag names replaced by the page's widget labels."""
+    """The library's message with CLI flag names replaced by the page's widget labels, HTML-escaped.
+
+    Messages quote what was typed (an unknown model, a block list), and both the status panel and
+    gr.Error's pop-up render HTML: escaped, a typed `<script>` shows as text.
+    """
     message = str(err)
     for flag, label in FLAG_LABELS.items():
         message = message.replace(flag, label)
-    return message
+    return html.escape(message, quote=False)

@@ -13,10 +13,12 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.planning.estimate import zerogpu
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import archive_export, check_export
-from ghosted_core.model.embedded import EMBEDDED, needs_conversion
-from ghosted_core.model.loading import LoadedModel
+from ghosted_core.model.embedded import needs_conversion
+from ghosted_core.model.loading import LoadedModel, LoadOptions
+from ghosted_core.plan import MAX_BLOCKS
 from ghosted_core.recovery.operators import OPERATORS
-from ghosted_core.run.options import SEQUENTIAL_SUFFIX, RunOptions, parse_variants, validate
+from ghosted_core.recovery.assessment import Diagnostics
+from ghosted_core.run.options import SEED_LIMIT, SEQUENTIAL_SUFFIX, RunOptions, parse_variants, validate
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run_stages
 from ghosted_core.planning.presets import check_preset, gpu_seconds
@@ -28,7 +30,9 @@ from studio.cache import MODELS, model_shape, num_blocks
 from studio.presets_view import device, find_preset
 from ghosted_core.run.compare import check_compare, compare_stages
 from ghosted_core.run.compare import planned_stages as compare_planned
-from studio.settings import COMPARE, DEFAULTS, NO_SAVE, SWEEP, gpu_compare, gpu_run, gpu_sweep
+from studio import guard
+from studio.settings import COMPARE, DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, NEW_TOKENS, NO_SAVE, SEQLENS, SWEEP, \
+    gpu_compare, gpu_run, gpu_sweep
 
 
 @dataclass(frozen=True)
@@ -43,31 +47,38 @@ class QuickTasks:
 def build_options(model: str, criterion: str, depth: float, manual_blocks: str, operators: Sequence[str],
                   calibration: str, samples: float, seqlen: float | str, seed: float, eval_corpora: Sequence[str],
                   eval_tokens: float, prompt: str, new_tokens: float) -> RunOptions:
-    """The library's options from the widgets' values; GhostedError on input no run could use."""
-    model = (model or "").strip()
-    if not model:
-        raise GhostedError(f"choose a model: an embedded one ({', '.join(EMBEDDED)}), a local folder or a Hub id")
+    """The library's options from the widgets' values; GhostedError on input no run could use.
+
+    Every value is held to the type and the largest value its widget offers (`studio.guard`): the API takes any
+    JSON, and the upper bounds bound what one request may cost the server.
+    """
+    model, local = guard.model_name(model)
+    operators = guard.names(operators, "Operators")
     if not operators:
         raise GhostedError(f"choose at least one recovery operator ({', '.join(OPERATORS)})")
-    layers = parse_layers(manual_blocks or "") if criterion == "manual" else ()
+    manual_blocks = guard.text(manual_blocks, "Blocks to remove (manual)", 5 * guard.FIELD_CHARS)
+    layers = parse_layers(manual_blocks) if criterion == "manual" else ()
     if criterion == "manual" and not layers:
         raise GhostedError("the manual criterion needs the blocks to remove, e.g. 19-25 or 3,7,12")
+    seed = guard.whole(seed, "Seed", 0, SEED_LIMIT - 1)
     return RunOptions(
         model=model,
+        load=LoadOptions(local_folders=local),
         criterion=criterion,
-        num_prune=int(depth),
+        num_prune=guard.whole(depth, "Blocks to remove", 1, MAX_BLOCKS - 1),
         layers=layers,
         variants=parse_variants(list(operators)),
         calibration=calibration,
-        train_size=int(samples),
-        seqlen=int(seqlen),
-        seed=int(seed),
-        eval_corpora=tuple(eval_corpora or ()),
-        eval_max_tokens=int(eval_tokens),
+        train_size=guard.whole(samples, "Sequences", 1, MAX_SAMPLES),
+        seqlen=guard.whole(seqlen, "Sequence length", 2, max(SEQLENS)),
+        seed=seed,
+        eval_corpora=guard.names(eval_corpora, "Perplexity corpora"),
+        eval_max_tokens=guard.whole(eval_tokens, "Perplexity tokens per corpus", 1, EVAL_TOKENS[1]),
         drift_windows=DEFAULTS.drift_windows,
-        prompt=(prompt or "").strip() or None,
-        generation=GenerationOptions(max_new_tokens=int(new_tokens), seed=int(seed)),
+        prompt=guard.text(prompt, "Prompt", guard.PROMPT_CHARS).strip() or None,
+        generation=GenerationOptions(max_new_tokens=guard.whole(new_tokens, "New tokens", 1, NEW_TOKENS[1]), seed=seed),
         calibrate=CalibrationOptions(quiet=False),
+        diagnostics=Diagnostics(fit_errors=False, singular_values=True),  # the structure chart shows them
     )
 
 
@@ -160,7 +171,7 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
                                num_blocks(options.model))
         request = RunRequest(options, notes=tuple(notes), criteria=chosen)
     elif mode == SWEEP:
-        depths = parse_depths(depths_text or "")
+        depths = parse_depths(guard.text(depths_text, "Depths to sweep", guard.FIELD_CHARS))
         notes = _set_aside(options, quick, save_variant, "a sweep")
         options = replace(options, prompt=None, tasks=())
         layers = num_blocks(options.model)

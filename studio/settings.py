@@ -49,6 +49,13 @@ class Defaults:
 
 DEFAULTS = Defaults()
 SEQLENS = (64, 128, 256, 512, 1024, 2048)
+MAX_SAMPLES = 128  # calibration sequences (the paper's count)
+EVAL_TOKENS = (256, 16384)  # perplexity tokens per corpus, lowest and highest
+NEW_TOKENS = (4, 128)  # generated tokens per variant, lowest and highest
+TASK_EXAMPLES = (5, 200)  # quick-task examples per task, lowest and highest
+# A closed tab or a dropped client is noticed within one heartbeat (Gradio's default: 15 s); its run then stops
+# at its next batch (studio.runs.client_gone), freeing its slot for the next user.
+os.environ.setdefault("GRADIO_HEARTBEAT_INTERVAL", "2")
 CACHE_SIZE = int(os.environ.get("GHOSTED_APP_CACHE_MODELS", "2"))  # models held in memory at once
 RUN_CONCURRENCY = int(os.environ.get("GHOSTED_APP_CONCURRENCY", "1"))  # runs computing at once
 QUEUE_SIZE = int(os.environ.get("GHOSTED_APP_QUEUE", "16"))  # runs waiting at most

@@ -29,6 +29,12 @@ def variant_colors(names: Sequence[str]) -> dict[str, str]:
     return colors
 
 
+def esc(text: object) -> str:
+    """A user- or model-controlled string (a model name, a label quoting an uploaded file's name) made safe for
+    Markdown, HTML and chart titles: `<script>` shows as text."""
+    return html.escape(str(text), quote=False)
+
+
 def fmt(value: float | None, digits: int = 2) -> str:
     """A number for a table cell; '–' when missing or not finite."""
     if value is None or not math.isfinite(value):
@@ -88,10 +94,10 @@ def cut_text(report: dict) -> str:
 
 def context_line(report: dict) -> str:
     """Model, removed blocks and calibration: the caption every table and chart carries."""
-    line = f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {cut_text(report)}"
+    line = f"**{esc(report.get('model', ''))}** ({report.get('num_layers', '?')} blocks) · {cut_text(report)}"
     cal = report.get("calibration", {})
     if cal.get("label"):
-        line += f" · calibration: {cal['label']}, {cal['sequences']} × {cal['seqlen']} tokens, seed {cal['seed']}"
+        line += f" · calibration: {esc(cal['label'])}, {cal['sequences']} × {cal['seqlen']} tokens, seed {cal['seed']}"
     return line
 
 
@@ -106,7 +112,7 @@ def corpora_caption(report: dict) -> str:
     parts = []
     for corpus in report.get("variants", {}).get("dense", {}).get("ppl", {}):
         info = report["corpora"].get(corpus, {})
-        parts.append(f"{corpus} = {info.get('label', corpus)} ({info.get('windows', '?')} windows, "
+        parts.append(f"{esc(corpus)} = {esc(info.get('label', corpus))} ({info.get('windows', '?')} windows, "
                      f"{info.get('tokens', '?')} tokens)")
     return " · ".join(parts)
 

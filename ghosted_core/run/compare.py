@@ -26,7 +26,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory import MemoryPlan, max_boundaries
+from ghosted_core.memory import MemoryPlan
+from ghosted_core.memory_parts import max_boundaries
 from ghosted_core.model.loading import LoadedModel
 from ghosted_core.run.options import RunOptions, selection_request, validate
 from ghosted_core.run.plans import Clock, PlanResult, calibrate_plans, calibration_for, dense_evaluation, evaluate_plan, \
@@ -156,8 +157,8 @@ def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedM
     result = CompareResult(options, chosen)
     clock = Clock(result.timings)
     options, loaded = plan_and_load(
-        options, loaded, lambda layers: sum(max_boundaries(c, layers, options.num_prune, options.layers) for c in chosen),
-        lambda layers, positions: check_compare(options, chosen, layers, positions), result)
+        options, loaded, lambda layers, positions: check_compare(options, chosen, layers, positions), result,
+        boundaries=lambda layers: sum(max_boundaries(c, layers, options.num_prune, options.layers) for c in chosen))
     dense, tokenizer = loaded.model, loaded.tokenizer
     clock.tick("load model")
     yield "load model", result

@@ -32,7 +32,7 @@ from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.run.fitting import fit_variants
-from ghosted_core.run.options import RunOptions, statistics_bytes_per_boundary
+from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, statistics_bytes_per_boundary
 from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
 from ghosted_core.run.options import planned
 from ghosted_core.run.pipeline import calibration_batches, corpus_entry, window_counts
@@ -42,21 +42,21 @@ from ghosted_core.stopping import StopCheck
 
 log = logging.getLogger(__name__)
 
-PREFIX_CACHE_BYTES = 2 * 2**30  # default cap on the kept dense evaluation states
 
 
-def plan_and_load(options: RunOptions, loaded: LoadedModel | None, boundaries: Callable[[int], int],
-                  check: Callable[[int, int | None], None], result) -> tuple[RunOptions, LoadedModel]:
-    """Refuse what `check(num_layers, max_positions)` refuses before any weight loads, plan the memory for
-    `boundaries(num_layers)` boundaries alive at once, load, and record the model's facts in `result`
-    (a sweep's or a comparison's)."""
+def plan_and_load(options: RunOptions, loaded: LoadedModel | None, check: Callable[[int, int | None], None], result,
+                  boundaries: Callable[[int], int] | None = None,
+                  depths: Sequence[int] | None = None) -> tuple[RunOptions, LoadedModel]:
+    """Refuse what `check(num_layers, max_positions)` refuses before any weight loads, plan the memory
+    (for `boundaries(num_layers)` boundaries alive at once, or a sweep's `depths`: `run.options.planned`),
+    load, and record the model's facts in `result` (a sweep's or a comparison's)."""
     if loaded is None:
-        config = peek_config(options.model)
+        config = peek_config(options.model, options.load.local_folders)
         check(config.num_hidden_layers, max_positions(config))
         layers = config.num_hidden_layers
     else:
         layers = loaded.num_layers
-    options, result.memory_plan = planned(options, loaded, boundaries(layers))
+    options, result.memory_plan = planned(options, loaded, boundaries(layers) if boundaries else None, depths)
     result.options = options
     if loaded is None:
         loaded = load_model(options.model, options.load)

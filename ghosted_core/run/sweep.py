@@ -32,18 +32,20 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory import MemoryPlan, max_boundaries
+from ghosted_core.memory import MemoryPlan
 from ghosted_core.model.loading import LoadedModel
-from ghosted_core.plan import PruningPlan
-from ghosted_core.run.options import RunOptions, validate
-from ghosted_core.run.plans import PREFIX_CACHE_BYTES, Clock, PlanResult, calibrate_plans, calibration_for, \
-    dense_evaluation, evaluate_plan, plan_and_load
+from ghosted_core.oom import guard_stages
+from ghosted_core.plan import PruningPlan, check_block_number
+from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, validate
+from ghosted_core.run.plans import Clock, PlanResult, calibrate_plans, calibration_for, dense_evaluation, \
+    evaluate_plan, plan_and_load
 from ghosted_core.run.result import run_json
 from ghosted_core.selection.choose import select_blocks_depths
 from ghosted_core.selection.criteria import SelectionRequest, get_criterion
 from ghosted_core.stopping import StopCheck, check_stop
 
 log = logging.getLogger(__name__)
+
 
 def parse_depths(text: str) -> tuple[int, ...]:
     """'2:10:2' → (2, 4, 6, 8, 10) (STOP included); 'START:STOP' steps by 1; '7' → (7,).
@@ -71,7 +73,7 @@ def parse_depths(text: str) -> tuple[int, ...]:
                            "with START ≤ STOP")
     if start < 1:
         raise GhostedError(f"the depth range {text!r} starts at {start}; remove at least 1 block")
-    return tuple(range(start, stop + 1, step))
+    return tuple(range(start, check_block_number(stop, str(text)) + 1, step))
 
 
 def check_depths(depths: Sequence[int], num_layers: int | None = None) -> tuple[int, ...]:
@@ -160,15 +162,21 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
 
     `should_stop` is polled before every stage and depth and between perplexity batches
     (`stopping.RunStopped`); the result yielded last holds every depth finished before it.
+    Running out of memory raises a `GhostedError` naming the way out (`oom.guard_stages`).
     """
+    return guard_stages(_sweep_stages(options, depths, loaded, sweep, should_stop), "load model")
+
+
+def _sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel | None, sweep: SweepOptions,
+                  should_stop: StopCheck) -> Iterator[tuple[str, SweepResult]]:
     chosen = check_sweep(options, depths)
     result = SweepResult(options, chosen)
     clock = Clock(result.timings)
 
     # The statistics of every depth live at once: plan for the boundaries of all depths together.
-    options, loaded = plan_and_load(
-        options, loaded, lambda layers: sum(max_boundaries(options.criterion, layers, n, options.layers) for n in chosen),
-        lambda layers, positions: check_sweep(options, chosen, layers, positions), result)
+    options, loaded = plan_and_load(options, loaded, lambda layers, positions: check_sweep(options, chosen, layers,
+                                                                                           positions), result,
+                                    depths=chosen)
     dense, tokenizer = loaded.model, loaded.tokenizer
     clock.tick("load model")
     yield "load model", result

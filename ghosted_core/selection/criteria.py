@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
-from ghosted_core.plan import PruningPlan
+from ghosted_core.plan import PruningPlan, check_block_number
 from ghosted_core.registry import add, check_signature, lookup
 from ghosted_core.selection.similarity import COSINE_AXES, SimilarityStats
 from ghosted_core.selection.suffixes import Work
@@ -189,7 +189,7 @@ def parse_layers(text: str) -> tuple[int, ...]:
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):
             low, _, high = part.partition("-")
-            first, last = int(low), int(high or low)
+            first, last = int(low), check_block_number(int(high or low), text)
             if last < first:
                 raise GhostedError(f"reversed block range {part!r} in {text!r}; write it low-high, e.g. {last}-{first}")
             layers.extend(range(first, last + 1))

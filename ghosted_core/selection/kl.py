@@ -9,7 +9,7 @@ Cost per calibration window: one dense pass that keeps the residual entering eve
 (memory: L+1 states of B × T × C per batch), then each candidate runs only the blocks after its
 run from the cached h_s, all candidates batched slot by slot: (L−n+1)(L−n)/2 block runs and
 L−n+2 heads, against L−n+1 full passes naively. Memory: the candidates' states (under
-`suffixes.STATE_BUDGET`) and one chunk of logits (three copies, under `memory.LOGITS_BUDGET`).
+`suffixes.STATE_BUDGET`) and one chunk of logits (three copies, under `memory_parts.LOGITS_BUDGET`).
 """
 
 from __future__ import annotations

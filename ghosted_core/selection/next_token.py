@@ -3,7 +3,7 @@ or summed KL to the dense model.
 
 Shared by `sleb` (NLL and its bound), `kl` and `swap_kl` (KL(p_dense ‖ p_candidate), the direction
 both papers use). The final norm and the LM head run on token chunks, so the logits never exceed
-`memory.LOGITS_BUDGET`; logits are taken in float32 (float64 for a float64 model), sums in float64.
+`memory_parts.LOGITS_BUDGET`; logits are taken in float32 (float64 for a float64 model), sums in float64.
 
 Positions: NLL sums −log q(x_t+1 | x≤t) over t = 0 … T−2 (every target of the window; the first
 token is never a target), KL sums over every position t = 0 … T−1 (each is a next-token
@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ghosted_core.memory import LOGITS_BUDGET
+from ghosted_core.memory_parts import LOGITS_BUDGET
 from ghosted_core.selection.suffixes import Work
 
 

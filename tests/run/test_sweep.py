@@ -10,6 +10,7 @@ import pytest
 
 from ghosted_core.run import plans as plans_module
 from ghosted_core.calibration.collect import CalibrationOptions
+from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.errors import GhostedError
 from ghosted_core.model.loading import LoadOptions, load_model
 from ghosted_core.run.options import RunOptions, parse_variants
@@ -27,7 +28,7 @@ def loaded(tiny_model_folder):
 def options_for(folder, criterion: str = "shortgpt", variants: str = ALL_VARIANTS) -> RunOptions:
     return RunOptions(model=str(folder), criterion=criterion, variants=parse_variants(variants), calibration="ptb",
                       train_size=4, seqlen=32, heldout_size=2, eval_corpora=("ptb", "wiki"), eval_max_tokens=96,
-                      eval_batch_size=2, drift_windows=0, quiet=True,
+                      eval_batch_size=2, drift_windows=0, quiet=True, diagnostics=Diagnostics(),
                       calibrate=CalibrationOptions(quiet=True, batch_size=2))
 
 
