@@ -54,7 +54,8 @@ from ghosted_core.run.fitting import build_recovered, fit_variant
 from ghosted_core.plan import PruningPlan  # noqa: E402
 from rotation_fold import LLAMA_STYLE, orthogonal_fold_variants  # noqa: E402  (an experiment kept beside its bench)
 import refit_ideas  # noqa: E402  (stock ideas kept beside the bench that measured them)
-from ghosted_core.selection.criteria import SelectionRequest, select_blocks
+from ghosted_core.selection.choose import select_blocks
+from ghosted_core.selection.criteria import SelectionRequest
 from ghosted_core.evaluation.tasks import evaluate_tasks
 
 EVAL_CORPORA = ("ptb", "wiki", "books", "brown")

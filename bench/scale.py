@@ -16,14 +16,18 @@ activations grow with the batch: the memory plan counts them, and names a smalle
 way out when they do not fit). For each configuration, in a
 fresh subprocess so peaks do not mask each other:
 - ours: `collect_stats` with the statistics that none, diag, rotate, ghost and ghost_capped
-  need, then every fit per boundary (realized as its module and compacted; statistics freed
-  boundary by boundary, as the pipeline does), then the held-out errors in one direct pass;
+  need (the held-out sequences join that pass, their rows kept as a run keeps them), then every
+  fit per boundary with the fit report a run computes by default (realized as its module and
+  compacted; statistics freed boundary by boundary, as the pipeline does), then the held-out
+  errors from the kept rows;
 - store-all (the official code's way): keep every x_pre and x_post in fp32, concatenate, float64
   normal equations, ghost only, at the same tokens.
 Peak extra memory is the peak resident size (VmHWM, reset after the model is built) minus the
 resident size before calibration. "stats" is what the accumulators allocated; "plan" is
 `memory.plan_memory`'s count from the config. A float32-products line gives ghost's relative
-difference in M against pure float64 sums. Writes bench/results/scale.json (--quick:
+difference in M against pure float64 sums. Last, the like-for-like comparison (ghost alone, ours
+against store-all, one boundary at the largest width) runs `--repeats` times per side,
+alternated A B B A, each in a fresh process, and compares the mean wall times. Writes bench/results/scale.json (--quick:
 scale_quick.json; --device cuda: scale_cuda.json), or --out.
 """
 
@@ -50,8 +54,8 @@ SHAPES = {  # published configs (Llama-3.2-1B, Llama-3-8B); num_hidden_layers se
                        vocab_size=128256, rope_theta=500000.0),
 }
 OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped")
-# "ours-ghost" is the like-for-like row against store-all: ghost alone (with its condition number, singular
-# values and held-out pass, which store-all does not compute)
+# "ours-ghost" is the like-for-like row against store-all: ghost alone as a run computes it by default (its
+# fit report as the CLI summary shows it, and the held-out pass, which store-all does not compute)
 METHOD_OPERATORS = {"ours": OPERATORS, "ours-ghost": ("ghost",)}
 SEQLEN = 512
 GIB = 2**30
@@ -88,7 +92,7 @@ def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0):
 
 def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators: tuple[str, ...] = OPERATORS) -> dict:
     """The pipeline's calibration stage for `operators` at independent boundaries: stats, fits, held-out pass."""
-    from ghosted_core.calibration.collect import collect_stats
+    from ghosted_core.calibration.collect import HeldoutRows, collect_stats
     from ghosted_core.recovery.heldout import measure_errors
     from ghosted_core.recovery.operators import get_operator, needs_of
     from ghosted_core.run.options import RunOptions, parse_variants
@@ -96,8 +100,9 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
 
     needs = needs_of(operators)
     live: list = []
+    kept = HeldoutRows()  # as a run keeps them: the held-out rows come from the calibration pass
     clock = time.perf_counter()
-    stats = collect_stats(model, boundaries, batches, options, needs, live)
+    stats = collect_stats(model, boundaries, batches, options, needs, live, heldout=kept)
     stats_bytes = [acc.nbytes() for acc in live]
     del live
     calibrate = time.perf_counter() - clock
@@ -105,11 +110,12 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
     builds = [VariantBuild(spec) for spec in parse_variants(operators)]
     for k in range(len(stats)):
         for build in builds:
-            build.add(model, get_operator(build.spec.operator).fit(stats[k], run_options.fit), stats[k])
+            build.add(model, get_operator(build.spec.operator).fit(stats[k], run_options.fit), stats[k],
+                      run_options.diagnostics)
         stats[k] = None  # freed as soon as its fits exist
     fit = time.perf_counter() - clock - calibrate
     maps = [m for build in builds for m in build.maps]
-    errors = measure_errors(model, maps, batches, options)
+    errors = measure_errors(model, maps, batches, options, kept=kept)
     heldout = time.perf_counter() - clock - calibrate - fit
     ghost = next(b for b in builds if b.spec.name == "ghost")
     return {"stats_bytes": stats_bytes, "seconds": {"calibrate": calibrate, "fit": fit, "heldout": heldout},
@@ -189,7 +195,7 @@ def worker(args) -> None:
     import torch
 
     from ghosted_core.calibration.collect import CalibrationOptions
-    from ghosted_core.memory import plan_memory
+    from ghosted_core.memory import PlanRequest, plan_memory
     from ghosted_core.recovery.operators import needs_of
     from ghosted_core.plan import Boundary
 
@@ -211,8 +217,9 @@ def worker(args) -> None:
     wall = time.perf_counter() - clock
     peak = status_bytes("VmHWM")
     sequences = sum(len(b.input_ids) for b in batches if not b.heldout)
-    plan = plan_memory(model.config, args.shape, "cpu", torch.float32, needs_of(operators), len(boundaries), sequences,
-                       SEQLEN, args.batch_size, options.capacity(sequences))
+    plan = plan_memory(model.config, args.shape, "cpu", torch.float32,
+                       PlanRequest(needs_of(operators), len(boundaries), sequences, SEQLEN, args.batch_size,
+                                   options.capacity(sequences)))
     print(json.dumps({"shape": args.shape, "width": model.config.hidden_size, "boundaries": args.boundaries,
                       "method": args.method, "tokens": sequences * SEQLEN, "batch_size": args.batch_size,
                       "model_rss_gib": base / GIB, "peak_extra_gib": (peak - base) / GIB, "wall_s": wall,
@@ -256,7 +263,33 @@ def cpu_main(args) -> None:
               + (f", M difference {row['relative_difference']}" if "relative_difference" in row else ""), flush=True)
         report = {"mode": "cpu", "seqlen": SEQLEN, "operators": list(OPERATORS), "rows": rows,
                   "complete": len(rows) == len(jobs)}
-        write(args, report, table(rows), quiet=len(rows) < len(jobs))  # partial results survive an interruption
+        write(args, report, table(rows), quiet=True)  # partial results survive an interruption
+    report["like_for_like"] = like_for_like(args, "llama-3.2-1b" if args.quick else "llama-3-8b")
+    write(args, report, table(rows) + like_for_like_lines(report["like_for_like"]))
+
+
+def like_for_like(args, shape: str) -> dict:
+    """ghost alone, ours against store-all at one boundary, alternated A B B A (`--repeats` runs of each, each
+    in a fresh process) so that a drift in the machine's load weighs on both sides alike; mean wall times."""
+    runs: dict[str, list[dict]] = {"ours-ghost": [], "store-all": []}
+    order = [m for i in range(args.repeats) for m in (("ours-ghost", "store-all") if i % 2 == 0 else
+                                                      ("store-all", "ours-ghost"))]
+    for method in order:
+        row = run_one(shape, 1, method, args.tokens, args.batch_size)
+        runs[method].append({"wall_s": row["wall_s"], "peak_extra_gib": row["peak_extra_gib"], "seconds": row["seconds"]})
+        print(f"like-for-like {shape} {method}: {row['wall_s']:.1f} s, peak extra {row['peak_extra_gib']:.2f} GiB",
+              flush=True)
+    mean = {m: sum(r["wall_s"] for r in rs) / len(rs) for m, rs in runs.items()}
+    return {"shape": shape, "order": order, "runs": runs, "mean_wall_s": mean,
+            "ratio": mean["ours-ghost"] / mean["store-all"],
+            "peak_extra_gib": {m: max(r["peak_extra_gib"] for r in rs) for m, rs in runs.items()}}
+
+
+def like_for_like_lines(result: dict) -> list[str]:
+    mean, peak = result["mean_wall_s"], result["peak_extra_gib"]
+    return ["", f"like-for-like ({result['shape']}, one boundary, ghost alone, order {' '.join(result['order'])}): "
+            f"ours {mean['ours-ghost']:.1f} s, store-all {mean['store-all']:.1f} s (ratio {result['ratio']:.2f}); "
+            f"peak extra {peak['ours-ghost']:.2f} GiB against {peak['store-all']:.2f} GiB"]
 
 
 def cuda_main(args) -> None:
@@ -357,6 +390,8 @@ def main() -> None:
                         help="fit tokens per configuration, plus 1/8 held out (default: 8192 on the CPU, 16384 = 4·C on cuda)")
     parser.add_argument("--batch_size", type=int, default=None,
                         help="sequences of 512 tokens per forward (default: 2 on the CPU, 8 on cuda)")
+    parser.add_argument("--repeats", type=int, default=4,
+                        help="runs of each side of the like-for-like comparison, alternated (default 4: A B B A A B B A)")
     parser.add_argument("--dry_run", action="store_true", help="--device cuda's steps on the CPU with a small shape")
     parser.add_argument("--smollm2_products", action="store_true",
                         help="only: fp32 vs float64 products on the real SmolLM2 (scale_products.json)")

@@ -78,7 +78,7 @@ def forward_efficiency(model, device_info, tokens: int, seqlen: int) -> float:
     """Measured FLOP/s of the blocks' forward pass over the measured matmul rate."""
     import torch
 
-    from ghosted_core.memory import estimate_parameters
+    from ghosted_core.memory_parts import estimate_parameters
 
     ids = torch.randint(0, model.config.vocab_size, (tokens // seqlen, seqlen), device=model.device)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)

@@ -1,62 +1,35 @@
-"""A memory plan from the config alone, before any weight is loaded.
+"""The memory plan: what a run holds, where, phase by phase, from the config alone; and the one rule for "auto".
 
-It adds up, with the same formulas the code allocates by:
-- the weights: parameters (from the config's shapes) × bytes of the dtype;
-- one calibration batch's activations: the forward's transient tensors (hidden states, q/k/v,
-  attention scores, the MLP's intermediate), the captured residuals, and the accumulators'
-  float64 working copies;
-- the statistics: `statistics.statistics_bytes` per boundary × boundaries, plus the fit-time
-  solve (four C×C float64 matrices; with the down_proj refit also two I×I float64 matrices, its
-  right-hand side and its candidates' I×C float32 updates);
-- the LM-head logits of one perplexity chunk (float32, chunked by `LOGITS_BUDGET`);
-- for the `blocks` pipeline, the hidden states of every calibration sequence held on the CPU.
-It then picks where the statistics live and which calibration pipeline runs ("auto"), and
-refuses, with one line naming the way out, what cannot fit.
+A run passes through phases, and what each holds at once is added up with the formulas the
+code allocates by (`memory_parts`): score the blocks (kept residual streams), calibrate (one
+batch's activations, every boundary's statistics, and for `blocks` the hidden states and masks
+on the host), fit (the statistics, the fit's working matrices, every variant's kept maps and
+modules, a sweep's kept dense states), the held-out pass, and evaluate (perplexity and drift
+transients and the LM-head logits of one chunk; then drift). The plan is the largest phase on the compute
+device and on the host. It then picks the calibration pipeline (`choose_pipeline`: the only
+place "auto" is resolved) and where the statistics live, and refuses, with one line naming the
+way out, what cannot fit.
+
+Planned once the model is loaded, the free memory measured then is added to what the model
+already holds there (`resident_bytes`), so a plan before and after loading agree.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
-from ghosted_core.architectures import ARCHITECTURES
 from ghosted_core.errors import GhostedError
+from ghosted_core.memory_parts import (GIB, OperatorCost, activation_bytes, block_parameters, choice_bytes, drift_bytes,
+                                       dtype_bytes, estimate_parameters, evaluation_bytes, fit_bytes, kept_bytes,
+                                       kept_states_bytes, logits_bytes, mask_bytes)
 from ghosted_core.statistics import STATS_ITEM, StatNeeds, statistics_bytes
 
 HEADROOM = 0.9  # plan against 90% of what the device reports free
-FIT_MATRICES = 4  # C×C float64 at fit time: assembled Gram and cross matrices, the regularized copy, the solution
-REFIT_CANDIDATES = 10  # the refit's (λ, k) candidates held until the held-out pass (FitOptions' defaults: 2 × 5)
-GIB = 2**30
-LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once, per perplexity chunk
-
-
-def estimate_parameters(config: PretrainedConfig) -> int:
-    """Parameter count of a decoder-only LM from its config (to refuse what cannot fit before loading)."""
-    c = config.hidden_size
-    layers = config.num_hidden_layers
-    return int(layers * block_parameters(config) + config.vocab_size * c * (1 if _tied(config) else 2) + c)
-
-
-def block_parameters(config: PretrainedConfig) -> int:
-    """Parameters of one decoder block: attention projections, the gated MLP and two norms."""
-    c = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or c // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    attention = c * head_dim * (2 * heads + 2 * kv_heads)
-    return attention + 3 * c * config.intermediate_size + 2 * c
-
-
-def _tied(config: PretrainedConfig) -> bool:
-    return bool(getattr(config, "tie_word_embeddings", False))
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 def available_bytes(device: str) -> int:
@@ -76,6 +49,22 @@ def available_bytes(device: str) -> int:
     return int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 1 << 62
 
 
+def resident_bytes(model: nn.Module) -> tuple[int, int]:
+    """(host, GPU) bytes the model's parameters and buffers already occupy (offloaded ones count nowhere)."""
+    host = gpu = 0
+    seen: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or tensor.device.type == "meta":
+            continue
+        seen.add(storage.data_ptr())
+        if tensor.device.type == "cuda":
+            gpu += storage.nbytes()
+        else:
+            host += storage.nbytes()
+    return host, gpu
+
+
 def check_fits(config: PretrainedConfig, device: str, dtype: torch.dtype, name: str) -> None:
     """Refuse a model whose weights would not fit on `device` (device="map" may offload, so it passes)."""
     if device == "map":
@@ -89,59 +78,57 @@ def check_fits(config: PretrainedConfig, device: str, dtype: torch.dtype, name: 
         )
 
 
-def inner_width(config: PretrainedConfig, needs: StatNeeds) -> int:
-    """I, when the down_proj refit's statistics are collected for this family (0 otherwise)."""
-    arch = ARCHITECTURES.get(getattr(config, "model_type", None))
-    return int(config.intermediate_size) if needs.inner and arch is not None and arch.branch_folds_into_down_proj else 0
+def choose_pipeline(asked: str, device: str, gpu: bool, full_fits: bool = True) -> str:
+    """The calibration pipeline that runs: as asked, or for "auto" `full` wherever one device computes the
+    whole model (the CPU, or a GPU holding the weights, a batch and a logits chunk: `full_fits`), and
+    `blocks` for an offloaded model on a GPU machine (`map`) or one whose weights do not fit the GPU.
+
+    The one place "auto" is resolved: the memory plan asks it before loading, and
+    `calibration.collect` asks it for a loaded model that was never planned (`full_fits`: it is there).
+    """
+    if asked != "auto":
+        return asked
+    if device == "map":
+        return "blocks" if gpu else "full"
+    return "blocks" if device.startswith("cuda") and not full_fits else "full"
 
 
-def fit_bytes(width: int, inner: int) -> int:
-    """The fit-time solve: four C×C float64 matrices; a refit adds two I×I and one I×C float64 matrices and
-    its candidates' I×C float32 updates."""
-    refit = (2 * inner * inner + inner * width) * STATS_ITEM + REFIT_CANDIDATES * inner * width * 4 if inner else 0
-    return FIT_MATRICES * width * width * STATS_ITEM + refit
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a run will do, in the counts the plan multiplies out (`run.options.memory_plan` builds it)."""
 
-
-def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: torch.dtype, residuals: int,
-                     branches: int, inners: int = 0) -> int:
-    """One calibration batch of `tokens` (= sequences × seqlen): the forward's transient tensors and
-    what the capture and the accumulators hold (grows with tokens·C, tokens·I for refits, and
-    tokens·seqlen·heads)."""
-    c, item = config.hidden_size, dtype_bytes(dtype)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or c // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    forward = tokens * item * (4 * c + (heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size)
-    scores = tokens * seqlen * heads * item  # (B, H, T, T) when attention materializes its scores
-    captured = (residuals + branches) * tokens * c * item  # (B, T, C) per captured index
-    captured += inners * tokens * config.intermediate_size * item  # (B, T, I) per captured down_proj input
-    working = 3 * tokens * c * STATS_ITEM  # x_pre, Δ, m as float64 (T, C) in the accumulator
-    working += tokens * config.intermediate_size * STATS_ITEM if inners else 0  # a as float64 (T, I)
-    return forward + scores + captured + working
-
-
-def logits_bytes(config: PretrainedConfig, batch: int, seqlen: int) -> int:
-    """Float32 logits of one perplexity chunk, and cross-entropy's copy of them."""
-    full = 4 * config.vocab_size * batch * max(seqlen - 1, 1)
-    return 2 * min(full, max(LOGITS_BUDGET, 4 * config.vocab_size * batch))
-
-
-def max_boundaries(criterion: str, num_layers: int, n: int, layers: tuple[int, ...] = ()) -> int:
-    """The most boundaries (runs of removed blocks) a criterion can produce, before it has scored anything."""
-    from ghosted_core.plan import boundaries_of
-
-    if criterion == "manual":
-        return len(boundaries_of(layers))
-    if criterion in ("streamline", "angular"):
-        return 1 if n > 0 else 0
-    if criterion == "none" or n <= 0:
-        return 0
-    return max(1, min(n, num_layers - n + 1))
+    needs: StatNeeds  # the statistics every boundary keeps
+    boundaries: int  # boundaries whose statistics are alive at once (every depth of a sweep)
+    sequences: int  # calibration fit sequences
+    seqlen: int
+    batch_size: int  # calibration sequences per forward
+    sink_capacity: int
+    operators: tuple[OperatorCost, ...] = ()  # one per variant
+    variant_boundaries: int | None = None  # boundaries of one depth's variants (None: `boundaries`)
+    candidates: int = 5  # replaceme_keepsink's sink-direction counts
+    inner: int = 0  # I, when the down_proj refit's statistics are collected (`memory_parts.inner_width`; 0: none)
+    refit_candidates: int = 0  # the refit's (λ, sink count) candidates, held until the held-out pass chooses
+    heldout: int = 0  # held-out sequences
+    score_streams: int = 0  # residual streams the scoring pass keeps per batch (run length + 1; 0: no scoring)
+    eval_batch: int = 4
+    eval_seqlen: int | None = None
+    eval_tokens: int = 0  # perplexity tokens over every corpus
+    kept_indices: int = 0  # a sweep's dense-state indices kept for every corpus (0: none)
+    kept_cap: int = 0  # above this many bytes the sweep keeps no dense states
+    drift: bool = False  # per-block drift on one window at a time
+    sequential: bool = False  # +seq variants: one more boundary's statistics and a calibration batch while fitting
+    keep_heldout: bool = False  # the run may keep the held-out rows from the calibration pass (a single run does)
+    pipeline: str = "auto"
+    stats_device: str = "auto"
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes a run needs where, worked out from the config before loading; `to_json` for results.json."""
+    """Bytes a run needs where, worked out from the config; `to_json` for results.json.
+
+    The byte fields are the parts; `phases` says what each phase holds on the compute device
+    and on the host, and `device_bytes` / `host_bytes` are the largest of them.
+    """
 
     model: str
     device: str  # where the model computes: cpu, cuda, cuda:N or map
@@ -156,15 +143,22 @@ class MemoryPlan:
     sink_capacity: int
     stats_bytes_per_boundary: int  # what each boundary's accumulator allocates
     stats_bytes: int  # × boundaries
-    fit_bytes: int  # the C×C solve at fit time
+    fit_bytes: int  # the largest fit's working memory (its C×C solves, candidates, a folded down_proj)
+    variant_bytes: int  # every variant's kept maps and modules (fp32 C×C operators, folded down_proj copies)
     hidden_cache_bytes: int  # `blocks`: every calibration sequence's hidden states (and open boundaries' copies) on the CPU
-    logits_bytes: int  # one perplexity chunk of the LM head
+    mask_bytes: int  # `blocks`: the recorded attention masks (Gemma-3's sliding windows), T² per batch on the CPU
+    kept_states_bytes: int  # a sweep's kept dense evaluation states, on the model's device
+    heldout_rows_bytes: int  # the held-out rows the calibration pass keeps (0: the held-out pass streams them again)
+    evaluation_bytes: int  # one perplexity batch: the forward's transients and the LM head's logits chunk
+    logits_bytes: int  # … of which the logits
     pipeline: str  # calibration pipeline chosen: full or blocks
     stats_device: str  # where the statistics live: cpu or cuda
-    device_bytes: int  # needed on the compute device (0: the device is the host)
-    host_bytes: int  # needed in host memory
-    device_available: int | None
+    device_bytes: int  # needed on the compute device at its peak (0: the device is the host)
+    host_bytes: int  # needed in host memory at its peak
+    device_available: int | None  # free there, plus what the model already holds there
     host_available: int
+    phases: dict  # phase → {"device": bytes, "host": bytes}
+    peak_phase: str  # the phase that sets the larger of the two peaks
 
     @property
     def fits(self) -> bool:
@@ -172,18 +166,29 @@ class MemoryPlan:
         device_ok = self.device_available is None or self.device_bytes <= HEADROOM * self.device_available
         return host_ok and device_ok
 
+    @property
+    def on_device(self) -> int:
+        """Bytes on the compute device at the peak (the host's for a CPU run)."""
+        return self.device_bytes if self.device_available is not None else self.host_bytes
+
+    @property
+    def total(self) -> int:
+        """Device and host peaks together."""
+        return self.device_bytes + self.host_bytes
+
     def to_json(self) -> dict:
-        return asdict(self) | {"fits": self.fits}
+        return asdict(self) | {"fits": self.fits, "on_device": self.on_device, "total": self.total}
 
     def summary(self) -> str:
         """One line: what goes where, against what is free."""
-        where = f"device {self.device_bytes / GIB:.2f} of {self.device_available / GIB:.1f} GiB free, " \
+        where = f"device {self.device_bytes / GIB:.2f} of {self.device_available / GIB:.1f} GiB, " \
             if self.device_available is not None else ""
         return (f"memory plan: weights {self.weights_bytes / GIB:.2f} GiB ({self.dtype}), "
                 f"statistics {self.stats_bytes / GIB:.2f} GiB ({self.boundaries} boundaries × "
                 f"{self.stats_bytes_per_boundary / 2**20:.0f} MiB, on {self.stats_device}), "
-                f"calibration batch {self.activation_bytes / GIB:.2f} GiB, pipeline {self.pipeline}; "
-                f"{where}host {self.host_bytes / GIB:.2f} of {self.host_available / GIB:.1f} GiB free")
+                f"variants {self.variant_bytes / GIB:.2f} GiB, calibration batch {self.activation_bytes / GIB:.2f} GiB, "
+                f"pipeline {self.pipeline}, peak at {self.peak_phase}; "
+                f"{where}host {self.host_bytes / GIB:.2f} of {self.host_available / GIB:.1f} GiB")
 
     def check(self) -> None:
         """Refuse a plan that cannot fit, with the way out."""
@@ -202,65 +207,114 @@ class MemoryPlan:
             "boundaries, a smaller --batch_size, or a smaller model")
 
 
-def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.dtype, needs: StatNeeds,
-                boundaries: int, sequences: int, seqlen: int, batch_size: int, sink_capacity: int,
-                eval_batch: int = 4, eval_seqlen: int | None = None, pipeline: str = "auto",
-                stats_device: str = "auto", device_available: int | None = None,
-                host_available: int | None = None) -> MemoryPlan:
+def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.dtype, request: PlanRequest,
+                device_available: int | None = None, host_available: int | None = None,
+                resident: tuple[int, int] = (0, 0)) -> MemoryPlan:
     """The plan for one run; "auto" pipeline and statistics device are resolved here.
 
-    Rules: on the CPU everything is host memory and the pipeline is `full`. On a GPU the
-    statistics go on the GPU when weights, a batch and the statistics fit there, else on the
-    CPU; when not even the weights fit, the `blocks` pipeline keeps them (and the hidden
-    states) on the CPU and moves one block at a time. `map` (accelerate offload) calibrates
-    with `blocks`, statistics on the CPU.
+    `device_available` / `host_available`: free bytes now (None: measured). `resident`: (host,
+    GPU) bytes this model already holds (`resident_bytes` once loaded), added to what is free,
+    since the plan counts the weights itself. Rules: on the CPU everything is host memory and
+    the pipeline is `full`. On a GPU the statistics go on the GPU when the device's peak with
+    them there fits, else on the CPU; when not even the weights fit, the `blocks` pipeline keeps
+    them (and the hidden states) on the CPU and copies one block at a time to the GPU. `map`
+    (accelerate offload) calibrates with `blocks`, statistics on the CPU.
     """
-    c = config.hidden_size
-    item = dtype_bytes(dtype)
+    r = request
+    c, item = config.hidden_size, dtype_bytes(dtype)
     params = estimate_parameters(config)
     weights = params * item
-    tokens = min(batch_size, max(sequences, 1)) * seqlen
-    inner = inner_width(config, needs)
-    per_boundary = statistics_bytes(c, needs, sink_capacity, inner_width=inner)
-    stats = per_boundary * boundaries
-    fit = fit_bytes(c, inner) if boundaries else 0
-    acts = activation_bytes(config, tokens, seqlen, dtype, 2 * boundaries, boundaries * needs.branch,
-                            boundaries * bool(inner))
-    hidden = (1 + 2 * boundaries) * sequences * seqlen * c * item
-    logits = logits_bytes(config, eval_batch, eval_seqlen or seqlen)
+    tokens = min(r.batch_size, max(r.sequences, 1)) * r.seqlen
+    per_boundary = statistics_bytes(c, r.needs, r.sink_capacity, inner_width=r.inner)
+    stats = per_boundary * r.boundaries
+    depth_boundaries = r.boundaries if r.variant_boundaries is None else r.variant_boundaries
+    stats_after = per_boundary * max(r.boundaries - depth_boundaries, 0)  # other depths' statistics, still alive
+    fit = max((fit_bytes(op, config, r.candidates, r.inner, r.refit_candidates) for op in r.operators),
+              default=0) if r.boundaries else 0
+    choice = max((choice_bytes(op, config, r.candidates, r.inner, r.refit_candidates) for op in r.operators),
+                 default=0) if r.boundaries else 0
+    kept_parts = [kept_bytes(op, config, item, r.inner) for op in r.operators]  # (map, module) per variant
+    maps = depth_boundaries * sum(m for m, _ in kept_parts)
+    modules = depth_boundaries * sum(m for _, m in kept_parts)
+    acts = activation_bytes(config, tokens, r.seqlen, dtype, 2 * r.boundaries, r.boundaries * r.needs.branch,
+                            r.boundaries * bool(r.inner))
+    rows = tokens * (4 * c + r.inner) * STATS_ITEM  # the held-out pass: x, m, Δ, a refit's a and one error, float64
+    score = acts + r.score_streams * tokens * c * item
+    eval_seqlen = r.eval_seqlen or r.seqlen
+    logits = logits_bytes(config, r.eval_batch, eval_seqlen)
+    evaluate = evaluation_bytes(config, r.eval_batch, eval_seqlen, dtype) + logits
+    drift = drift_bytes(config, eval_seqlen, dtype) if r.drift else 0
+    kept = kept_states_bytes(c, item, r.eval_tokens, r.kept_indices, r.kept_cap)
+    open_copies = 1 + 2 * r.boundaries + r.boundaries * r.inner / c  # `blocks`: hidden states, x_pre/m (and a) copies
+    hidden = int(open_copies * r.sequences * r.seqlen * c * item)
+    held_hidden = int(open_copies * r.heldout * r.seqlen * c * item)
+    masks = mask_bytes(config, r.sequences, r.batch_size, r.seqlen, item)
+    # the held-out rows (x_pre, x_post, m) kept from the calibration pass when they cost no more than one
+    # boundary's statistics: the held-out pass then needs no forward
+    rows_per_boundary = r.heldout * r.seqlen * item * ((2 + r.needs.branch) * c + r.inner)
+    held_rows = rows_per_boundary * r.boundaries if r.keep_heldout and 0 < rows_per_boundary <= per_boundary else 0
     gpu = device.startswith("cuda") or device == "map" and (device_available is not None or torch.cuda.is_available())
-    if gpu and device_available is None:
-        device_available = available_bytes(device if device != "map" else "cuda")
     if host_available is None:
         host_available = available_bytes("cpu")
-    if not gpu:  # the CPU computes; with "map", accelerate keeps what exceeds its max_memory on disk
-        chosen = "full" if pipeline == "auto" else pipeline
-        # `map` without a GPU: accelerate keeps at most its max_memory cap of the weights in RAM, the rest on disk
-        resident = 0 if device == "map" else weights
-        host = resident + acts + stats + fit + logits + (hidden if chosen == "blocks" else 0)
-        return MemoryPlan(name, device, _name(dtype), params, weights, c, tokens, acts, boundaries, needs.describe(),
-                          sink_capacity, per_boundary, stats, fit, hidden if chosen == "blocks" else 0, logits, chosen,
-                          "cpu", 0, host, None, host_available)
-    block = block_parameters(config) * item
-    if pipeline == "auto":
+    host_available += resident[0]
+    if gpu:
+        if device_available is None:
+            device_available = available_bytes(device if device != "map" else "cuda")
+        device_available += resident[1]
         full_fits = device != "map" and weights + acts + logits <= HEADROOM * device_available
-        pipeline = "full" if full_fits else "blocks"
-    resident = weights if pipeline == "full" else block + config.vocab_size * c * item  # + embeddings for the scoring pass
-    base = resident + acts + logits
-    if stats_device == "auto":
-        stats_device = "cuda" if base + stats + fit <= HEADROOM * device_available else "cpu"
-    on_device = stats + fit if stats_device.startswith("cuda") else 0
-    host = (0 if pipeline == "full" and device != "map" else weights) + (hidden if pipeline == "blocks" else 0) \
-        + (stats + fit if not on_device else 0)
-    return MemoryPlan(name, device, _name(dtype), params, weights, c, tokens, acts, boundaries, needs.describe(),
-                      sink_capacity, per_boundary, stats, fit, hidden if pipeline == "blocks" else 0, logits, pipeline,
-                      stats_device, base + on_device, host, device_available, host_available)
+        pipeline = choose_pipeline(r.pipeline, device, True, full_fits)
+    else:
+        device_available = None
+        pipeline = choose_pipeline(r.pipeline, device, False)
+    blocks = pipeline == "blocks"
 
+    def phases(on_gpu: bool, stats_on_gpu: bool) -> dict[str, dict[str, int]]:
+        """phase → bytes on the device and the host, given where the model and the statistics live."""
+        if not on_gpu:  # the host computes; with "map" and no GPU, accelerate keeps what exceeds max_memory on disk
+            model_part = 0 if device == "map" else weights
+            parts = {"model": model_part, "host": 0, "stats": 0}
+        else:
+            on_device = weights if not blocks else block_parameters(config) * item + config.vocab_size * c * item
+            parts = {"model": on_device, "host": weights if blocks or device == "map" else 0, "stats": 0}
+        table = {
+            "score blocks": {"model": score},
+            "calibrate": {"model": acts + held_rows, "stats": stats,  # kept rows: the held-out sequences join it
+                          "host": hidden + masks + (held_hidden if held_rows else 0) if blocks else 0},
+            "fit": {"model": modules + kept + held_rows + (acts if r.sequential else 0),
+                    "stats": stats + fit + maps + (per_boundary if r.sequential else 0)},
+            # the held-out pass: a fit's candidates are chosen while its statistics live, the final pass after
+            "held-out": {"model": modules + kept + (held_rows if held_rows else acts),
+                         "host": held_hidden if blocks and not held_rows else 0,
+                         "stats": maps + rows + (stats + choice if choice else stats_after)},
+            "evaluate": {"model": modules + kept + evaluate, "stats": stats_after},
+            "drift": {"model": modules + drift},
+        }
+        out = {}
+        for phase, use in table.items():
+            device_sum = host_sum = 0
+            for where, amount in (("model", parts["model"] + use.get("model", 0)), ("host", parts["host"] + use.get("host", 0)),
+                                  ("stats", use.get("stats", 0))):
+                if where == "host" or (where == "stats" and not stats_on_gpu) or not on_gpu:
+                    host_sum += amount
+                else:
+                    device_sum += amount
+            out[phase] = {"device": device_sum, "host": host_sum}
+        return out
 
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def min_calibration_sequences(width: int, seqlen: int, factor: int = 4, floor: int = 64) -> int:
-    """Sequences that give a fit at least `factor`·C tokens (a well-posed C×C least squares), at least `floor`."""
-    return max(floor, math.ceil(factor * width / max(seqlen, 1)))
+    if not gpu:
+        stats_device = "cpu"
+        table = phases(False, False)
+    else:
+        stats_device = r.stats_device
+        if stats_device == "auto":
+            room = HEADROOM * device_available
+            stats_device = "cuda" if max(p["device"] for p in phases(True, True).values()) <= room else "cpu"
+        table = phases(True, stats_device.startswith("cuda"))
+    device_peak = max(p["device"] for p in table.values())
+    host_peak = max(p["host"] for p in table.values())
+    peak_phase = max(table, key=lambda p: (table[p]["device"], table[p]["host"]) if gpu else table[p]["host"])
+    return MemoryPlan(name, device, str(dtype).removeprefix("torch."), params, weights, c, tokens, acts, r.boundaries,
+                      r.needs.describe(), r.sink_capacity, per_boundary, stats, fit, maps + modules,
+                      hidden if blocks else 0, masks if blocks else 0, kept, held_rows, evaluate, logits, pipeline,
+                      stats_device,
+                      device_peak if gpu else 0, host_peak, device_available, host_available, table, peak_phase)

@@ -7,6 +7,16 @@ from typing import Iterable
 
 from ghosted_core.errors import GhostedError
 
+MAX_BLOCKS = 4096  # more decoder blocks than any model has: a typed block list or depth range stays below it
+
+
+def check_block_number(value: int, text: str) -> int:
+    """`value` (a block index or a depth read from `text`), refused when it is beyond any model's blocks."""
+    if value >= MAX_BLOCKS:
+        raise GhostedError(f"{value} in {text!r} is beyond any model's blocks (at most {MAX_BLOCKS - 1}); "
+                           "use the block numbers of your model")
+    return value
+
 
 @dataclass(frozen=True)
 class Boundary:

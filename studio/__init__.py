@@ -3,7 +3,9 @@
 - `settings`     defaults of a run, server limits from the environment, widget choices, ZeroGPU durations
 - `cache`        the process-wide model cache shared by every user
 - `runner`       widget values → a checked `RunRequest`; the runs (single depth, sweep), each one `@spaces.GPU` call
-- `runs`         runs in progress per browser session: what Stop stops
+- `runs`         runs in progress per browser session: what Stop stops (and a client that went away)
+- `guard`        what a stranger may ask: widget values held to the page's ranges, local folders as the operator allows
+- `session_files` files handed to a session, removed when it ends
 - `status`       the status panel: running, complete, stopped, refused, failed; the library's advice
 - `user_input`   your own text, pasted or uploaded
 - `presets_view` Hub presets in the model list, with their estimates

@@ -7,7 +7,8 @@ import threading
 from collections import OrderedDict
 
 from ghosted_core.model.embedded import EMBEDDED, convert_embedded, needs_conversion
-from ghosted_core.model.loading import LoadedModel, load_model, peek_config
+from ghosted_core.model.loading import LoadedModel, LoadOptions, load_model, peek_config
+from studio import guard
 from studio.presets_view import find_preset
 from studio.settings import CACHE_SIZE
 
@@ -44,7 +45,7 @@ class ModelCache:
             self._loading.add(name)
             self._evict(keep=len(self._loading))
         try:
-            loaded = load_model(name)
+            loaded = load_model(name, LoadOptions(local_folders=guard.model_name(name)[1]))
         except BaseException:
             with self._changed:
                 self._loading.discard(name)
@@ -102,8 +103,10 @@ MODELS = ModelCache(CACHE_SIZE)
 def model_shape(name: str) -> tuple[int, int]:
     """(decoder blocks, hidden width) of `name`: from the cache, the embedded models' table, a preset or its config.
 
-    Never loads weights or converts a GGUF, so the page can call it on every model change.
+    Never loads weights or converts a GGUF, so the page can call it on every model change; never
+    looks at a folder this server does not open to its users (`studio.guard`).
     """
+    name, local = guard.model_name(name)
     cached = MODELS.peek(name)
     if cached:
         return cached.num_layers, cached.hidden_size
@@ -112,7 +115,7 @@ def model_shape(name: str) -> tuple[int, int]:
     preset = find_preset(name)
     if preset is not None:  # written-down numbers: no Hub request
         return preset.num_layers, preset.hidden_size
-    config = peek_config(name)
+    config = peek_config(name, local)
     return int(config.num_hidden_layers), int(config.hidden_size)
 
 

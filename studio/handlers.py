@@ -8,31 +8,40 @@ where they stopped.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import tempfile
 import time
 from collections.abc import Iterator
+from html import escape
 from dataclasses import replace
 
 import gradio as gr
 
 from ghosted_core.planning.advice import Advice, default_depth
+from ghosted_core.data import user_text
 from ghosted_core.errors import GhostedError
+from ghosted_core.export.gguf import GGUF_OUTTYPES
+from ghosted_core.hub import hub_reachable
+from ghosted_core.oom import guard_stages
 from ghosted_core.stopping import RunStopped
 from ghosted_core.run.sweep import check_sweep, parse_depths
 from studio.cache import model_shape, num_blocks
 from studio.history import add_run, settings_of
 from studio.presets_view import find_preset, preset_note
-from studio.runner import QuickTasks, build_options, build_request, check_options, run_job, run_sweep_job, \
-    settings_advice
-from ghosted_core.hub import hub_reachable
-from studio.runs import RUNS, ActiveRun
+from studio.runner import QuickTasks, build_options, build_request, check_options, run_compare_job, run_job, \
+    run_sweep_job, settings_advice
+from studio import guard
+from studio.runs import RUNS, ActiveRun, client_gone
 from studio.saved import SAVED
+from studio.session_files import serve_outputs
 from studio.user_input import corpora_with_text, read_user_text
-from studio.settings import DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP
+from studio.settings import COMPARE, DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP, TASK_EXAMPLES
 from studio.status import NOTHING_SHOWN, advice_lines, complete_status, failed_status, refused_status, \
     report_advice, running_status, shown_state, stopped_before_start, stopped_status
-from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outputs, history_outputs, page_message, render, render_sweep, write_results
+from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outputs, history_outputs, page_message, \
+    render, render_compare, render_sweep, write_results
 
 log = logging.getLogger(__name__)
 
@@ -46,40 +55,52 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
            samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
            new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
            export_format: str = "auto", gguf_type: str = "f16", mode: str = "single depth", depths: str = "2:10:2",
-           your_text: str | None = None,
-           your_file: str | None = None, text_use: str = "evaluation", submitted: float | None = None,
-           shown: dict | None = None, history: list[dict] | None = None, request: gr.Request | None = None,
+           your_text: str | None = None, your_file: str | None = None, text_use: str = "evaluation",
+           compare_criteria: list[str] | None = None, submitted: float | None = None, shown: dict | None = None,
+           history: list[dict] | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
-    """Run button: stream a single-depth run or a sweep into the page, with the session's state; failures become gr.Error."""
+    """Run button: stream a single-depth run, a sweep or a comparison into the page, with the session's state;
+    failures become gr.Error."""
     settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
     start = time.perf_counter()
     queued = time.time() - submitted if submitted else None
+    session = request.session_hash if request else ""
     try:
-        text = read_user_text(your_text, your_file)
+        text = read_user_text(guard.text(your_text, "Paste text", user_text.MAX_BYTES), your_file)
         cal, evals = calibration, tuple(eval_corpora or ())
         if text is not None:
             cal, evals = corpora_with_text(text_use, cal, evals)
         options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
                                         evals, eval_tokens, prompt, new_tokens), user_text=text)
-        quick = QuickTasks(bool(tasks_on), tuple(task_names or ()), int(task_examples))
-        job = build_request(options, quick, save_variant, export_format, mode, depths, gguf_type)
+        quick = QuickTasks(guard.flag(tasks_on, "Score every variant on quick tasks"), guard.names(task_names, "Tasks"),
+                           guard.whole(task_examples, "Examples per task", 1, TASK_EXAMPLES[1]))
+        job = build_request(options, quick, save_variant, export_format, mode, depths,
+                            guard.names(compare_criteria, "Criteria to compare"),
+                            guard.choice(gguf_type, "GGUF weights", GGUF_OUTTYPES))
         stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
     except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
         yield as_outputs({"status": refused_status(page_message(err), shown)})
-        raise gr.Error(page_message(err), duration=TOAST_SECONDS) from err
-    session = request.session_hash if request else ""
+        raise gr.Error(page_message(err), duration=TOAST_SECONDS, print_exception=False) from err
     run = RUNS.start(session, stages)
     run.settings = settings
+    gone = client_gone(request)
+    should_stop = lambda: run.stop.is_set() or gone()  # noqa: E731 (Stop pressed, or the client went away)
     report: dict = {}
     try:
         progress(0.0, desc=f"{stages[0]}…")
         yield as_outputs(blank_outputs(running_status(stages[0], 0, len(stages), 0.0, None, advice, queued))
                          | {"shown": NOTHING_SHOWN})
         with tempfile.TemporaryDirectory(prefix="ghosted-run-") as folder:  # removed when the run ends or is stopped
-            keep = str(SAVED.new_folder(session)) if job.save_variant and not job.sweep else None  # for the push
-            updates = (run_sweep_job(job.options, job.depths, run.stop.is_set) if job.sweep else
-                       run_job(job.options, job.quick, job.save_variant, folder, run.stop.is_set, job.export_format,
-                               job.gguf_type, keep))
+            if job.compare:
+                updates, draw = run_compare_job(job.options, job.criteria, should_stop), render_compare
+            elif job.sweep:
+                updates, draw = run_sweep_job(job.options, job.depths, should_stop), render_sweep
+            else:
+                keep = str(SAVED.new_folder(session)) if job.save_variant else None  # for the push
+                updates = run_job(job.options, job.quick, job.save_variant, folder, should_stop, job.export_format,
+                                  job.gguf_type, keep)
+                draw = render
+            updates = guard_stages(updates, stages[0])  # out of memory: one message
             for done, (stage, report) in enumerate(updates, start=1):
                 run.done, run.report = done, report
                 elapsed = time.perf_counter() - start
@@ -89,27 +110,27 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                     advice = report_advice(report) + [Advice(note) for note in job.notes]
                 status = (running_status(following, done, len(stages), elapsed, report, advice, queued) if following
                           else complete_status(elapsed, report, advice, queued))
-                values = (render_sweep if job.sweep else render)(report, status, write_results(report, folder))
+                values = draw(report, status, write_results(report, folder))
                 values["shown"] = shown_state(report, "in progress" if following else "complete")
                 if following is None:
                     values |= history_outputs(add_run(history, settings, report, "complete"), folder)
-                yield as_outputs(values)
+                yield as_outputs(serve_outputs(session, values))
     except RunStopped as stop:  # Stop pressed: the library stopped at its next batch
         run.stopped_at = stop.where
         RUNS.end(run)
         state = f"stopped during {stop.where}"
         with tempfile.TemporaryDirectory(prefix="ghosted-stopped-") as folder:
-            yield as_outputs({"status": stopped_status(stop.where, time.perf_counter() - start, report, stages),
-                              "shown": shown_state(report, state)}
-                             | history_outputs(add_run(history, settings, report, state), folder))
+            yield as_outputs(serve_outputs(session, {
+                "status": stopped_status(stop.where, time.perf_counter() - start, report, stages),
+                "shown": shown_state(report, state)} | history_outputs(add_run(history, settings, report, state), folder)))
     except GhostedError as err:
         message = page_message(err)
         yield as_outputs({"status": failed_status(message, run.current, report),
                           "shown": shown_state(report, f"failed during {run.current}")})
-        raise gr.Error(message, duration=TOAST_SECONDS) from err
+        raise gr.Error(message, duration=TOAST_SECONDS, print_exception=False) from err
     except Exception as err:  # a bug: keep serving, say so, keep the traceback in the log
         log.exception("run failed")
-        message = f"internal error ({type(err).__name__}: {err}); the server log has the traceback"
+        message = f"internal error ({type(err).__name__}: {escape(str(err))}); the server log has the traceback"
         yield as_outputs({"status": failed_status(message, run.current, report),
                           "shown": shown_state(report, f"failed during {run.current}")})
         raise gr.Error(message, duration=TOAST_SECONDS) from err
@@ -130,7 +151,8 @@ def on_stop(shown: dict | None = None, history: list[dict] | None = None,
         each.ended.wait(STOP_WAIT_SECONDS)
     state = f"stopped during {run.stopped_at or run.current}"
     with tempfile.TemporaryDirectory(prefix="ghosted-stopped-") as folder:  # the CSV must outlive the yield only
-        kept = history_outputs(add_run(history, run.settings, run.report or {}, state), folder)
+        kept = serve_outputs(request.session_hash if request else "",
+                             history_outputs(add_run(history, run.settings, run.report or {}, state), folder))
         yield (stop_message(run), shown_state(run.report or {}, state), kept["history"], kept["history_table"],
                kept["history_file"])
 
@@ -144,23 +166,24 @@ def stop_message(run: ActiveRun) -> str:
 
 
 def model_note(name: str) -> str:
-    """An honest note on what this machine can load."""
+    """An honest note on what this machine can load, and whether it opens local folders to its users."""
     hub = "reachable" if hub_reachable() else "not reachable from this machine"
-    return (f"Embedded models load offline. Type a local folder or a Hub id for others (the Hub is {hub}); "
-            "Llama, Mistral, Qwen2/3 and Gemma3 families.")
+    folders = "a local folder or " if guard.local_folders() is not False else ""
+    return (f"Embedded models load offline. Type {folders}a Hub id for others (the Hub is {hub}); "
+            f"Llama, Mistral, Qwen2/3 and Gemma3 families. {guard.local_folders_note()}")
 
 
 def on_model_change(name: str) -> tuple:
     """Bound the depth slider by the model's block count, reset the depth to a quarter of it, describe the model."""
-    name = (name or "").strip()
     try:
+        name, _local = guard.model_name(name)
         layers, width = model_shape(name)
     except GhostedError as err:
-        return f"**Cannot use this model:** {err}", gr.update(), gr.update()
+        return f"**Cannot use this model:** {page_message(err)}", gr.update(), gr.update()
     except Exception as err:  # an unreadable folder or config: say so, keep serving
-        return f"**Cannot read {name!r}:** {err}", gr.update(), gr.update()
+        return f"**Cannot read {escape(repr(name))}:** {escape(str(err))}", gr.update(), gr.update()
     depth = default_depth(layers)
-    note = (f"{name}: {layers} decoder blocks (0–{layers - 1}), width {width}; depth reset to {depth} "
+    note = (f"{escape(name)}: {layers} decoder blocks (0–{layers - 1}), width {width}; depth reset to {depth} "
             f"(a quarter of the blocks).")
     preset = find_preset(name)
     if preset is not None:
@@ -192,10 +215,30 @@ def on_settings_change(model: str, criterion: str, depth: float, manual_blocks: 
 
 
 def on_mode_change(mode: str, criterion: str) -> tuple:
-    """Sweep: the depth range instead of one depth, and the sweep's results instead of a single run's."""
-    sweep = mode == SWEEP
-    return (gr.update(visible=not sweep and criterion not in ("manual", "none")), gr.update(visible=sweep),
-            gr.update(visible=not sweep), gr.update(visible=sweep))
+    """Sweep: the depth range instead of one depth, and the sweep's results instead of a single run's. Compare: the
+    criteria list instead of one criterion, one depth, and the comparison's map, scores and table."""
+    sweep, compare = mode == SWEEP, mode == COMPARE
+    single = not sweep and not compare
+    return (gr.update(visible=compare or (single and criterion not in ("manual", "none"))), gr.update(visible=sweep),
+            gr.update(visible=single), gr.update(visible=sweep), gr.update(visible=compare),
+            gr.update(visible=not compare), gr.update(visible=compare))
+
+
+@functools.wraps(on_run)  # the same parameters, so Gradio passes the Run inputs, the request and the progress
+def on_rerun_on_your_text(*args, **kwargs) -> Iterator[tuple]:
+    """The comparison again, its blocks chosen (and operators fitted) on your text: one click.
+
+    Your text takes the calibration role (and keeps the evaluation role if it had it); refused when no
+    text is pasted or uploaded."""
+    values = inspect.signature(on_run).bind(*args, **kwargs).arguments
+    if not (values.get("your_text") or "").strip() and not values.get("your_file"):
+        message = ("paste or upload your text under 'Your text' first: the comparison then reruns with your text "
+                   "choosing the blocks")
+        yield as_outputs({"status": refused_status(message, values.get("shown"))})
+        raise gr.Error(message, duration=TOAST_SECONDS)
+    use = values.get("text_use", "evaluation")
+    values |= {"mode": COMPARE, "text_use": "both" if use in ("evaluation", "both") else "calibration"}
+    yield from on_run(**values)
 
 
 def on_history_select(history: list[dict] | None, event: gr.SelectData) -> tuple:
@@ -214,5 +257,7 @@ def depth_info(layers: int) -> str:
 
 def on_criterion_change(criterion: str, mode: str = "single depth") -> tuple:
     """Depth for similarity criteria (one, or a sweep's range), the block picker for manual, neither for none."""
+    if mode == COMPARE:
+        return gr.update(visible=True), gr.update(visible=False)
     return (gr.update(visible=criterion not in ("manual", "none") and mode != SWEEP),
             gr.update(visible=criterion == "manual"))

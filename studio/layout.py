@@ -16,16 +16,22 @@ from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES
 from ghosted_core.recovery.operators import OPERATORS
 from studio.outputs import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES
 from studio.handlers import depth_info, model_note, on_criterion_change, on_history_select, on_mode_change, \
-    on_model_change, on_run, on_settings_change, on_stop, on_submit
+    on_model_change, on_rerun_on_your_text, on_run, on_settings_change, on_stop, on_submit
 from studio.push import on_push, on_space, push_available
+from studio.saved import SAVED
 from studio.history import history_table
 from studio.presets_view import model_choices
-from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, MODES, NO_SAVE, QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS
+from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, MODES, NEW_TOKENS, NO_SAVE, \
+    QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS, TASK_EXAMPLES
 from ghosted_core.run.options import OPERATOR_CHOICES
 from studio.user_input import USES
+from studio.session_files import DELETE_CACHE, SESSION_FILES
+from ghosted_core.data.user_text import MAX_BYTES
 from studio.speed import default_run_note
 from studio.status import NOTHING_SHOWN
+from ghosted_core.report.compare import compare_table
 from ghosted_core.report.sweep import sweep_table
+from studio.outputs import COMPARE_HINT
 from ghosted_core.report.tables import empty_perplexity_table
 
 log = logging.getLogger(__name__)
@@ -61,7 +67,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
     prompts = read_prompts()
     default_layers = num_blocks_or(DEFAULTS.model, 30)
     can_push, push_note = push_available()
-    with gr.Blocks(title="Ghosted Layers Studio", delete_cache=(3600, 7200)) as demo:
+    with gr.Blocks(title="Ghosted Layers Studio", delete_cache=DELETE_CACHE) as demo:
         with gr.Row(equal_height=True):
             with gr.Column(scale=2, elem_id="app-header"):
                 gr.Markdown(
@@ -87,8 +93,14 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     criterion = gr.Dropdown([(f"{name}: {CRITERION_HELP.get(name, spec.paper)}", name)
                                              for name, spec in CRITERIA.items()],
                                             value=DEFAULTS.criterion, label="Which blocks to remove", elem_id="criterion")
+                    compare_criteria = gr.Dropdown(
+                        [(f"{name}: {CRITERION_HELP.get(name, spec.paper)}", name) for name, spec in CRITERIA.items()
+                         if name not in ("manual", "none")], value=list(DEFAULTS.compare_criteria), multiselect=True,
+                        label="Criteria to compare", visible=False, elem_id="compare-criteria",
+                        info="each one's blocks, then every operator on every distinct plan (one calibration pass)")
                     mode = gr.Radio(list(MODES), value=DEFAULTS.mode, label="Depth", elem_id="mode",
-                                    info="sweep: every depth of a range from one calibration pass")
+                                    info="sweep: every depth of a range from one calibration pass; compare criteria: "
+                                         "which blocks each criterion removes at one depth, and what each costs")
                     depth = gr.Slider(1, default_layers, value=DEFAULTS.depth, step=1, label="Blocks to remove",
                                       info=depth_info(default_layers), elem_id="depth")
                     depths = gr.Textbox(DEFAULTS.depths, label="Depths to sweep (START:STOP:STEP, STOP included)",
@@ -110,7 +122,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                 with gr.Accordion("Calibration", open=False):
                     calibration = gr.Dropdown(corpus_choices("calibration"), value=DEFAULTS.calibration,
                                               label="Calibration corpus")
-                    samples = gr.Slider(1, 128, value=DEFAULTS.samples, step=1, label="Sequences",
+                    samples = gr.Slider(1, MAX_SAMPLES, value=DEFAULTS.samples, step=1, label="Sequences",
                                         info="the paper: 128")
                     seqlen = gr.Dropdown(list(SEQLENS), value=DEFAULTS.seqlen, label="Sequence length (tokens)",
                                          info="also the perplexity window; the paper: 2048")
@@ -118,16 +130,16 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                 with gr.Accordion("Evaluation", open=False):
                     eval_corpora = gr.CheckboxGroup(corpus_choices("evaluation"), value=list(DEFAULTS.eval_corpora),
                                                     label="Perplexity corpora")
-                    eval_tokens = gr.Slider(256, 16384, value=DEFAULTS.eval_tokens, step=256,
+                    eval_tokens = gr.Slider(*EVAL_TOKENS, value=DEFAULTS.eval_tokens, step=256,
                                             label="Perplexity tokens per corpus")
                 with gr.Accordion("Generation", open=True):
                     prompt = gr.Textbox(prompts[0], label="Prompt", lines=2)
                     gr.Examples([[p] for p in prompts], inputs=[prompt], label="Example prompts")
-                    new_tokens = gr.Slider(4, 128, value=DEFAULTS.new_tokens, step=4, label="New tokens")
+                    new_tokens = gr.Slider(*NEW_TOKENS, value=DEFAULTS.new_tokens, step=4, label="New tokens")
                 with gr.Accordion("Quick zero-shot tasks", open=False):
                     tasks_on = gr.Checkbox(False, label="Score every variant on quick tasks (slow: minutes)")
                     task_names = gr.CheckboxGroup(list(TASKS), value=list(DEFAULTS.tasks), label="Tasks")
-                    task_examples = gr.Slider(5, 200, value=DEFAULTS.task_examples, step=5,
+                    task_examples = gr.Slider(*TASK_EXAMPLES, value=DEFAULTS.task_examples, step=5,
                                               label="Examples per task (seeded subset)")
                 with gr.Accordion("Save a recovered model", open=False, elem_id="save-box"):
                     save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES, value=DEFAULTS.save_variant,
@@ -186,6 +198,15 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     recovered_plot = gr.Plot(show_label=False, elem_id="plot-recovered")
                     sweep_table_df = gr.Dataframe(sweep_table({}), interactive=False, show_label=False,
                                                   elem_id="sweep-table", wrap=True)
+                with gr.Column(visible=False) as compare_box:
+                    gr.Markdown("### Which blocks? Criteria compared", elem_classes="section-title")
+                    compare_caption_md = gr.Markdown(COMPARE_HINT, elem_classes="caption", elem_id="compare-caption")
+                    rerun_btn = gr.Button("Rerun this comparison on your text (it chooses the blocks)",
+                                          elem_id="rerun-your-text", size="sm")
+                    map_plot = gr.Plot(show_label=False, elem_id="plot-map")
+                    criterion_scores_plot = gr.Plot(show_label=False, elem_id="plot-criterion-scores")
+                    compare_table_df = gr.Dataframe(compare_table({}), interactive=False, show_label=False,
+                                                    elem_id="compare-table", wrap=True)
                 results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
                 with gr.Accordion("Runs in this session", open=False, elem_id="history-box"):
                     gr.Markdown("Every run of this browser tab (gone when you close it). Click a row to put that "
@@ -204,13 +225,16 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                    "new_tokens": new_tokens, "tasks_on": tasks_on, "task_names": task_names,
                    "task_examples": task_examples, "save_variant": save_variant, "export_format": export_format,
                    "gguf_type": gguf_type,
-                   "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use}
+                   "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use,
+                   "compare_criteria": compare_criteria}
         components = {"status": status, "generations": generations, "ppl_caption": ppl_caption, "ppl_table": ppl_table,
                       "scores": scores_plot, "errors": errors_plot, "drift": drift_plot, "structure": structure_plot,
                       "tasks_caption": tasks_caption_md, "tasks_table": tasks_table_df, "tasks_plot": tasks_plot,
                       "results_file": results_file, "model_file": model_file, "save_note": save_note_md,
                       "sweep_caption": sweep_caption_md, "curve": curve_plot, "recovered": recovered_plot,
                       "sweep_table": sweep_table_df, "history_table": history_df, "history_file": history_file,
+                      "compare_caption": compare_caption_md, "similarity_map": map_plot,
+                      "criterion_scores": criterion_scores_plot, "compare_table": compare_table_df,
                       "shown": shown, "history": history}
         inputs = [widgets[name] for name in INPUT_NAMES]
         outputs = [components[name] for name in (*OUTPUT_NAMES, *STATE_NAMES)]
@@ -226,8 +250,13 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                      concurrency_limit=None)
         criterion.change(on_criterion_change, [criterion, mode], [depth, manual_blocks], api_visibility="private",
                          concurrency_limit=None)
-        mode.change(on_mode_change, [mode, criterion], [depth, depths, single_box, sweep_box],
+        mode.change(on_mode_change, [mode, criterion], [depth, depths, single_box, sweep_box, compare_box, criterion,
+                                                        compare_criteria],
                     api_visibility="private", concurrency_limit=None)
+        rerun = rerun_btn.click(on_submit, None, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
+                                api_visibility="private")
+        rerun.then(on_rerun_on_your_text, [*inputs, submitted, shown, history], outputs, api_name="rerun_on_your_text",
+                   concurrency_limit=concurrency, concurrency_id="run", show_progress_on=[progress_slot])
         settings = [model, criterion, depth, manual_blocks, operators, samples, seqlen, mode, depths]
         for widget in settings:
             widget.change(on_settings_change, settings, run_advice, api_name="check" if widget is model else None,
@@ -238,6 +267,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                           api_visibility="private", concurrency_limit=None)
         push_btn.click(on_push, [repo_id, private, token], [push_result, token], api_name="push",
                        concurrency_limit=None)
+        demo.unload(on_session_end)  # a closed tab: the files served to it, and its saved model, go
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency)
     return demo
 
@@ -251,9 +281,18 @@ def num_blocks_or(name: str, fallback: int) -> int:
         return fallback
 
 
+def on_session_end(request: gr.Request) -> None:
+    """Gradio's unload event: the session's tab is closed (its heartbeat stream ended)."""
+    SESSION_FILES.end(request.session_hash)
+    SAVED.forget(request.session_hash)
+
+
 def launch_options() -> dict:
-    """Theme and CSS, which Gradio 6 takes at launch."""
+    """Theme and CSS, which Gradio 6 takes at launch; the server's upload limit (enforced by the server, whatever
+    the page says: a larger upload is refused before it is stored); and errors that Gradio itself raises before a
+    handler runs (a file path that was never uploaded, a malformed value) answered with their message, not a bare
+    "Error" (the handlers turn every error of their own into a gr.Error message)."""
     return {"theme": gr.themes.Soft(primary_hue="indigo", neutral_hue="slate"),
-            "css_paths": [ASSETS / "app.css"]}
+            "css_paths": [ASSETS / "app.css"], "max_file_size": MAX_BYTES, "show_error": True}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 from pathlib import Path
@@ -12,6 +13,8 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.report.charts import boundary_error_figure, drift_figure, empty_figure, scores_figure, \
     structure_figure, tasks_figure
 from studio.history import history_csv, history_table
+from ghosted_core.report.compare import compare_caption, compare_table, criterion_scores_figure, \
+    similarity_map_figure
 from ghosted_core.report.sweep import curve_figure, recovered_figure, sweep_caption, sweep_table
 from ghosted_core.report.tables import empty_perplexity_table, generations_html, perplexity_caption, \
     perplexity_table, tasks_caption, tasks_table
@@ -24,12 +27,14 @@ TOAST_SECONDS = 12  # the error pop-up goes after this; the status panel keeps t
 
 OUTPUT_NAMES = ("status", "generations", "ppl_caption", "ppl_table", "scores", "errors", "drift", "structure",
                 "tasks_caption", "tasks_table", "tasks_plot", "results_file", "model_file", "save_note",
-                "sweep_caption", "curve", "recovered", "sweep_table", "history_table", "history_file")
+                "sweep_caption", "curve", "recovered", "sweep_table", "history_table", "history_file",
+                "compare_caption", "similarity_map", "criterion_scores", "compare_table")
 STATE_NAMES = ("shown", "history")  # per-session state, after the components (hidden from the API)
 # The Run inputs, in order (the /run endpoint's parameters). History restores all but your text.
 INPUT_NAMES = ("model", "criterion", "depth", "manual_blocks", "operators", "calibration", "samples", "seqlen", "seed",
                "eval_corpora", "eval_tokens", "prompt", "new_tokens", "tasks_on", "task_names", "task_examples",
-               "save_variant", "export_format", "gguf_type", "mode", "depths", "your_text", "your_file", "text_use")
+               "save_variant", "export_format", "gguf_type", "mode", "depths", "your_text", "your_file", "text_use",
+               "compare_criteria")
 SETTING_NAMES = tuple(name for name in INPUT_NAMES if name not in ("your_text", "your_file"))  # never kept
 
 
@@ -69,6 +74,13 @@ def render_sweep(report: dict, status: str, results_path: str | None) -> dict:
             "recovered": recovered_figure(report), "sweep_table": sweep_table(report), "results_file": results_path}
 
 
+def render_compare(report: dict, status: str, results_path: str | None) -> dict:
+    """The comparison outputs for one snapshot: the map, each criterion's scores, the criterion × operator table."""
+    return {"status": status, "compare_caption": compare_caption(report), "similarity_map": similarity_map_figure(report),
+            "criterion_scores": criterion_scores_figure(report), "compare_table": compare_table(report),
+            "results_file": results_path}
+
+
 def blank_outputs(status: str) -> dict:
     """Outputs at the start of a run: the previous run's results cleared."""
     waiting = empty_figure("waiting for the run…")
@@ -78,7 +90,11 @@ def blank_outputs(status: str) -> dict:
             "tasks_caption": "Quick tasks run after the other stages when enabled.", "tasks_table": None,
             "tasks_plot": None, "results_file": None, "model_file": None, "save_note": SAVE_HINT,
             "sweep_caption": "A sweep's curve and table appear here depth by depth.", "curve": waiting,
-            "recovered": waiting, "sweep_table": sweep_table({})}
+            "recovered": waiting, "sweep_table": sweep_table({}), "compare_caption": COMPARE_HINT,
+            "similarity_map": waiting, "criterion_scores": waiting, "compare_table": compare_table({})}
+
+
+COMPARE_HINT = "A comparison's map, scores and table appear here criterion by criterion."
 
 
 SAVE_HINT = "Choose a variant above to download it after the next run."
@@ -120,12 +136,19 @@ FLAG_LABELS = {
     "--seqlen": "'Sequence length'",
     "--insert_type": "'Operators'",
     "--task_limit": "'Examples per task'",
+    "--seed": "'Seed'",
+    "--eval_max_tokens": "'Perplexity tokens per corpus'",
+    "--max_new_tokens": "'New tokens'",
 }
 
 
 def page_message(err: GhostedError) -> str:
-    """The library's message with CLI flag names replaced by the page's widget labels."""
+    """The library's message with CLI flag names replaced by the page's widget labels, HTML-escaped.
+
+    Messages quote what was typed (an unknown model, a block list), and both the status panel and
+    gr.Error's pop-up render HTML: escaped, a typed `<script>` shows as text.
+    """
     message = str(err)
     for flag, label in FLAG_LABELS.items():
         message = message.replace(flag, label)
-    return message
+    return html.escape(message, quote=False)

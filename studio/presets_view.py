@@ -49,7 +49,7 @@ def preset_note(preset: Preset, options: RunOptions, depths: tuple[int, ...] | N
     lines = [f"**{preset.hub_id}**: {preset.params / 1e9:.2f}B parameters ({preset.family}, {preset.num_layers} blocks, "
              f"width {preset.hidden_size}){', gated' if preset.gated else ''}; license {preset.license}.",
              f"Estimated here ({status.device.name}): about {memory.total / GIB:.1f} GiB at the peak (weights "
-             f"{memory.weights / GIB:.1f} GiB, statistics {memory.statistics / GIB:.2f} GiB) and about "
+             f"{memory.weights_bytes / GIB:.1f} GiB, statistics {memory.stats_bytes / GIB:.2f} GiB) and about "
              f"{_duration(seconds.total)} for these settings (an estimate from the device's measured speed)."]
     if not status.available:
         lines.append(f"**Unavailable here:** {status.reason}.")

@@ -14,10 +14,12 @@ from ghosted_core.planning.estimate import zerogpu
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import archive_export, check_export, export_variant, zip_export
 from ghosted_core.export.gguf import GGUF_FORMAT, export_gguf, find_llamacpp
-from ghosted_core.model.embedded import EMBEDDED, needs_conversion
-from ghosted_core.model.loading import LoadedModel
+from ghosted_core.model.embedded import needs_conversion
+from ghosted_core.model.loading import LoadedModel, LoadOptions
+from ghosted_core.plan import MAX_BLOCKS
 from ghosted_core.recovery.operators import OPERATORS
-from ghosted_core.run.options import SEQUENTIAL_SUFFIX, RunOptions, parse_variants, validate
+from ghosted_core.recovery.assessment import Diagnostics
+from ghosted_core.run.options import SEED_LIMIT, SEQUENTIAL_SUFFIX, RunOptions, parse_variants, validate
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run_stages
 from ghosted_core.planning.presets import check_preset, gpu_seconds
@@ -27,7 +29,11 @@ from ghosted_core.run.sweep import check_sweep, parse_depths, sweep_stages
 from ghosted_core.run.sweep import planned_stages as sweep_planned
 from studio.cache import MODELS, model_shape, num_blocks
 from studio.presets_view import device, find_preset
-from studio.settings import DEFAULTS, NO_SAVE, SWEEP, gpu_run, gpu_sweep
+from ghosted_core.run.compare import check_compare, compare_stages
+from ghosted_core.run.compare import planned_stages as compare_planned
+from studio import guard
+from studio.settings import COMPARE, DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, NEW_TOKENS, NO_SAVE, SEQLENS, SWEEP, \
+    gpu_compare, gpu_run, gpu_sweep
 
 
 @dataclass(frozen=True)
@@ -42,31 +48,38 @@ class QuickTasks:
 def build_options(model: str, criterion: str, depth: float, manual_blocks: str, operators: Sequence[str],
                   calibration: str, samples: float, seqlen: float | str, seed: float, eval_corpora: Sequence[str],
                   eval_tokens: float, prompt: str, new_tokens: float) -> RunOptions:
-    """The library's options from the widgets' values; GhostedError on input no run could use."""
-    model = (model or "").strip()
-    if not model:
-        raise GhostedError(f"choose a model: an embedded one ({', '.join(EMBEDDED)}), a local folder or a Hub id")
+    """The library's options from the widgets' values; GhostedError on input no run could use.
+
+    Every value is held to the type and the largest value its widget offers (`studio.guard`): the API takes any
+    JSON, and the upper bounds bound what one request may cost the server.
+    """
+    model, local = guard.model_name(model)
+    operators = guard.names(operators, "Operators")
     if not operators:
         raise GhostedError(f"choose at least one recovery operator ({', '.join(OPERATORS)})")
-    layers = parse_layers(manual_blocks or "") if criterion == "manual" else ()
+    manual_blocks = guard.text(manual_blocks, "Blocks to remove (manual)", 5 * guard.FIELD_CHARS)
+    layers = parse_layers(manual_blocks) if criterion == "manual" else ()
     if criterion == "manual" and not layers:
         raise GhostedError("the manual criterion needs the blocks to remove, e.g. 19-25 or 3,7,12")
+    seed = guard.whole(seed, "Seed", 0, SEED_LIMIT - 1)
     return RunOptions(
         model=model,
+        load=LoadOptions(local_folders=local),
         criterion=criterion,
-        num_prune=int(depth),
+        num_prune=guard.whole(depth, "Blocks to remove", 1, MAX_BLOCKS - 1),
         layers=layers,
         variants=parse_variants(list(operators)),
         calibration=calibration,
-        train_size=int(samples),
-        seqlen=int(seqlen),
-        seed=int(seed),
-        eval_corpora=tuple(eval_corpora or ()),
-        eval_max_tokens=int(eval_tokens),
+        train_size=guard.whole(samples, "Sequences", 1, MAX_SAMPLES),
+        seqlen=guard.whole(seqlen, "Sequence length", 2, max(SEQLENS)),
+        seed=seed,
+        eval_corpora=guard.names(eval_corpora, "Perplexity corpora"),
+        eval_max_tokens=guard.whole(eval_tokens, "Perplexity tokens per corpus", 1, EVAL_TOKENS[1]),
         drift_windows=DEFAULTS.drift_windows,
-        prompt=(prompt or "").strip() or None,
-        generation=GenerationOptions(max_new_tokens=int(new_tokens), seed=int(seed)),
+        prompt=guard.text(prompt, "Prompt", guard.PROMPT_CHARS).strip() or None,
+        generation=GenerationOptions(max_new_tokens=guard.whole(new_tokens, "New tokens", 1, NEW_TOKENS[1]), seed=seed),
         calibrate=CalibrationOptions(quiet=False),
+        diagnostics=Diagnostics(fit_errors=False, singular_values=True),  # the structure chart shows them
     )
 
 
@@ -131,14 +144,21 @@ class RunRequest:
     gguf_type: str = "f16"
     depths: tuple[int, ...] = ()  # a sweep's depths; empty for a single-depth run
     notes: tuple[str, ...] = ()  # settings the request set aside, said in the status
+    criteria: tuple[str, ...] = ()  # a comparison's criteria; empty otherwise
 
     @property
     def sweep(self) -> bool:
         return bool(self.depths)
 
+    @property
+    def compare(self) -> bool:
+        return bool(self.criteria)
+
     def stages(self) -> list[str]:
         if self.sweep:
             return conversion_stage(self.options.model) + sweep_planned(self.depths)
+        if self.compare:
+            return conversion_stage(self.options.model) + compare_planned(self.criteria)
         return planned_stages(self.options, self.quick, self.save_variant)
 
     def advice(self) -> list[Advice]:
@@ -146,16 +166,17 @@ class RunRequest:
 
 
 def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, export_format: str, mode: str,
-                  depths_text: str, gguf_type: str = "f16") -> RunRequest:
+                  depths_text: str, criteria: Sequence[str] = (), gguf_type: str = "f16") -> RunRequest:
     """A checked request from the options and the mode widgets; GhostedError for anything no run could do."""
-    if mode == SWEEP:
-        depths = parse_depths(depths_text or "")
-        notes = []
-        if options.prompt or quick.enabled:
-            notes.append("a sweep reports perplexity and boundary errors: the prompt and quick tasks apply to "
-                         "single-depth runs")
-        if save_variant and save_variant != NO_SAVE:
-            notes.append("a sweep saves no model: save one from a single-depth run")
+    if mode == COMPARE:
+        notes = _set_aside(options, quick, save_variant, "a comparison")
+        options = replace(options, prompt=None, tasks=(), layers=())
+        chosen = check_compare(options, [c for c in criteria or () if c not in ("manual", "none")],
+                               num_blocks(options.model))
+        request = RunRequest(options, notes=tuple(notes), criteria=chosen)
+    elif mode == SWEEP:
+        depths = parse_depths(guard.text(depths_text, "Depths to sweep", guard.FIELD_CHARS))
+        notes = _set_aside(options, quick, save_variant, "a sweep")
         options = replace(options, prompt=None, tasks=())
         layers = num_blocks(options.model)
         request = RunRequest(options, depths=check_sweep(options, depths, layers), notes=tuple(notes))
@@ -170,6 +191,17 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
     if zerogpu():
         gpu_seconds(options, request.depths or None)  # refuses a run longer than a ZeroGPU call may hold
     return request
+
+
+def _set_aside(options: RunOptions, quick: QuickTasks, save_variant: str, what: str) -> list[str]:
+    """What a sweep or a comparison leaves out of the settings, said in the status."""
+    notes = []
+    if options.prompt or quick.enabled:
+        notes.append(f"{what} reports perplexity and boundary errors: the prompt and quick tasks apply to "
+                     "single-depth runs")
+    if save_variant and save_variant != NO_SAVE:
+        notes.append(f"{what} saves no model: save one from a single-depth run")
+    return notes
 
 
 # ---------------------------------------------------------------- the run (the @spaces.GPU unit)
@@ -266,6 +298,17 @@ def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, ex
             "saved_folder": None if keep is None else str(saved.folder)}
 
 
+@gpu_compare
+def run_compare_job(options: RunOptions, criteria: tuple[str, ...],
+                    should_stop: StopCheck = None) -> Iterator[tuple[str, dict]]:
+    """Criteria compared: (convert →) load → each criterion's blocks → one calibration pass → each criterion's
+    operators, yielding (stage, the comparison's results.json so far): the map, scores and table grow criterion by
+    criterion."""
+    timings: dict[str, float] = {}
+    loaded = yield from load_stages(options.model, timings, should_stop)
+    yield from _reports(compare_stages(options, criteria, loaded, should_stop=should_stop), timings)
+
+
 @gpu_sweep
 def run_sweep_job(options: RunOptions, depths: tuple[int, ...], should_stop: StopCheck = None) -> Iterator[tuple[str, dict]]:
     """A depth sweep: (convert →) load → score once → calibrate once → dense perplexity → one update per depth.
@@ -274,7 +317,12 @@ def run_sweep_job(options: RunOptions, depths: tuple[int, ...], should_stop: Sto
     """
     timings: dict[str, float] = {}
     loaded = yield from load_stages(options.model, timings, should_stop)
-    for stage, result in sweep_stages(options, depths, loaded, should_stop=should_stop):
+    yield from _reports(sweep_stages(options, depths, loaded, should_stop=should_stop), timings)
+
+
+def _reports(stages: Iterator, timings: dict[str, float]) -> Iterator[tuple[str, dict]]:
+    """(stage, results.json so far) of a sweep or a comparison, with the app's own stage times first."""
+    for stage, result in stages:
         report = result.to_json()
         report["timings"] = with_app_timings(report["timings"], timings)
         yield stage, report

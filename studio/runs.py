@@ -2,15 +2,21 @@
 
 A run registers itself when it starts computing and leaves when it ends; Stop sets the stop
 event of its session's runs, which the library polls between batches (`should_stop`), and
-waits a moment for them to end so that it can say where they stopped. Only small records
-live here: what a run computes stays in the run.
+waits a moment for them to end so that it can say where they stopped. A client that goes
+away (a closed tab, a dropped connection) stops its run the same way (`client_gone`), so its
+slot is free within one batch instead of at the end of the stage. Only small records live
+here: what a run computes stays in the run.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,3 +79,27 @@ class RunRegistry:
 
 
 RUNS = RunRegistry()
+
+
+def client_gone(request) -> Callable[[], bool]:
+    """A check that turns True once the client behind `request` (a gr.Request) has disconnected.
+
+    Gradio notices a closed event stream within one heartbeat (GRADIO_HEARTBEAT_INTERVAL, which
+    studio.settings sets to 2 s) and marks the session's jobs dead, but only stops a generator at its
+    next yield, after the stage in progress. Polled as part of `should_stop`, this stops the run at
+    its next batch instead. Without a queue to look at (a direct call) it never turns True.
+    """
+    session = getattr(request, "session_hash", None)
+    try:
+        queue = request.request.app.get_blocks()._queue
+    except AttributeError:
+        return lambda: False
+
+    def gone() -> bool:
+        jobs = [job for jobs in list(queue.active_jobs) if jobs for job in jobs if job.session_hash == session]
+        if jobs and not any(job.alive for job in jobs):
+            log.info("the client of session %s disconnected: stopping its run at the next batch", session)
+            return True
+        return False
+
+    return gone

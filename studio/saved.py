@@ -49,6 +49,13 @@ class SavedModels:
             shutil.rmtree(path, ignore_errors=True)
         return folder
 
+    def forget(self, session: str) -> None:
+        """The session has ended (its tab closed): its saved model goes."""
+        with self._lock:
+            folder = self._folders.pop(session, None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def latest(self, session: str) -> Path | None:
         """The export folder `session` saved last (the one folder inside its save folder), None if none."""
         with self._lock:

@@ -17,7 +17,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 NO_SAVE = "don't save"
 SWEEP = "sweep"  # the mode that runs every depth of a range from one calibration pass
-MODES = ("single depth", SWEEP)
+COMPARE = "compare criteria"  # the mode that scores several criteria at one depth and evaluates every plan
+MODES = ("single depth", SWEEP, COMPARE)
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,19 @@ class Defaults:
     mode: str = "single depth"  # or SWEEP
     depths: str = "2:10:2"  # a sweep's depths, START:STOP:STEP with STOP included
     text_use: str = "evaluation"  # what "your text" is used for, when given
+    # criteria compared by default: the quick ones (sleb, swap_kl and prunecomp cost many passes: add them at will)
+    compare_criteria: tuple[str, ...] = ("streamline", "shortgpt", "kl", "weights")
 
 
 DEFAULTS = Defaults()
 SEQLENS = (64, 128, 256, 512, 1024, 2048)
+MAX_SAMPLES = 128  # calibration sequences (the paper's count)
+EVAL_TOKENS = (256, 16384)  # perplexity tokens per corpus, lowest and highest
+NEW_TOKENS = (4, 128)  # generated tokens per variant, lowest and highest
+TASK_EXAMPLES = (5, 200)  # quick-task examples per task, lowest and highest
+# A closed tab or a dropped client is noticed within one heartbeat (Gradio's default: 15 s); its run then stops
+# at its next batch (studio.runs.client_gone), freeing its slot for the next user.
+os.environ.setdefault("GRADIO_HEARTBEAT_INTERVAL", "2")
 CACHE_SIZE = int(os.environ.get("GHOSTED_APP_CACHE_MODELS", "2"))  # models held in memory at once
 RUN_CONCURRENCY = int(os.environ.get("GHOSTED_APP_CONCURRENCY", "1"))  # runs computing at once
 QUEUE_SIZE = int(os.environ.get("GHOSTED_APP_QUEUE", "16"))  # runs waiting at most
@@ -59,6 +69,12 @@ CRITERION_HELP = {  # short dropdown labels; the registry's paper names are long
     "angular": "angular distance (PruneMe)",
     "manual": "the blocks you list",
     "none": "dense model only",
+    "sleb": "greedy by calibration NLL (SLEB; n rounds)",
+    "kl": "run with the least KL to the dense output",
+    "swap_kl": "interchange probe (No Free Swap; many passes)",
+    "swap_kl_repl": "replacement probe (No Free Swap; many passes)",
+    "weights": "forward-free, from the weights (ours, after WRP's abstract)",
+    "prunecomp": "iterative BI with magnitude compensation (Prune&Comp)",
 }
 
 
@@ -80,5 +96,11 @@ def _sweep_seconds(options, depths, *args, **kwargs) -> int:
     return gpu_seconds(options, tuple(depths))
 
 
+def _compare_seconds(options, criteria, *args, **kwargs) -> int:
+    """Rough: a single run's estimate per criterion (the scoring criteria cost more, the shared passes less)."""
+    return min(300, gpu_seconds(options) * max(1, len(criteria)))
+
+
 gpu_run = _spaces_gpu(_run_seconds)  # decorates studio.runner.run_job
 gpu_sweep = _spaces_gpu(_sweep_seconds)  # decorates studio.runner.run_sweep_job
+gpu_compare = _spaces_gpu(_compare_seconds)  # decorates studio.runner.run_compare_job

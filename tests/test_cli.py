@@ -1,4 +1,5 @@
-"""The command line: a whole run on a tiny local model, and one-line errors with exit code 2."""
+"""The command line: a whole run on a tiny local model, and one-line errors with exit code 2 (the bad-input table
+is tests/test_cli_bad_input.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import textwrap
 import pytest
 
 from ghosted_core.cli import main
-from ghosted_core.hub import hub_reachable
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -53,28 +53,6 @@ def test_whole_run_writes_results(tiny_model_folder, tmp_path, capsys):
     assert {"load model", "score blocks", "calibrate", "fit operators", "perplexity"} <= set(results["timings"])
     out = capsys.readouterr().out
     assert "PTB (valid split, exact)" in out and "stand-in" in out
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--total_num_prune", "30"], "leaves none"),
-    (["--model", "no-such-model"], "unknown model"),
-    (["--model", "meta-llama/Llama-3.1-8B"], "Hub is not reachable"),
-    (["--insert_type", "ghost,magic"], "unknown operator 'magic'"),
-    (["--calibration_data", "nowhere"], "unknown corpus"),
-    (["--pruning_method", "manual", "--layers", "3,99"], "out of range"),
-    (["--pruning_method", "manual", "--layers", "5-3"], "reversed block range '5-3'"),
-    (["--pruning_method", "random"], "invalid choice"),
-    (["--seqlen", "9000"], "exceed the model's 8192 positions"),  # SmolLM2: max_position_embeddings 8192
-    (["--eval_seqlen", "8193"], "exceed the model's 8192 positions"),
-    (["--batch_size", "0"], "--batch_size must be at least 1"),
-    (["--task_batch_size", "-1", "--eval_tasks", "copa"], "--task_batch_size must be at least 1"),
-    (["--device", "map", "--max_memory", "cpu:3GB"], "cannot read --max_memory"),
-    (["--max_memory", "cpu=3GB"], "apply to --device map only"),
-])
-def test_bad_input_gives_one_line_and_exit_code_2(args, message):
-    hub_reachable.cache_clear()
-    done = run_cli(*args, "--eval_ppl", "none")  # not --quiet: the default log level must not add lines
-    assert message in one_error_line(done)
 
 
 # Runs the CLI as if huggingface.co answered: `hub_reachable` says yes, and the Hub's replies come
@@ -130,11 +108,6 @@ def test_hub_model_needing_remote_code_is_one_line_and_never_runs_it(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
-def test_unknown_task_is_one_line_and_exit_code_2():
-    done = run_cli("--eval_tasks", "arc_easy,hellaswagg", "--quiet", "--eval_ppl", "none")
-    assert "unknown task(s): hellaswagg" in one_error_line(done)
-
-
 def test_tasks_stage_runs_lm_eval_for_every_variant(tiny_model_folder, tmp_path):
     code = main(["--model", str(tiny_model_folder), "--pruning_method", "manual", "--layers", "3,4",
                  "--insert_type", "none,ghost", "--calibration_data", "ptb", "--train_size", "4", "--seqlen", "32",
@@ -148,20 +121,6 @@ def test_tasks_stage_runs_lm_eval_for_every_variant(tiny_model_folder, tmp_path)
         assert copa["task"] == "copa" and copa["n"] == 6 and 0 <= copa["acc"] <= 1
         assert tasks["unavailable"][0]["task"] == "race"
         assert copa["example_ids"] == results["variants"]["dense"]["tasks"]["scores"][0]["example_ids"]
-
-
-@pytest.mark.parametrize("depths, message", [
-    ("2:10:0", "step must be at least 1"),
-    ("10:2:2", "starts above its stop"),
-    ("2:40:2", "leaves none"),
-    ("2:x:2", "cannot read"),
-    ("seven", "write a number of blocks"),
-])
-def test_bad_depth_ranges_give_one_line_and_exit_code_2(depths, message):
-    done = run_cli("--total_num_prune", depths, "--eval_ppl", "none")
-    assert done.returncode == 2, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("error: "), done.stderr
 
 
 def test_sweep_prints_a_depth_by_operator_table_with_corpus_labels(tiny_model_folder, tmp_path, capsys):
@@ -190,12 +149,6 @@ def test_sweep_prints_a_depth_by_operator_table_with_corpus_labels(tiny_model_fo
     assert len(curve) == 4 and all(list(t["x"]) == [1, 3] for t in curve)  # 2 operators × 2 corpora, both depths
 
 
-def test_sweep_refuses_save_model_in_one_line(tmp_path):
-    done = run_cli("--total_num_prune", "2:4:2", "--save_model", str(tmp_path), "--eval_ppl", "none")
-    assert done.returncode == 2
-    assert done.stderr.strip().startswith("error: --save_model saves the variants of one depth")
-
-
 def test_your_text_from_a_file_calibrates_and_evaluates(tiny_model_folder, tmp_path, capsys):
     text = "\n\n".join(f"Paragraph {i}. " + "The river keeps its own counsel when the water rises. " * 8
                        for i in range(80))
@@ -209,16 +162,6 @@ def test_your_text_from_a_file_calibrates_and_evaluates(tiny_model_folder, tmp_p
     assert results["calibration"]["corpus"] == "your text" and "mine.txt" in results["calibration"]["label"]
     assert set(results["variants"]["ghost"]["ppl"]) == {"your text", "ptb"}
     assert "your text (mine.txt" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("content, message", [(b"", "is empty"), (b"\x00\x01\x02binary", "not UTF-8 text")])
-def test_bad_user_text_file_is_one_line_and_exit_code_2(tmp_path, content, message):
-    path = tmp_path / "upload.txt"
-    path.write_bytes(content)
-    done = run_cli("--calibration_data", "yours", "--user_text", str(path), "--eval_ppl", "none")
-    assert done.returncode == 2
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and message in lines[0], done.stderr
 
 
 @pytest.mark.slow
@@ -265,3 +208,48 @@ def test_too_little_calibration_warns_and_records_the_ridge_fallback(tiny_model_
     assert " !" in out and "! = worse than plain pruning on held-out calibration text" in out
     assert not results["variants"]["none"]["fits"][0]["heldout_worse_than_pruning"]
     assert results["memory_plan"]["fits"] and results["calibration"]["tokens"] == 16
+
+
+def test_a_comma_list_compares_every_criterion_in_one_process_with_one_calibration_pass(tiny_model_folder, tmp_path,
+                                                                                          monkeypatch, capsys):
+    from ghosted_core.run import plans
+    from ghosted_core.selection import choose
+    from ghosted_core.selection.criteria import CRITERIA
+
+    criteria = [name for name in CRITERIA if name not in ("none", "manual")]
+    calibrations, similarity = [], []
+    real_collect, real_similarity = plans.collect_stats, choose.measure_similarity_depths
+    monkeypatch.setattr(plans, "collect_stats", lambda *a, **k: calibrations.append(a[1]) or real_collect(*a, **k))
+    monkeypatch.setattr(choose, "measure_similarity_depths",
+                        lambda *a, **k: similarity.append(a[1]) or real_similarity(*a, **k))
+    code = main(["--model", str(tiny_model_folder), "--pruning_method", ",".join(criteria), "--total_num_prune", "2",
+                 "--insert_type", "none,ghost_capped,replaceme_keepsink", "--calibration_data", "ptb", "--train_size",
+                 "4", "--seqlen", "32", "--eval_ppl", "ptb,wiki", "--eval_max_tokens", "96", "--outdir", str(tmp_path),
+                 "--quiet"])
+    assert code == 0
+    assert len(calibrations) == 1 and len(similarity) == 1  # ONE calibration pass, ONE similarity pass, in one process
+    results = json.loads((tmp_path / "results.json").read_text())
+    compare = results["compare"]
+    assert compare["criteria"] == criteria and set(compare["selections"]) == set(criteria)
+    for name in criteria:
+        blocks = compare["selections"][name]["removed_layers"]
+        assert len(blocks) == 2 and all(0 <= b < 6 for b in blocks)
+        rows = [r for r in compare["table"] if r["criterion"] == name]
+        assert [r["operator"] for r in rows] == ["none", "ghost_capped", "replaceme_keepsink"]
+        assert all(r["removed_layers"] == blocks and set(r["ppl"]) == {"ptb", "wiki"} for r in rows)
+    distinct = {tuple(s["removed_layers"]) for s in compare["selections"].values()}
+    assert len(compare["plans"]) == len(distinct) and len(calibrations[0]) == compare["statistics"]["distinct_boundaries"]
+    assert "PTB" in compare["calibration_note"]
+    assert (tmp_path / "compare.html").exists()
+    out = capsys.readouterr().out
+    assert "sleb" in out and "ghost_capped" in out and "inspired by WRP" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pruning_method", "streamline,random"], "invalid choice: 'random'"),
+    (["--pruning_method", "streamline,sleb", "--total_num_prune", "2:4"], "one depth"),
+    (["--pruning_method", "streamline,none"], "'none' removes nothing"),
+])
+def test_bad_comparisons_are_one_line_errors(tiny_model_folder, args, message):
+    done = run_cli("--model", str(tiny_model_folder), "--quiet", *args)
+    assert message in one_error_line(done)

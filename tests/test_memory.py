@@ -13,8 +13,8 @@ from transformers import LlamaConfig
 from conftest import TINY_WIDTH, random_tokens
 from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory import (MemoryPlan, block_parameters, estimate_parameters, max_boundaries,
-                                 min_calibration_sequences, plan_memory)
+from ghosted_core.memory import MemoryPlan, PlanRequest, plan_memory
+from ghosted_core.memory_parts import block_parameters, estimate_parameters, max_boundaries, min_calibration_sequences
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.run.options import RunOptions, memory_plan, parse_variants
 from ghosted_core.run.pipeline import run
@@ -43,25 +43,25 @@ def test_plan_statistics_equal_what_the_accumulators_allocate(tiny_llama):
         ids = random_tokens(6, 12)
         live = []
         collect_stats(tiny_llama, [Boundary(1, 2), Boundary(3, 5)], make_batches(ids, None, 3), options, needs, live)
-        plan = plan_memory(tiny_llama.config, "tiny", "cpu", torch.float32, needs, boundaries=2, sequences=6, seqlen=12,
-                           batch_size=3, sink_capacity=options.capacity(6))
+        plan = plan_memory(tiny_llama.config, "tiny", "cpu", torch.float32,
+                           PlanRequest(needs, boundaries=2, sequences=6, seqlen=12, batch_size=3,
+                                       sink_capacity=options.capacity(6)))
         assert [acc.nbytes() for acc in live] == [plan.stats_bytes_per_boundary] * 2
         assert plan.stats_bytes == 2 * plan.stats_bytes_per_boundary
 
 
 def test_the_issue_target_at_c_4096():
     """none, diag, rotate, ghost, ghost_capped at one boundary: 2·C²·8 B plus O(C × kept rows)."""
-    plan = plan_memory(LLAMA_3_8B, "8B", "cpu", torch.float32, LEAN, boundaries=1, sequences=32, seqlen=512,
-                       batch_size=8, sink_capacity=128, host_available=1 << 50)
+    plan = plan_memory(LLAMA_3_8B, "8B", "cpu", torch.float32, PlanRequest(LEAN, 1, 32, 512, 8, 128),
+                       host_available=1 << 50)
     matrices = 2 * 4096**2 * 8
     assert matrices <= plan.stats_bytes_per_boundary <= matrices + 128 * (2 * 4096 + 1) * 8 + 20 * 4096 * 8 + 16
     assert plan.stats_bytes_per_boundary / 2**20 < 280
 
 
 def test_plan_refuses_a_model_bigger_than_the_gpu_and_names_the_way_out():
-    plan = plan_memory(LLAMA_3_8B, "llama-8b", "cuda", torch.bfloat16, LEAN, boundaries=4, sequences=32, seqlen=512,
-                       batch_size=8, sink_capacity=128, pipeline="full", device_available=12 * GIB,
-                       host_available=64 * GIB)
+    plan = plan_memory(LLAMA_3_8B, "llama-8b", "cuda", torch.bfloat16, PlanRequest(LEAN, 4, 32, 512, 8, 128, pipeline="full"),
+                       device_available=12 * GIB, host_available=64 * GIB)
     assert not plan.fits
     with pytest.raises(GhostedError) as err:
         plan.check()
@@ -73,12 +73,11 @@ def test_plan_refuses_a_model_bigger_than_the_gpu_and_names_the_way_out():
 
 def test_auto_placement_follows_the_room_on_the_gpu():
     def plan(free_gib: float, **kwargs) -> MemoryPlan:
-        return plan_memory(LLAMA_3_8B, "llama-8b", "cuda", torch.bfloat16, LEAN, boundaries=4, sequences=32,
-                           seqlen=512, batch_size=8, sink_capacity=128, device_available=int(free_gib * GIB),
-                           host_available=64 * GIB, **kwargs)
+        return plan_memory(LLAMA_3_8B, "llama-8b", "cuda", torch.bfloat16, PlanRequest(LEAN, 4, 32, 512, 8, 128, **kwargs),
+                           device_available=int(free_gib * GIB), host_available=64 * GIB)
     roomy = plan(80)
     assert (roomy.pipeline, roomy.stats_device) == ("full", "cuda") and roomy.fits
-    tight = plan(20)  # 16 GB of weights fit, 4 boundaries of statistics next to them do not
+    tight = plan(19)  # 16 GB of weights and a batch fit, 4 boundaries of statistics next to them do not
     assert (tight.pipeline, tight.stats_device) == ("full", "cpu") and tight.fits
     small = plan(6)  # not even the weights: one block at a time
     assert small.pipeline == "blocks" and small.fits and small.hidden_cache_bytes > 0
@@ -87,9 +86,8 @@ def test_auto_placement_follows_the_room_on_the_gpu():
 
 
 def test_seventy_b_calibrates_block_by_block_on_one_80_gb_gpu():
-    plan = plan_memory(LLAMA_3_70B, "llama-70b", "cuda", torch.bfloat16, LEAN, boundaries=1, sequences=128,
-                       seqlen=2048, batch_size=4, sink_capacity=512, device_available=80 * GIB,
-                       host_available=512 * GIB)
+    plan = plan_memory(LLAMA_3_70B, "llama-70b", "cuda", torch.bfloat16, PlanRequest(LEAN, 1, 128, 2048, 4, 512),
+                       device_available=80 * GIB, host_available=512 * GIB)
     assert plan.pipeline == "blocks" and plan.fits
     assert plan.weights_bytes > 80 * GIB > plan.device_bytes
 
@@ -133,7 +131,7 @@ def test_cli_refuses_a_too_big_model_before_loading_it(tmp_path):
 def test_tiny_widths_stay_tiny():
     assert plan_memory(LlamaConfig(hidden_size=TINY_WIDTH, intermediate_size=72, num_hidden_layers=6,
                                    num_attention_heads=6, num_key_value_heads=2, vocab_size=97), "tiny", "cpu",
-                       torch.float32, LEAN, 1, 4, 12, 2, 64).stats_bytes_per_boundary < 2**20
+                       torch.float32, PlanRequest(LEAN, 1, 4, 12, 2, 64)).stats_bytes_per_boundary < 2**20
 
 
 def test_blocks_pipeline_through_the_run_gives_the_full_runs_numbers(tiny_model_folder):
@@ -148,3 +146,50 @@ def test_blocks_pipeline_through_the_run_gives_the_full_runs_numbers(tiny_model_
         a, b = full["variants"][name], blocks["variants"][name]
         assert b["boundary_error"][0]["heldout"] == pytest.approx(a["boundary_error"][0]["heldout"], rel=1e-8)
         assert b["ppl"]["ptb"] == pytest.approx(a["ppl"]["ptb"], rel=1e-6)
+
+
+def test_plan_counts_what_every_variant_keeps(tiny_llama, tiny_gemma):
+    """The plan's variant bytes equal what the built variants hold per boundary: each realized module's
+    tensors (fp32 C×C maps, rotate's dense map, per-channel scales, the folded down_proj copy; Gemma-3's
+    replaceme map after the post-norm) and each fit's compacted map for the held-out pass."""
+    from ghosted_core.recovery.operators import FitOptions, get_operator
+    from ghosted_core.run.fitting import VariantBuild
+    from ghosted_core.run.options import VariantSpec, plan_request
+    from ghosted_core.memory_parts import kept_bytes
+
+    operators = ["none", "diag", "rotate", "ghost", "ghost_capped", "replaceme", "replaceme_keepsink"]
+    for model in (tiny_llama, tiny_gemma):
+        boundary = Boundary(2, 4)
+        (stats,) = collect_stats(model, [boundary], make_batches(random_tokens(6, 16), None, 3),
+                                 CalibrationOptions(quiet=True), needs_of(operators))
+        for name in operators:
+            build = VariantBuild(VariantSpec(name, name))
+            build.add(model, get_operator(name).fit(stats, FitOptions()), stats)
+            modules = [*build.patches.values(), *(m for r in build.replacements.values() for m in r.values())]
+            if name in ("replaceme", "replaceme_keepsink") and model is tiny_gemma:
+                modules = [m[1] for m in modules]  # Sequential(post-norm, map): the norm is the dense model's own
+            held = sum(t.numel() * t.element_size() for m in modules for t in m.parameters())
+            (map_,) = build.maps
+            kept_map = sum(t.numel() * t.element_size() for t in (map_.update, map_.scale) if t is not None)
+            assert kept_bytes(get_operator(name).cost, model.config, 4) == (kept_map, held), (model.config.model_type, name)
+        options = RunOptions(variants=parse_variants(",".join(operators)), train_size=6, seqlen=16)
+        request = plan_request(options, model.config, boundaries=1)
+        plan = plan_memory(model.config, "tiny", "cpu", torch.float32, request, host_available=1 << 40)
+        assert plan.variant_bytes == sum(sum(kept_bytes(get_operator(n).cost, model.config, 4)) for n in operators)
+
+
+def test_plan_counts_the_masks_the_blocks_pipeline_records(tiny_llama, tiny_gemma):
+    """Gemma-3's sliding-window mask, recorded once per batch and kept broadcast: T² bytes per batch (Llama: none)."""
+    from ghosted_core.calibration.pipelines import record_block_inputs
+    from ghosted_core.memory_parts import mask_bytes
+
+    for model in (tiny_llama, tiny_gemma):
+        batches = make_batches(random_tokens(6, 24), None, 2)
+        recorded = 0
+        for batch in batches:
+            _, calls = record_block_inputs(model, batch, len(model.model.layers))
+            masks = {id(kw["attention_mask"]): kw["attention_mask"] for kw in calls
+                     if isinstance(kw.get("attention_mask"), torch.Tensor)}
+            recorded += sum(m.untyped_storage().nbytes() for m in masks.values())
+        assert recorded == mask_bytes(model.config, 6, 2, 24, 4), model.config.model_type
+    assert mask_bytes(tiny_gemma.config, 6, 2, 24, 4) == 3 * 24 * 24

@@ -76,7 +76,7 @@ def capture(model: PreTrainedModel, residuals: Iterable[int], branches: Iterable
     handles = []
 
     def residual_hook(j: int):
-        def hook(_module, args, kwargs):
+        def hook(_module, args, kwargs=None):  # kwargs=None: another thread may call it mid-registration
             if threading.get_ident() != owner:
                 return None
             sink(("residual", j), (args[0] if args else kwargs["hidden_states"]).detach())

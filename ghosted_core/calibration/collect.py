@@ -22,6 +22,7 @@ already pruned-and-recovered view) for the `sequential` fit.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from transformers import PreTrainedModel
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES, get_pipeline
 from ghosted_core.calibration.capture import capture, inner_folds, run_forward
 from ghosted_core.errors import GhostedError
+from ghosted_core.memory import choose_pipeline
+from ghosted_core.model.loading import model_placement
 from ghosted_core.plan import Boundary
 from ghosted_core.statistics import ALL_NEEDS, PRODUCT_DTYPES, BoundarySums, BoundaryStats, StatNeeds
 
@@ -54,8 +57,9 @@ class CalibrationOptions:
     sink_capacity: int | None = None  # sink rows kept per boundary (None: 4 per calibration sequence, at least 64)
     stats_device: str = "auto"  # where sums live: "auto" (where the activations arrive), "cpu", "cuda" or "cuda:N"
     products: str = "float64"  # "float32": per-batch products in fp32, added into float64 sums (GPUs with slow FP64)
-    pipeline: str = "auto"  # calibration pipeline: "full", "blocks" (see calibration_pipelines) or "auto" (the memory plan picks; full here)
+    pipeline: str = "auto"  # calibration pipeline: "full", "blocks" (see calibration.pipelines) or "auto" (memory.choose_pipeline)
     compute_device: str | None = None  # "blocks": where each block runs (None: the first block's device)
+    keep_heldout: bool = False  # the run keeps the held-out rows from the calibration pass (the memory plan decides)
 
     def __post_init__(self) -> None:
         if self.sink_rule not in {"norm", "position", "none"}:
@@ -68,6 +72,11 @@ class CalibrationOptions:
             raise GhostedError(f"unknown statistics device {self.stats_device!r}; use auto, cpu or cuda")
         if self.batch_size < 1:
             raise GhostedError(f"--batch_size must be at least 1 (sequences per calibration forward pass; got {self.batch_size})")
+        if not math.isfinite(self.sink_ratio) or self.sink_ratio <= 1:
+            raise GhostedError(f"--sink_ratio must be a finite number above 1 (a multiple of the median token norm; "
+                               f"got {self.sink_ratio})")
+        if self.sink_capacity is not None and self.sink_capacity < 0:
+            raise GhostedError(f"--sink_capacity must be at least 0 (got {self.sink_capacity})")
 
     @property
     def sink_label(self) -> str:
@@ -124,9 +133,10 @@ def valid_mask(batch: CalibrationBatch) -> torch.Tensor:
     return batch.attention_mask.bool()
 
 
-def pipeline_name(options: CalibrationOptions) -> str:
-    """The pipeline that runs: as asked, "full" for an unresolved "auto"."""
-    return "full" if options.pipeline == "auto" else options.pipeline
+def pipeline_name(options: CalibrationOptions, model: PreTrainedModel) -> str:
+    """The pipeline that runs: as asked, or, for an "auto" no memory plan resolved, the plan's own rule
+    (`memory.choose_pipeline`) for where `model` already is."""
+    return choose_pipeline(options.pipeline, model_placement(model)[0], torch.cuda.is_available())
 
 
 def resolve_stats_device(options: CalibrationOptions, arriving: torch.device) -> torch.device:
@@ -182,15 +192,47 @@ class BoundaryAccumulator:
         return self.sums.freeze(self.options.sink_label)
 
 
+class HeldoutRows:
+    """The held-out batches' boundary activations, kept from the calibration pass, so that the held-out
+    errors need no second pass over the model (`recovery.heldout.measure_errors`).
+
+    Memory: held-out tokens × dtype bytes × (2·C, + C with the MLP branch, + I with the down_proj
+    refit's intermediate) per boundary, where the activations arrive (references to the captured
+    tensors; indices boundaries share are kept once).
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[Boundary, list[tuple[CalibrationBatch, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                             torch.Tensor | None]]] = {}
+        self.branch = False  # the MLP branch was captured
+        self.inner = False  # the down_proj inputs were captured
+
+    def add(self, boundary: Boundary, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor,
+            branch: torch.Tensor | None, inner: torch.Tensor | None = None) -> None:
+        self.rows.setdefault(boundary, []).append((batch, x_pre, x_post, branch, inner))
+
+    def covers(self, boundaries: Sequence[Boundary], branch: bool, inner: bool = False) -> bool:
+        """Whether every boundary's rows are here (with the branch and the intermediate where a fit needs them)."""
+        return all(b in self.rows for b in boundaries) and (self.branch or not branch) and (self.inner or not inner)
+
+    def nbytes(self) -> int:
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for rows in self.rows.values() for _, *tensors in rows for t in tensors if t is not None}
+        return sum(seen.values())
+
+
 def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batches: Sequence[CalibrationBatch],
                   options: CalibrationOptions = CalibrationOptions(), needs: StatNeeds = ALL_NEEDS,
-                  accumulators: list[BoundaryAccumulator] | None = None) -> list[BoundaryStats]:
+                  accumulators: list[BoundaryAccumulator] | None = None,
+                  heldout: HeldoutRows | None = None) -> list[BoundaryStats]:
     """Statistics for every boundary from one pass of the dense model (independent fit).
 
-    `needs` (see `recovery.operators.needs_of`) says which statistics to keep; held-out batches are
-    skipped (their errors are measured directly once the fits exist). Statistics are strictly
-    per boundary, so the boundaries of several plans can share one pass. `accumulators`, if
-    given, receives the live accumulators (the memory bench reads their allocated bytes).
+    `needs` (see `recovery.operators.needs_of`) says which statistics to keep. Held-out batches
+    never feed the statistics: they are skipped (their errors are measured directly once the fits
+    exist, with a pass of their own), or, given `heldout`, they join this pass and their boundary
+    activations are kept there for that measurement. Statistics are strictly per boundary, so the
+    boundaries of several plans can share one pass. `accumulators`, if given, receives the live
+    accumulators (the memory bench reads their allocated bytes).
     """
     if not boundaries:
         return []
@@ -199,13 +241,19 @@ def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batche
     live = [BoundaryAccumulator(b, options, needs, sequences) for b in boundaries]
     if accumulators is not None:
         accumulators.extend(live)
+    if heldout is not None:
+        heldout.branch, heldout.inner = needs.branch, needs.inner
 
     def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch, inner) -> None:
-        live[k].add(x_pre, x_post, branch, valid_mask(batch), inner)
+        if batch.heldout:
+            heldout.add(boundaries[k], batch, x_pre, x_post, branch, inner)
+        else:
+            live[k].add(x_pre, x_post, branch, valid_mask(batch), inner)
 
     compute = None if options.compute_device is None else torch.device(options.compute_device)
-    get_pipeline(pipeline_name(options)).run(dense, list(boundaries), needs.branch, fit_batches, consume, compute,
-                                             options.quiet, needs.inner)
+    passed = fit_batches if heldout is None else list(batches)
+    get_pipeline(pipeline_name(options, dense)).run(dense, list(boundaries), needs.branch, passed, consume, compute,
+                                                    options.quiet, needs.inner)
     stats = [acc.freeze() for acc in live]
     for s in stats:
         for note in s.notes:

@@ -9,16 +9,24 @@ for the down_proj refit) that block's down_proj input (B, T, I); None where not 
 - `full`: one forward of the model per batch with capture hooks, stopped after the last block
   needed. Device memory: the weights plus one batch's activations.
 - `blocks` (layer by layer, as llm-compressor's sequential pipeline): the calibration batches'
-  hidden states wait on the CPU; one block at a time moves to the compute device, every batch
-  passes through it, and it moves back. Device memory: one block plus one batch, whatever the
+  hidden states wait on the CPU; one block at a time is copied to the compute device and every
+  batch passes through it. Device memory: one block plus one batch, whatever the
   depth; host memory: the hidden states (tokens·C·dtype bytes) plus, per open boundary, a copy
   of its x_pre (and m, and a: tokens·I·dtype bytes) until its end block is reached.
+
+Both leave a model that other threads use undisturbed: `full` through `capture`'s per-thread
+hooks; `blocks` because its recorders and hooks act only in the thread that runs it (recording
+is serialised per model), and a block that must compute elsewhere runs as a copy on the compute
+device, so the shared weights never move.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -96,22 +104,43 @@ def _home_device(block: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-@contextlib.contextmanager
-def on_compute_device(block: nn.Module, device: torch.device) -> Iterator[nn.Module]:
-    """Move `block` to the compute device for the duration, then back where it was.
+_RECORDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model → lock: one recording pass at a time
+_RECORDING_GUARD = threading.Lock()
 
-    A block dispatched by accelerate (offloaded weights) is left alone: its hook brings the
-    weights to the execution device for each call.
+
+def _model_lock(model: nn.Module) -> threading.Lock:
+    """The lock that serialises patching `model`'s block forwards (and copying its blocks) across threads."""
+    with _RECORDING_GUARD:
+        lock = _RECORDING.get(model)
+        if lock is None:
+            lock = _RECORDING[model] = threading.Lock()
+        return lock
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+@contextlib.contextmanager
+def on_compute_device(block: nn.Module, device: torch.device, model: nn.Module | None = None) -> Iterator[nn.Module]:
+    """`block` itself when it already lives on `device`, else a copy of it there, for the duration.
+
+    The shared block never moves, so other threads using the model are not disturbed. Memory:
+    one block on the compute device, and the same on the host while it is copied (freed on
+    exit). A block dispatched by accelerate (offloaded weights) is left alone: its hook brings
+    the weights to the execution device for each call. `model`: the model the block belongs to
+    (its recording lock keeps the copy free of another thread's recorder).
     """
-    if getattr(block, "_hf_hook", None) is not None:
+    if getattr(block, "_hf_hook", None) is not None or _same_device(_home_device(block), torch.device(device)):
         yield block
         return
-    home = _home_device(block)
-    block.to(device)
+    with _model_lock(model) if model is not None else contextlib.nullcontext():
+        clone = copy.deepcopy(block)
+    clone.to(device)
     try:
-        yield block
+        yield clone
     finally:
-        block.to(home)
+        del clone
 
 
 def _to(value, device: torch.device):
@@ -125,30 +154,48 @@ def _to(value, device: torch.device):
     return value
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` on the CPU, its broadcast (stride-0) axes kept broadcast: a (B, 1, T, T) mask expanded
+    from (1, 1, T, T) costs T² on the host, not B·T² (a plain `.cpu()` of a GPU tensor materialises it)."""
+    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
+                  for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.detach()[index].cpu().expand(tensor.shape)
+
+
 def record_block_inputs(model: PreTrainedModel, batch, upto: int) -> tuple[torch.Tensor, list[dict]]:
     """(hidden entering block 0, the keyword arguments of blocks 0 … upto−1) for one batch, on the CPU.
 
     Every block's forward is replaced for one pass by a recorder that returns its input, so the
     model computes only what it passes to the blocks (embeddings, attention masks, per-layer
     rotary embeddings: Gemma3's sliding and global layers get different ones); block `upto`
-    (or the final norm) stops the pass. Tensors shared by several blocks are stored once.
+    (or the final norm) stops the pass. The recorders and the stop act only in this thread
+    (another thread's forward runs the real blocks), and one recording pass per model runs at
+    a time. Each tensor is copied to the host once per batch, however many blocks share it.
+    Memory: per batch, the hidden state (B·T·C) and the distinct arguments (Gemma-3's sliding
+    mask: T² bytes, broadcast over the batch; see `host_copy`).
     """
     layers = model.model.layers
     calls: dict[int, dict] = {}
     hidden: list[torch.Tensor] = []
-    shared: dict[int, object] = {}
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id → (the tensor, its host copy); the tensor kept alive
+    owner = threading.get_ident()
 
     def cpu_once(value):
         if isinstance(value, torch.Tensor):
-            return shared.setdefault(id(value), value.detach().cpu())
+            entry = shared.get(id(value))
+            if entry is None or entry[0] is not value:
+                entry = shared[id(value)] = (value, host_copy(value))
+            return entry[1]
         if isinstance(value, (tuple, list)):
             return type(value)(cpu_once(v) for v in value)
         if isinstance(value, dict):
             return {k: cpu_once(v) for k, v in value.items()}
         return value
 
-    def recorder(j: int):
+    def recorder(j: int, original):
         def forward(*args, **kwargs):
+            if threading.get_ident() != owner:
+                return original(*args, **kwargs)
             states = args[0] if args else kwargs.pop("hidden_states")
             if j == 0:
                 hidden.append(states.detach().cpu())
@@ -156,24 +203,27 @@ def record_block_inputs(model: PreTrainedModel, batch, upto: int) -> tuple[torch
             return states
         return forward
 
-    saved = {j: layers[j].__dict__.get("forward") for j in range(upto)}
     stop = layers[upto] if upto < len(layers) else model.model.norm
 
-    def halt(_module, _args, _kwargs):
-        raise StopForward
+    def halt(_module, _args, _kwargs=None):  # torch registers a kwargs hook in two steps: another thread's forward
+        # may call it between them without kwargs
+        if threading.get_ident() == owner:
+            raise StopForward
 
-    handle = stop.register_forward_pre_hook(halt, with_kwargs=True)
-    try:
-        for j in range(upto):
-            layers[j].forward = recorder(j)
-        run_forward(model, batch.input_ids, batch.attention_mask)
-    finally:
-        handle.remove()
-        for j, original in saved.items():
-            if original is None:
-                layers[j].__dict__.pop("forward", None)
-            else:
-                layers[j].forward = original
+    with _model_lock(model):
+        saved = {j: layers[j].__dict__.get("forward") for j in range(upto)}
+        handle = stop.register_forward_pre_hook(halt, with_kwargs=True)
+        try:
+            for j in range(upto):
+                layers[j].forward = recorder(j, layers[j].forward)
+            run_forward(model, batch.input_ids, batch.attention_mask)
+        finally:
+            handle.remove()
+            for j, original in saved.items():
+                if original is None:
+                    layers[j].__dict__.pop("forward", None)
+                else:
+                    layers[j].forward = original
     return hidden[0], [calls[j] for j in range(upto)]
 
 
@@ -187,8 +237,9 @@ def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], bran
        arguments (masks, position embeddings), without running any block.
     2. For block j = 0 … last−1: feed the boundaries whose end is j (their x_pre and m were
        kept when block start−1/start was reached), keep copies of the residual at j for the
-       boundaries starting there, move block j to the compute device, pass every batch
-       through it (capturing the MLP branch when a boundary starts at j+1), move it back.
+       boundaries starting there, run block j on the compute device (a copy of it there when
+       it lives elsewhere: the shared weights never move) over every batch, capturing the MLP
+       branch when a boundary starts at j+1.
     3. Feed the boundaries ending at the last index.
     Each boundary's accumulator sees its batches in the same order as with `full`.
     """
@@ -225,24 +276,41 @@ def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], bran
             break
         outputs: list[torch.Tensor] = []
         inputs: list[torch.Tensor] = []  # block j's down_proj inputs (B, T, I) per batch, on the CPU
-        handles = []
-        if j in branch_blocks:
-            handles.append(branch_module(layers[j]).register_forward_hook(
-                lambda _m, _a, out: outputs.append((out[0] if isinstance(out, tuple) else out).detach().cpu())))
-        if j in inner_blocks:
-            handles.append(down_projection(model, layers[j]).register_forward_pre_hook(
-                lambda _m, args: inputs.append(args[0].detach().cpu())))
-        try:
-            with on_compute_device(layers[j], device) as block, torch.no_grad():
+        with on_compute_device(layers[j], device, model) as block, torch.no_grad():
+            handles = []  # on the block that runs (a copy on the compute device, or the shared one)
+            if j in branch_blocks:
+                handles.append(branch_module(block).register_forward_hook(_recorder(outputs, _output)))
+            if j in inner_blocks:
+                handles.append(down_projection(model, block).register_forward_pre_hook(_recorder(inputs, _input)))
+            try:
                 for n in range(len(batches)):
                     kwargs = dict(_to(calls[n][j], device))
                     args = kwargs.pop("__args__", ())
                     out = block(hidden[n].to(device), *args, **kwargs)
                     hidden[n] = (out[0] if isinstance(out, tuple) else out).detach().cpu()
-        finally:
-            for handle in handles:
-                handle.remove()
+            finally:
+                for handle in handles:
+                    handle.remove()
         if j in branch_blocks:
             kept[("branch", j)] = outputs
         if j in inner_blocks:
             kept[("inner", j)] = inputs
+
+
+def _output(_args, out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _input(args) -> torch.Tensor:
+    return args[0]
+
+
+def _recorder(tensors: list[torch.Tensor], pick):
+    """A forward (or pre-forward) hook appending `pick(...)` to `tensors` on the CPU, only in the thread that
+    registered it."""
+    owner = threading.get_ident()
+
+    def hook(_module, *seen):
+        if threading.get_ident() == owner:
+            tensors.append(pick(*seen).detach().cpu())
+    return hook

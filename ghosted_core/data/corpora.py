@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -290,11 +291,16 @@ def tokenize_corpus(tokenizer, corpus: Corpus) -> torch.LongTensor:
     ids = np.asarray(ids, dtype=np.int64)
     seconds = time.perf_counter() - start
     log.info("tokenized %s %s: %d tokens in %.1f s", corpus.name, corpus.split, ids.size, seconds)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        np.save(fh, ids.astype(np.int32))  # half the disk; every vocabulary fits
-    os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")  # one per writer, threads included
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            np.save(fh, ids.astype(np.int32))  # half the disk; every vocabulary fits
+        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+    except OSError as err:  # a full disk or a read-only cache: the run goes on, only the next one tokenizes again
+        tmp.unlink(missing_ok=True)
+        log.warning("could not cache the tokens of %s %s in %s (%s); continuing without the cache", corpus.name,
+                    corpus.split, folder, err.strerror or err)
     return torch.from_numpy(ids)
 
 

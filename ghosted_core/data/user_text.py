@@ -14,8 +14,9 @@ The labels say so. Used for one purpose only, the whole text serves it.
 from __future__ import annotations
 
 import json
+import re
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ghosted_core.data.corpora import Corpus
@@ -41,8 +42,8 @@ def canonical(name: str) -> str:
 class UserText:
     """Text a user brought for one run, with where it came from (for labels)."""
 
-    text: str
-    source: str  # "pasted text" or the file's name (never its path)
+    text: str = field(repr=False)  # never in a repr, a log line or an error message
+    source: str  # "pasted text" or the file's name (never its path), in safe characters only
     documents: int  # .jsonl records, or 1
 
     @property
@@ -92,7 +93,7 @@ def from_text(text: str, source: str = "pasted text") -> UserText:
 
 def from_bytes(data: bytes, filename: str) -> UserText:
     """An uploaded .txt or .jsonl file's bytes (a "text" field per .jsonl line); clear errors for bad files."""
-    name = Path(filename).name
+    name = safe_name(filename)
     suffix = Path(name).suffix.lower()
     if suffix not in SUFFIXES:
         raise GhostedError(f"{name}: upload a .txt file or a .jsonl file with a \"text\" field per line")
@@ -107,6 +108,12 @@ def from_bytes(data: bytes, filename: str) -> UserText:
         return UserText(DOCUMENT_JOINER.join(docs), name, len(docs))
     _check_text(text, name)
     return UserText(text, name, 1)
+
+
+def safe_name(filename: str) -> str:
+    """A file's name (never its folders) in letters, digits and ` ._-` only: it is shown in labels and pages."""
+    name = re.sub(r"[^\w .-]", "_", Path(str(filename)).name, flags=re.ASCII).strip()[-100:]
+    return name or "upload"
 
 
 def from_file(path: str | Path) -> UserText:

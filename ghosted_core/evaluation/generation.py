@@ -27,6 +27,13 @@ class GenerationOptions:
     top_p: float = 0.9
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise GhostedError(f"--max_new_tokens must be at least 1 (got {self.max_new_tokens})")
+        if not (math.isfinite(self.temperature) and self.temperature > 0 and 0 <= self.top_p <= 1):
+            raise GhostedError(f"sampling needs a temperature above 0 and 0 ≤ top_p ≤ 1 (got {self.temperature}, "
+                               f"{self.top_p})")
+
 
 class SeededSampling(LogitsProcessor):
     """Temperature and nucleus (top-p) sampling that draws from its own `torch.Generator`.

@@ -23,7 +23,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan
 from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.model.surgery import slice_view
-from ghosted_core.memory import LOGITS_BUDGET
+from ghosted_core.memory_parts import LOGITS_BUDGET
 
 log = logging.getLogger(__name__)
 

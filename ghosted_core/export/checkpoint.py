@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from accelerate.utils import align_module_device, has_offloaded_params
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
@@ -85,7 +88,13 @@ class ShardWriter:
     def _flush(self) -> None:
         if not self.pending:
             return
-        save_file(self.pending, str(self.folder / f".shard-{len(self.shards):05d}"), metadata={"format": "pt"})
+        try:
+            save_file(self.pending, str(self.folder / f".shard-{len(self.shards):05d}"), metadata={"format": "pt"})
+        except SafetensorError as err:  # safetensors reports the OS's write errors (a full disk) as its own type
+            code = re.search(r"os error (\d+)", str(err))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from None
         self.shards.append(list(self.pending))
         self.total_bytes += self.pending_bytes
         self.pending, self.pending_bytes = {}, 0

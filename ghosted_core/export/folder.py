@@ -31,8 +31,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ghosted_core.model import modeling_ghosted
 from ghosted_core.data.assets import cache_dir
-from ghosted_core.export.checkpoint import DEFAULT_SHARD_BYTES, ShardWriter, export_config, write_json
+from ghosted_core.export.checkpoint import DEFAULT_SHARD_BYTES, WEIGHTS, WEIGHTS_INDEX, ShardWriter, export_config, \
+    write_json
 from ghosted_core.errors import GhostedError
+from ghosted_core.files import is_no_room, no_room_error, staged_file
 from ghosted_core.export.fold import operator_layout, stock_blockers, stock_tensors, variant_tensors
 from ghosted_core.hub import hub_reachable
 from ghosted_core.export.model_card import model_card
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 EXPORT_MODES = ("auto", "stock", "remote_code")
 MODELING_FILE = "modeling_ghosted.py"
 RECORD_FILE = "ghosted.json"
+CONFIG_PENDING = ".config.json.pending"  # config.json until the folder is in place (see export_variant)
 
 
 @dataclass(frozen=True)
@@ -167,39 +170,50 @@ def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: 
     `mode`: "auto" (stock where the variant folds, remote_code otherwise), "stock" (refused
     with the reason when it does not fold) or "remote_code". Weights are written block by
     block in shards of ≤ `shard_bytes`, read from the offload when accelerate offloaded them.
-    The folder is staged beside `folder` and moved into place once complete.
+    The folder is staged beside `folder` under a hidden name and moved into place once complete;
+    its config.json gets that name last, once the folder is in place, so whatever a crash (even
+    SIGKILL) leaves behind loads nowhere. `ghosted.json` lists every other file with its size
+    (`check_export_folder`). A full disk gives one `GhostedError` and leaves nothing behind.
     """
     folder = Path(folder)
     record = _record(model)
     chosen, reason = choose_mode(model, mode)
     remote = chosen == "remote_code"
     architecture = type(model).__name__
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}-") as tmp:
-        staged = Path(tmp) / "model"
-        staged.mkdir()
-        weight_files, weight_bytes, keys = _write_weights(model, staged, remote, shard_bytes)
-        config_values = _config_values(model, record, remote)
-        expected = _expected_keys(model, config_values, remote)
-        if keys != expected:  # a bug: transformers would warn and initialise the difference at random
-            raise RuntimeError(f"exported keys do not match the {chosen} model: missing {sorted(expected - keys)[:3]}, "
-                               f"unexpected {sorted(keys - expected)[:3]}")
-        write_json(staged / "config.json", config_values)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(staged)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staged)
-        if remote:
-            shutil.copyfile(modeling_ghosted.__file__, staged / MODELING_FILE)
-        clean_record = {k: v for k, v in record.items() if k != "layout"}
-        write_json(staged / RECORD_FILE, clean_record | {"export": {"mode": chosen, "reason": reason}})
-        (staged / "README.md").write_text(model_card(clean_record, chosen, reason, architecture))
-        _check_no_paths(staged, _local_paths(model, folder))
-        files = tuple(sorted(p.name for p in staged.iterdir()))
-        if folder.exists():
-            shutil.rmtree(folder)
-        staged.rename(folder)
     name = variant_name(record)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}-") as tmp:
+            staged = Path(tmp) / "model"
+            staged.mkdir()
+            weight_files, weight_bytes, keys = _write_weights(model, staged, remote, shard_bytes)
+            config_values = _config_values(model, record, remote)
+            expected = _expected_keys(model, config_values, remote)
+            if keys != expected:  # a bug: transformers would warn and initialise the difference at random
+                raise RuntimeError(f"exported keys do not match the {chosen} model: missing "
+                                   f"{sorted(expected - keys)[:3]}, unexpected {sorted(keys - expected)[:3]}")
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(staged)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staged)
+            if remote:
+                shutil.copyfile(modeling_ghosted.__file__, staged / MODELING_FILE)
+            clean_record = {k: v for k, v in record.items() if k != "layout"}
+            (staged / "README.md").write_text(model_card(clean_record, chosen, reason, architecture))
+            manifest = {p.name: p.stat().st_size for p in sorted(staged.iterdir())}
+            write_json(staged / RECORD_FILE, clean_record | {"export": {"mode": chosen, "reason": reason,
+                                                                        "files": manifest}})
+            write_json(staged / CONFIG_PENDING, config_values)  # named config.json last: nothing loads it before
+            _check_no_paths(staged, _local_paths(model, folder))
+            if folder.exists():
+                shutil.rmtree(folder)
+            staged.rename(folder)
+            (folder / CONFIG_PENDING).rename(folder / "config.json")
+            files = tuple(sorted(p.name for p in folder.iterdir()))
+    except OSError as err:
+        if is_no_room(err):
+            raise no_room_error(err, f"the {name} export", folder.parent) from None
+        raise
     log.info("exported %s as %s (%s) to %s: %d weight file(s), %.1f MB", name, chosen, reason, folder,
              len(weight_files), weight_bytes / 1e6)
     return ExportResult(folder, chosen, name, reason, files, weight_bytes)
@@ -208,11 +222,11 @@ def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: 
 def zip_export(folder: str | Path, path: str | Path) -> Path:
     """One uncompressed zip of an exported folder (fp32 weights barely compress), its files under `path`'s stem."""
     folder, path = Path(folder), Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
-        for file in sorted(folder.rglob("*")):
-            if file.is_file():
-                archive.write(file, Path(path.stem) / file.relative_to(folder))
+    with staged_file(path, f"the zip {path.name}") as staged:  # a failed or interrupted zip leaves no file
+        with zipfile.ZipFile(staged, "w", compression=zipfile.ZIP_STORED) as archive:
+            for file in sorted(folder.rglob("*")):
+                if file.is_file():
+                    archive.write(file, Path(path.stem) / file.relative_to(folder))
     return path
 
 
@@ -222,10 +236,15 @@ def archive_export(model: PreTrainedModel, tokenizer, path: str | Path, mode: st
     The zip holds one folder named after the zip's stem; the result's `folder` is that name.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}-") as tmp:
-        result = export_variant(model, tokenizer, Path(tmp) / path.stem, mode)
-        zip_export(result.folder, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.stem}-") as tmp:
+            result = export_variant(model, tokenizer, Path(tmp) / path.stem, mode)
+            zip_export(result.folder, path)
+    except OSError as err:
+        if is_no_room(err):
+            raise no_room_error(err, f"the zip {path.name}", path.parent) from None
+        raise
     return replace(result, folder=Path(path.stem), archive=path)
 
 
@@ -234,15 +253,46 @@ def archive_recovered(model: PreTrainedModel, tokenizer, path: str | Path) -> Pa
     return archive_export(model, tokenizer, path).archive
 
 
-def export_mode(folder: str | Path) -> str:
-    """"stock" or "remote_code" for an exported folder (GhostedError if it is not one)."""
-    config_file = Path(folder) / "config.json"
-    if not config_file.exists():
-        raise GhostedError(f"{folder} is not an exported model folder (no config.json)")
-    config = json.loads(config_file.read_text())
+def check_export_folder(folder: str | Path) -> dict:
+    """The config of a complete export; GhostedError for a partial one (interrupted, truncated) or no export at all.
+
+    An export writes config.json last and lists every other file with its size in ghosted.json,
+    so a folder a crash left behind, or one copied only in part, is refused here with what is missing
+    (every listed file must be there; weight files must also have their size).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise GhostedError(f"{folder} is not an exported model folder (no such folder)")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise GhostedError(f"{folder} is not a complete exported model: it has no config.json (an export writes it "
+                           "last, so this is an interrupted export or no export at all); export it again")
+    try:
+        config = json.loads(config_file.read_text())
+        record = json.loads((folder / RECORD_FILE).read_text()) if (folder / RECORD_FILE).is_file() else {}
+    except (OSError, ValueError) as err:
+        raise GhostedError(f"{folder} is not a complete exported model: {err}; export it again") from None
     if "ghosted" in config:
         raise GhostedError(f"{folder} was written in an earlier Ghosted Layers format that plain transformers cannot "
                            "load; run the pruning again and export it (--save_model)")
+    expected = dict(record.get("export", {}).get("files", {}))
+    index = folder / WEIGHTS_INDEX
+    if not expected and index.is_file():  # an export older than the manifest: at least every shard must be there
+        expected = dict.fromkeys(json.loads(index.read_text()).get("weight_map", {}).values())
+    elif not expected:
+        expected = {WEIGHTS: None}
+    for name, size in expected.items():
+        path = folder / name
+        size = size if name.endswith((".safetensors", ".index.json")) else None  # a model card may be edited
+        if not path.is_file() or size is not None and path.stat().st_size != size:
+            state = "missing" if not path.is_file() else f"{path.stat().st_size:,} of {size:,} bytes"
+            raise GhostedError(f"{folder} is an incomplete export: {name} is {state}; export it again")
+    return config
+
+
+def export_mode(folder: str | Path) -> str:
+    """"stock" or "remote_code" for a complete exported folder (GhostedError if it is not one, or only part of one)."""
+    config = check_export_folder(folder)
     return "remote_code" if "auto_map" in config and str(config.get("model_type", "")).startswith("ghosted_") else "stock"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import convert_file_size_to_int
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
@@ -42,6 +43,7 @@ class LoadOptions:
     dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "float32", "bfloat16", "float16"
     max_memory: dict | None = None  # device="map": cap per device, e.g. {0: "20GiB", "cpu": "60GiB"}; the rest goes to disk
     offload_folder: str | None = None  # device="map": where weights that must be re-saved for disk offload go
+    local_folders: bool = True  # False: a name never reads a folder of this machine (the app's default for strangers)
 
     def __post_init__(self) -> None:
         if self.device != "map" and (self.max_memory or self.offload_folder):
@@ -65,6 +67,24 @@ class LoadedModel:
     @property
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module computes: its execution device under accelerate, else its first tensor's device."""
+    hook = getattr(module, "_hf_hook", None)
+    if getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)
+    for tensor in module.parameters():
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def model_placement(model: PreTrainedModel) -> tuple[str, torch.dtype]:
+    """(device, dtype) of a loaded model as the memory plan names them: "map" when accelerate spread it."""
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "map", model.dtype
+    return str(module_device(model.model.embed_tokens)), model.dtype
 
 
 def decoder_blocks(model: PreTrainedModel) -> nn.ModuleList:
@@ -121,7 +141,7 @@ def parse_max_memory(text: str | None) -> dict | None:
             value = int(size) if size.isdigit() else convert_file_size_to_int(size)
             if value <= 0:
                 raise ValueError(part)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: a size such as 1e999GiB
             raise GhostedError(f"cannot read --max_memory {text!r}: write DEVICE=SIZE pairs such as 0=20GiB,cpu=60GiB "
                                "(DEVICE: a GPU index, cpu or disk)") from None
         caps[int(key) if key.isdigit() else key.lower()] = value
@@ -156,25 +176,39 @@ def placement(name: str, options: LoadOptions) -> dict:
     return {"dtype": dtype, "device_map": "auto", "max_memory": options.max_memory, "offload_folder": str(folder)}
 
 
-def _locate(name: str) -> tuple[str, str, str]:
-    """(source, folder or hub id, description) for what the user typed."""
+HUB_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?")  # one part of org/name (the Hub's rules)
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name` as the Hub spells repository ids: letters, digits, '-', '_', '.', no '--' or '..', no path."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(HUB_NAME.fullmatch(p) and "--" not in p and ".." not in p for p in parts)
+
+
+def _locate(name: str, local_folders: bool = True) -> tuple[str, str, str]:
+    """(source, folder or hub id, description) for what the user typed.
+
+    `local_folders=False`: the disk is never looked at for `name` (only embedded models and Hub ids).
+    """
     if name in EMBEDDED:
         spec = EMBEDDED[name]
         return "embedded", str(converted_embedded(spec)), spec.description
     path = Path(name).expanduser()
-    if path.is_dir():
+    if local_folders and path.is_dir():
         if not (path / "config.json").exists():
             raise GhostedError(f"{name} is a folder without config.json; point at a saved Hugging Face model folder")
         return "local", str(path), f"local folder {path}"
-    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+    if is_hub_id(name):
         if not hub_reachable():
             raise GhostedError(
                 f"{name} looks like a Hugging Face Hub id, but the Hub is not reachable from here; "
                 f"use a local model folder or an embedded model ({', '.join(EMBEDDED)})"
             )
         return "hub", name, f"Hugging Face Hub model {name}"
+    folders = "a local folder, " if local_folders else ""
     raise GhostedError(
-        f"unknown model {name!r}: not an embedded model ({', '.join(EMBEDDED)}), a local folder, or a Hub id (org/name)"
+        f"unknown model {name!r}: not an embedded model ({', '.join(EMBEDDED)}), {folders}or a Hub id (org/name: "
+        "letters, digits, '-', '_' and '.', without a path)"
     )
 
 
@@ -183,6 +217,9 @@ def _readable(name: str) -> Iterator[None]:
     """Turn what transformers raises for an unusable model (missing, gated, custom code, unreadable) into one line."""
     try:
         yield
+    except SafetensorError as err:  # a weights file cut short (an interrupted copy or download) or not safetensors
+        raise GhostedError(f"cannot read {name}: a weights file is damaged or incomplete ({err}); copy or download "
+                           "the model again") from None
     except (OSError, ValueError) as err:
         cause, text = err.__cause__, str(err)
         if isinstance(cause, GatedRepoError) or isinstance(err, GatedRepoError):
@@ -209,9 +246,9 @@ def _read_config(name: str, where: str) -> PretrainedConfig:
     return config
 
 
-def peek_config(name: str) -> PretrainedConfig:
+def peek_config(name: str, local_folders: bool = True) -> PretrainedConfig:
     """The config of `name` without loading its weights, checked to be a supported architecture."""
-    _source, where, _description = _locate(name)
+    _source, where, _description = _locate(name, local_folders)
     return _read_config(name, where)
 
 
@@ -229,7 +266,7 @@ def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) 
     """
     device = resolve_device(options.device)
     kwargs = placement(name, options)
-    source, where, description = _locate(name)
+    source, where, description = _locate(name, options.local_folders)
     config = _read_config(name, where)
     if source == "hub":
         check_fits(config, device, kwargs["dtype"], name)

@@ -2,9 +2,9 @@
 
 Estimates, not measurements, and labelled so wherever they are shown:
 
-- Memory is the memory plan (`memory.plan_memory`: weights, one calibration batch, the
-  statistics of every boundary alive at once, the fit's solve, the logits chunk, where each
-  lives) for the boundaries of every depth of a sweep at once, plus a sweep's kept dense states.
+- Memory is the run's own memory plan (`run.options.memory_plan` → `memory.plan_memory`: what
+  each phase holds, where), for the boundaries of every depth of a sweep at once and its kept
+  dense states; the same plan a run makes, not a second estimator.
 - Time is a FLOP count divided by a rate: forward passes cost 2 × parameters per token through
   the blocks they run (plus attention, 4 × T × C per token and block, and the LM head, 2 × V × C,
   where perplexity needs it); the float64 statistics 8 × C² per token and boundary; each
@@ -28,10 +28,10 @@ import torch
 from transformers import PretrainedConfig
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory import REFIT_CANDIDATES, MemoryPlan, estimate_parameters, inner_width, max_boundaries, \
-    plan_memory
+from ghosted_core.memory import MemoryPlan
+from ghosted_core.memory_parts import estimate_parameters, inner_width, max_boundaries
 from ghosted_core.recovery.operators import get_operator, needs_of
-from ghosted_core.run.options import RunOptions, sized
+from ghosted_core.run.options import RunOptions, memory_plan, sized
 
 # Share of the measured matmul rate a forward pass reaches. CPU: SmolLM2's forward (8 × 256 tokens) ran at
 # 0.65-0.85 of a 1024² float32 matmul on this project's 2-core machine.
@@ -128,6 +128,7 @@ class Workload:
     least_squares: int  # least-squares fits per boundary (ghost family, replaceme)
     batch_tokens: int  # tokens of one calibration forward pass
     refits: int = 0  # down_proj refits per boundary (each solves one I×I system per candidate)
+    refit_candidates: int = 0  # (λ, sink count) candidates per refit
     inner: int = 0  # I, when the refit's statistics are collected (0: none)
 
 
@@ -146,62 +147,24 @@ def workload(config: PretrainedConfig, options: RunOptions, depths: Sequence[int
     least_squares = sum(1 for v in options.variants if v.operator.startswith("ghost") or v.operator == "replaceme")
     refits = sum(1 for v in options.variants if get_operator(v.operator).needs.inner)
     inner = inner_width(config, needs_of(v.operator for v in options.variants))
+    candidates = len(set(options.fit.refit_lambdas)) * len(set(options.fit.refit_sink_directions))
     return Workload(chosen, boundaries, options.train_size * options.seqlen, options.heldout * options.seqlen,
                     eval_tokens, len(options.variants), least_squares, options.calibrate.batch_size * options.seqlen,
-                    refits, inner)
+                    refits, candidates if inner else 0, inner)
 
 
 # ---------------------------------------------------------------- memory
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """The memory plan of a run (or of every depth of a sweep at once) and a sweep's kept dense states."""
-
-    plan: MemoryPlan
-    kept_states: int  # a sweep's dense evaluation states, on the model's device
-
-    @property
-    def weights(self) -> int:
-        return self.plan.weights_bytes
-
-    @property
-    def statistics(self) -> int:
-        return self.plan.stats_bytes
-
-    @property
-    def on_device(self) -> int:
-        """Bytes on the compute device (the host's for a CPU run)."""
-        return (self.plan.device_bytes if self.plan.device_available is not None else self.plan.host_bytes) \
-            + self.kept_states
-
-    @property
-    def total(self) -> int:
-        return self.plan.device_bytes + self.plan.host_bytes + self.kept_states
-
-    def to_json(self) -> dict:
-        return {"plan": self.plan.to_json(), "kept_states": self.kept_states, "on_device": self.on_device,
-                "total": self.total}
-
-
 def estimate_memory(config: PretrainedConfig, options: RunOptions, depths: Sequence[int] | None = None,
-                    device: DeviceInfo | None = None) -> MemoryEstimate:
-    """The plan of `options` (every depth of a sweep at once) on a model with `config`, on `device`
-    (default: the CPU). A GPU's memory is taken as its total; host memory is what this machine has free."""
+                    device: DeviceInfo | None = None) -> MemoryPlan:
+    """The memory plan of `options` (every depth of a sweep at once, with its kept dense states) on a model
+    with `config`, on `device` (default: the CPU), as `run.options.memory_plan` makes it for a run: bf16
+    on a GPU, whose memory is taken as its total; host memory is what this machine has free."""
     options = sized(options, int(config.hidden_size))
-    work = workload(config, options, depths)
     gpu = device is not None and device.kind == "cuda"
-    where = "cuda" if gpu else "cpu"
-    dtype = torch.bfloat16 if gpu else torch.float32
-    cal = options.calibrate
-    plan = plan_memory(config, options.model, where, dtype, needs_of(v.operator for v in options.variants),
-                       work.boundaries, options.train_size, options.seqlen, cal.batch_size,
-                       cal.capacity(options.train_size), options.eval_batch_size, options.eval_seqlen,
-                       cal.pipeline, cal.stats_device, device_available=device.memory_bytes if gpu else None)
-    # memory: evaluation tokens × C × dtype bytes per depth (the kept dense states of a sweep)
-    kept = work.eval_tokens * int(config.hidden_size) * (2 if gpu else 4) * len(work.depths) \
-        if depths and len(work.depths) > 1 else 0
-    return MemoryEstimate(plan, kept)
+    return memory_plan(options, config, "cuda" if gpu else "cpu", torch.bfloat16 if gpu else torch.float32,
+                       depths=tuple(depths) if depths else None, device_available=device.memory_bytes if gpu else None)
 
 
 # ---------------------------------------------------------------- time
@@ -249,7 +212,7 @@ def estimate_time(config: PretrainedConfig, options: RunOptions, device: DeviceI
     per_depth = max(1, work.boundaries // len(work.depths))
     fits = len(work.depths) * work.least_squares * per_depth * FIT_FLOPS_PER_C3 * c**3
     # each refit candidate: a Cholesky factorization (I³/3), its solve and its calibration error (~4·I²·C)
-    fits += len(work.depths) * work.refits * per_depth * REFIT_CANDIDATES * (i**3 / 3 + 4 * i * i * c)
+    fits += len(work.depths) * work.refits * per_depth * work.refit_candidates * (i**3 / 3 + 4 * i * i * c)
     return TimeEstimate(
         load=params * device.dtype_bytes / LOAD_BYTES_PER_SECOND,
         score=forward(work.fit_tokens, layers),

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from transformers import AutoConfig, PretrainedConfig
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.planning.estimate import DeviceInfo, MemoryEstimate, TimeEstimate, current_device, estimate_memory, \
+from ghosted_core.memory import MemoryPlan
+from ghosted_core.planning.estimate import DeviceInfo, TimeEstimate, current_device, estimate_memory, \
     estimate_time, gpu_duration
 from ghosted_core.hub import hub_reachable
 from ghosted_core.memory import HEADROOM
-from ghosted_core.memory import estimate_parameters
+from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.model.loading import peek_config
 from ghosted_core.run.options import RunOptions
 
@@ -115,18 +116,18 @@ def get_preset(name: str) -> Preset:
     raise GhostedError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
 
 
-def config_for(model: str) -> PretrainedConfig:
+def config_for(model: str, local_folders: bool = True) -> PretrainedConfig:
     """The config of a run's model: a preset's written-down numbers (no download), else `model.loading.peek_config`."""
     for preset in PRESETS.values():
         if model in (preset.key, preset.hub_id):
             return preset.config()
-    return peek_config(model)
+    return peek_config(model, local_folders)
 
 
 def gpu_seconds(options: RunOptions, depths: tuple[int, ...] | None = None) -> int:
     """The `@spaces.GPU(duration=…)` of one run (or sweep) of `options`, from its model's config (see
     `planning.estimate.gpu_duration`); GhostedError when it would exceed what a ZeroGPU call may hold."""
-    return gpu_duration(config_for(options.model), options, depths)
+    return gpu_duration(config_for(options.model, options.load.local_folders), options, depths)
 
 
 def hub_token() -> str | None:
@@ -148,7 +149,7 @@ class PresetStatus:
     preset: Preset
     available: bool
     reason: str  # empty when available
-    memory: MemoryEstimate
+    memory: MemoryPlan
     seconds: TimeEstimate
     device: DeviceInfo
 
@@ -169,7 +170,7 @@ def preset_status(preset: Preset, options: RunOptions = RunOptions(), device: De
     config = preset.config()
     memory = estimate_memory(config, options, depths, device)
     seconds = estimate_time(config, options, device, depths)
-    plan = memory.plan
+    plan = memory
     model_bytes = plan.weights_bytes + plan.activation_bytes + plan.logits_bytes  # evaluation runs it on the device
     reason = ""
     if not online:

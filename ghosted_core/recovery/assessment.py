@@ -21,6 +21,21 @@ from ghosted_core.recovery.operators import Fit, calibration_errors, squared_err
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Diagnostics:
+    """The parts of a fit report that cost O(C³) and that no default view shows, each on request.
+
+    The CLI's summary shows held-out errors and the anti-symmetric share; the app adds the
+    singular values (its structure chart). Calibration-token errors (two C×C products from the
+    statistics) fill in for held-out errors only when nothing is held out.
+    """
+
+    fit_errors: bool = True  # boundary errors on the calibration tokens, from the statistics
+    singular_values: bool = True  # σ(M) as √eig(MᵀM): 8 s at C = 4096 on 2 cores
+
+
+SHOWN = Diagnostics(fit_errors=False, singular_values=False)  # what the CLI summary needs: none of them
+
 
 @dataclass(frozen=True)
 class BoundaryMap:
@@ -144,11 +159,21 @@ def scale_singular_values(fit: Fit) -> tuple[float, ...]:
     return tuple(torch.sort((fit.scale - 1).abs(), descending=True).values.tolist())
 
 
-def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None) -> FitReport:
+def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None,
+           detail: Diagnostics = Diagnostics()) -> FitReport:
     """Boundary errors of a fit (calibration tokens from the statistics; held-out tokens as
-    measured by `recovery.heldout.measure_errors`, all and ordinary tokens) and its structure."""
-    errors = calibration_errors(fit, stats)
+    measured by `recovery.heldout.measure_errors`, all and ordinary tokens) and its structure.
+
+    `detail` says which O(C³) parts to compute (the rest stay None or empty); a per-channel
+    fit's are O(C) and always computed. Time: the anti-symmetric share O(C²), each asked part O(C³).
+    """
+    cheap = fit.scale is not None or fit.update is None
+    errors = calibration_errors(fit, stats) if detail.fit_errors or cheap else None
     held = None if heldout is None else heldout.relative
+    if fit.scale is not None:
+        values = scale_singular_values(fit)
+    else:
+        values = singular_values(fit.update) if detail.singular_values else ()
     return FitReport(
         operator=fit.operator,
         boundary=str(stats.boundary),
@@ -157,7 +182,7 @@ def assess(fit: Fit, stats: BoundaryStats, heldout: BoundaryErrors | None = None
         heldout_error=held,
         heldout_error_ordinary=None if heldout is None else heldout.relative_ordinary,
         antisym_fraction=0.0 if fit.scale is not None else antisymmetric_fraction(fit.update),  # B diag(r) Bᵀ is symmetric
-        singular_values=scale_singular_values(fit) if fit.scale is not None else singular_values(fit.update),
+        singular_values=values,
         condition_number=fit.condition_number if math.isfinite(fit.condition_number) else None,
         tokens_used=fit.tokens_used,
         sink_tokens=fit.sink_tokens,

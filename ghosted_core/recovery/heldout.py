@@ -1,7 +1,8 @@
 """Held-out boundary errors measured directly, once the fits exist: no held-out C×C moments.
 
 The held-out sequences stream through the model once more (through the same calibration
-pipeline as the statistics); at each boundary every fit is applied to the token rows and
+pipeline as the statistics), or their rows come from the calibration pass that kept them
+(`calibration.collect.HeldoutRows`: no pass); at each boundary every fit is applied to the token rows and
 ‖x_pre W − x_post‖² is summed over all tokens and over ordinary (non-sink) tokens. Memory:
 one batch's rows (T·C·8 B, and T·I·8 B of the MLP intermediate for refits) per fit at a time, plus
 the fits themselves; time O(T·C²) per fit (O(T·I·C) per refit).
@@ -14,8 +15,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ghosted_core.calibration.collect import CalibrationBatch, CalibrationOptions, pipeline_name, sink_mask, \
-    valid_mask
+from ghosted_core.calibration.collect import CalibrationBatch, CalibrationOptions, HeldoutRows, pipeline_name, \
+    sink_mask, valid_mask
 from ghosted_core.calibration.pipelines import get_pipeline
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.recovery.assessment import BoundaryMap
@@ -61,13 +62,14 @@ def _rows(x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None
 
 def measure_errors(dense: PreTrainedModel, fits: Sequence[Fit | BoundaryMap], batches: Sequence[CalibrationBatch],
                    options: CalibrationOptions = CalibrationOptions(), source: PreTrainedModel | None = None,
-                   source_start: int | None = None) -> list[BoundaryErrors | None]:
+                   source_start: int | None = None, kept: HeldoutRows | None = None) -> list[BoundaryErrors | None]:
     """Boundary errors of each fit on the held-out batches (None for all when there are none).
 
     Fits may be given as `BoundaryMap`s (what the pipeline keeps once the variants are built).
     Every fit's boundary comes from the dense model in one pass, fits of several variants and
-    depths together. With `source` (the sequential fit: one fit), x_pre and m come from that
-    model's layer `source_start` and x_post from the dense model.
+    depths together, or from `kept` (the rows the calibration pass kept: no pass at all; the
+    same activations, so the same errors). With `source` (the sequential fit: one fit), x_pre and
+    m come from that model's layer `source_start` and x_post from the dense model.
     """
     held = [b for b in batches if b.heldout]
     if not held or not fits:
@@ -97,6 +99,11 @@ def measure_errors(dense: PreTrainedModel, fits: Sequence[Fit | BoundaryMap], ba
         for s in by_boundary[boundaries[k]]:
             s.add(*rows)
 
+    if kept is not None and kept.covers(boundaries, branches, inners):
+        for k, boundary in enumerate(boundaries):
+            for batch, x_pre, x_post, branch, inner in kept.rows[boundary]:
+                consume(k, batch, x_pre, x_post, branch, inner)
+        return [s.freeze() for s in sums]
     compute = None if options.compute_device is None else torch.device(options.compute_device)
-    get_pipeline(pipeline_name(options)).run(dense, boundaries, branches, held, consume, compute, True, inners)
+    get_pipeline(pipeline_name(options, dense)).run(dense, boundaries, branches, held, consume, compute, True, inners)
     return [s.freeze() for s in sums]

@@ -14,22 +14,12 @@ from accelerate.utils import align_module_device, has_offloaded_params
 from torch import nn
 
 from ghosted_core.calibration.capture import branch_module
+from ghosted_core.model.loading import module_device
 from ghosted_core.model.modeling_ghosted import ResidualLinear, ResidualScale  # shared with remote-code exports
 from ghosted_core.recovery.operators import Fit
 
 log = logging.getLogger(__name__)
 
-
-
-def module_device(module: nn.Module) -> torch.device:
-    """Where a module computes: its execution device under accelerate, else its first tensor's device."""
-    hook = getattr(module, "_hf_hook", None)
-    if getattr(hook, "execution_device", None) is not None:
-        return torch.device(hook.execution_device)
-    for tensor in module.parameters():
-        if tensor.device.type != "meta":
-            return tensor.device
-    return torch.device("cpu")
 
 
 def residual_module(fit: Fit, device: torch.device) -> nn.Module:

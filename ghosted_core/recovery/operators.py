@@ -24,6 +24,7 @@ import torch
 
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard_factors, hadamard_transform
+from ghosted_core.memory_parts import OperatorCost
 from ghosted_core.plan import Boundary
 from ghosted_core.recovery.linalg import principal_directions, projected_normal_equations
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS, magnitude_scale
@@ -44,6 +45,9 @@ class FitOptions:
     ridge_lambda: float = 1e-4  # relative ridge, also the fallback for rank-deficient fits
     max_condition: float = 1e12  # cond(XᵀX) above which an absolute-ridge fit falls back to the relative ridge
     sink_directions: tuple[int, ...] = (0, 1, 2, 3, 4)  # replaceme_keepsink: candidate counts k, chosen by held-out error
+    # report cond(XᵀX) exactly (one eigendecomposition, O(C³): 7 s at C = 4096 on 2 cores); off, the fallback
+    # test is a Cholesky of XᵀX − (λ_max / max_condition)·I, a third of the time, and no number is reported
+    condition_number: bool = False
     magcomp_form: str = "global"  # magcomp's scalar: see recovery.magcomp.MAGCOMP_FORMS
     refit_lambdas: tuple[float, ...] = (0.1, 1.0)  # refit: relative ridges λ, chosen with the sink count by held-out error
     refit_sink_directions: tuple[int, ...] = (0, 1, 2, 4, 8)  # refit: candidate sink counts k of the intermediate a
@@ -53,10 +57,14 @@ class FitOptions:
             raise GhostedError(f"unknown ridge {self.ridge!r}; use absolute or relative")
         if not self.sink_directions or min(self.sink_directions) < 0:
             raise GhostedError(f"sink direction counts must be ≥ 0 (got {self.sink_directions})")
-        if not self.refit_lambdas or min(self.refit_lambdas) <= 0:
-            raise GhostedError(f"refit ridges must be > 0 (got {self.refit_lambdas})")
+        if not self.refit_lambdas or not all(math.isfinite(x) and x > 0 for x in self.refit_lambdas):
+            raise GhostedError(f"refit ridges must be finite numbers above 0 (got {self.refit_lambdas})")
         if not self.refit_sink_directions or min(self.refit_sink_directions) < 0:
             raise GhostedError(f"refit sink direction counts must be ≥ 0 (got {self.refit_sink_directions})")
+        if not math.isfinite(self.epsilon) or self.epsilon < 0:
+            raise GhostedError(f"--epsilon must be a finite number ≥ 0 (got {self.epsilon})")
+        if not math.isfinite(self.ridge_lambda) or self.ridge_lambda <= 0:
+            raise GhostedError(f"--ridge_lambda must be a finite number above 0 (got {self.ridge_lambda})")
         if self.magcomp_form not in MAGCOMP_FORMS:
             raise GhostedError(f"unknown magcomp form {self.magcomp_form!r}; use one of {', '.join(MAGCOMP_FORMS)}")
 
@@ -104,23 +112,26 @@ class OperatorSpec:
     needs: StatNeeds = ALL_NEEDS  # statistics the fit (and its error report) reads
     stock: bool = False  # its variants fold into a stock checkpoint (plain pruning, maps on the MLP branch)
     fold: str = ""  # how its variants fold into stock weights (the export's reason)
+    cost: OperatorCost = OperatorCost(6, "matrix")  # what its fit works in and its variant keeps (the memory plan)
 
 
 OPERATORS: dict[str, OperatorSpec] = {}
 
 
 def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS, stock: bool = False,
-                      fold: str = ""):
+                      fold: str = "", cost: OperatorCost = OperatorCost(6, "matrix")):
     """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import.
 
     `needs` names the statistics the fit reads; calibration keeps only the union over the
     requested operators (an operator that does not say gets every statistic). `stock`: the
-    operator's variants fold into a stock checkpoint (see `export.fold`), as `fold` says.
+    operator's variants fold into a stock checkpoint (see `export.fold`), as `fold` says. `cost`: the
+    C×C matrices its fit works in and what its variant keeps, which the memory plan counts (default: a
+    full C×C least-squares fit and map).
     """
 
     def decorator(fn):
         check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
-        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock, fold), "operator")
+        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock, fold, cost), "operator")
         return fn
 
     return decorator
@@ -148,21 +159,54 @@ def condition_number(gram: torch.Tensor) -> float:
     return math.inf if low <= high * 1e-18 else high / low
 
 
+def largest_eigenvalue(gram: torch.Tensor, iterations: int = 30, tolerance: float = 1e-3) -> float:
+    """λ_max of a symmetric PSD matrix by power iteration, to about `tolerance` (O(C²) per step, each a pass over
+    the matrix: 30 steps take ~0.4 s at C = 4096; a sink-dominated Gram converges in a few). Enough for the
+    conditioning test, whose verdict moves by that share of the limit."""
+    v = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    value = 0.0
+    for _ in range(iterations):
+        w = gram @ v  # (C,)
+        norm = float(w.norm())
+        if norm == 0.0:
+            return 0.0
+        v, previous, value = w / norm, value, norm
+        if abs(value - previous) <= tolerance * value:
+            break
+    return value
+
+
+def ill_conditioned(gram: torch.Tensor, limit: float) -> bool:
+    """cond(gram) > limit, without its eigenvalues: gram − (λ_max / limit)·I is not positive definite
+    (one Cholesky, O(C³/3); the same verdict as λ_max/λ_min up to rounding near the limit)."""
+    shifted = gram.clone()  # (C, C)
+    shifted.diagonal().sub_(largest_eigenvalue(gram) / limit)
+    _, info = torch.linalg.cholesky_ex(shifted)
+    return int(info) != 0
+
+
 RIDGE_FALLBACK = "rank-deficient fit"  # how a ridge-fallback note starts (FitReport.ridge_fallback finds it)
 
 
 def solve_ridge(gram: torch.Tensor, cross: torch.Tensor, tokens: int, opts: FitOptions) -> tuple[torch.Tensor, float, float, tuple[str, ...]]:
     """(A, ε, cond, notes) with (gram + εI) A = cross; falls back to a relative ridge when the
-    fit is rank-deficient (fewer tokens than channels) or ill-conditioned, never NaN."""
+    fit is rank-deficient (fewer tokens than channels) or ill-conditioned, never NaN.
+
+    cond is NaN unless `opts.condition_number` asks for it. Time: a Cholesky test and a Cholesky
+    solve, O(C³); memory: three C×C float64 matrices beyond gram and cross (the shifted or
+    regularized copy, its factor, A).
+    """
     width = gram.shape[0]
-    cond = condition_number(gram)
+    cond = condition_number(gram) if opts.condition_number else math.nan
     relative = opts.ridge_lambda * float(torch.trace(gram)) / width
     notes: tuple[str, ...] = ()
     if opts.ridge == "relative":
         eps = relative
-    elif tokens < width or cond > opts.max_condition:
+    elif tokens < width or (cond > opts.max_condition if opts.condition_number
+                            else ill_conditioned(gram, opts.max_condition)):
         eps = relative
-        reason = f"{tokens} tokens < {width} channels" if tokens < width else f"cond(XᵀX) = {cond:.2g}"
+        reason = f"{tokens} tokens < {width} channels" if tokens < width else \
+            f"cond(XᵀX) = {cond:.2g}" if opts.condition_number else f"cond(XᵀX) > {opts.max_condition:.0e}"
         notes = (f"{RIDGE_FALLBACK} ({reason}): used a relative ridge ε = {opts.ridge_lambda:g}·tr(XᵀX)/C "
                  f"= {eps:.3g} instead of ε = {opts.epsilon:g}",)
         log.warning(notes[0])
@@ -172,8 +216,9 @@ def solve_ridge(gram: torch.Tensor, cross: torch.Tensor, tokens: int, opts: FitO
         eps = opts.epsilon
     regularized = gram.clone()  # (C, C): one copy, the statistics stay as they are
     regularized.diagonal().add_(eps)
-    update = torch.linalg.solve(regularized, cross)
-    del regularized
+    factor, info = torch.linalg.cholesky_ex(regularized)
+    update = torch.cholesky_solve(cross, factor) if int(info) == 0 else torch.linalg.solve(regularized, cross)
+    del regularized, factor
     if not torch.isfinite(update).all():
         raise GhostedError("the least-squares fit produced non-finite values; use more calibration text or --ridge relative")
     return update, eps, cond, notes
@@ -204,7 +249,7 @@ def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
 
 
 @register_operator("none", paper="plain pruning", description="no recovery: W = I", needs=StatNeeds(), stock=True,
-                   fold="plain pruning: the kept blocks are unchanged")
+                   fold="plain pruning: the kept blocks are unchanged", cost=OperatorCost())
 def fit_none(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return Fit("none", stats.boundary, "residual", None, tokens_used=stats.tokens)
 
@@ -220,7 +265,7 @@ def _channel_sums(stats: BoundaryStats, basis: str):
 
 
 @register_operator("diag", paper="LinearPatch-D", description="per-channel scale mean|X_post| / mean|X_pre| (symmetric)",
-                   needs=StatNeeds(channel=True))
+                   needs=StatNeeds(channel=True), cost=OperatorCost(1, "scale"))
 def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
     sums = _channel_sums(stats, "channel")
     scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens
@@ -230,7 +275,7 @@ def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 @register_operator("rotate", paper="LinearPatch-R",
                    description="per-channel scale in a Hadamard-rotated basis: H diag(r) Hᵀ (symmetric)",
-                   needs=StatNeeds(rotated=True))
+                   needs=StatNeeds(rotated=True), cost=OperatorCost(4, "rotated"))
 def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
     sums = _channel_sums(stats, "hadamard")
     scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens, rotated basis
@@ -247,7 +292,8 @@ def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
                    needs=StatNeeds(channel=True), stock=True,
                    fold="the magnitude scale is folded into the embeddings and the o_proj/down_proj (Gemma3: the "
                         "post-norm gains) of every block before each cut, the final norm's gain divided by it where "
-                        "the embeddings are tied (exact up to the RMSNorm ε)")
+                        "the embeddings are tied (exact up to the RMSNorm ε)",
+                   cost=OperatorCost(1, "scale"))
 def fit_magcomp(stats: BoundaryStats, opts: FitOptions) -> Fit:
     s = magnitude_scale(stats, opts.magcomp_form)
     scale = torch.full((stats.width,), s, dtype=torch.float64)  # (C,) s·1: errors and reports read it like diag's
@@ -278,7 +324,7 @@ def fit_ghost_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 @register_operator("ghost_nosink", paper="Ghosted Layers, sink-free (this project)",
                    description="ghost fit on ordinary tokens only: massive-activation tokens left out of the statistics",
-                   needs=LEAST_SQUARES)
+                   needs=LEAST_SQUARES, cost=OperatorCost(4, "matrix"))
 def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost_nosink", stats, "ordinary", opts, sink_handling="excluded")
 
@@ -299,7 +345,7 @@ def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit | None:
 
 @register_operator("replaceme", paper="ReplaceMe-LS",
                    description="least-squares map on block s−1's MLP output, folded into its down projection",
-                   needs=BRANCH, stock=True, fold=REPLACEME_FOLD)
+                   needs=BRANCH, stock=True, fold=REPLACEME_FOLD, cost=OperatorCost(6, "branch"))
 def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
     # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
     return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
@@ -355,7 +401,8 @@ def choose_by_calibration(candidates: list[Fit], stats: BoundaryStats) -> Fit:
 @register_operator("replaceme_keepsink", paper="ReplaceMe-LS, sink-preserving (this project)",
                    description="ReplaceMe fitted on ordinary tokens with T = I on the sink tokens' top MLP-output "
                                "directions (their number chosen by held-out error); folded into block s−1's down "
-                               "projection", needs=BRANCH, stock=True, fold=REPLACEME_FOLD)
+                               "projection", needs=BRANCH, stock=True, fold=REPLACEME_FOLD,
+                   cost=OperatorCost(6, "branch", candidates=True))
 def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     """The sink token's MLP output is massive; any T ≠ I on it breaks the sink for every block after.
 
@@ -414,7 +461,7 @@ INNER = StatNeeds(inner=True)
                    description="the change B of block s−1's down_proj fitted on its intermediate activations (I "
                                "features), zero on the sink tokens' span, relative ridge; ridge and sink count "
                                "chosen by held-out error; folded into that down_proj", needs=INNER, stock=True,
-                   fold=REFIT_FOLD)
+                   fold=REFIT_FOLD, cost=OperatorCost(0, "refit", refit=True))
 def fit_refit(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _refit("refit", stats, opts, None)
 
@@ -424,7 +471,8 @@ def fit_refit(stats: BoundaryStats, opts: FitOptions) -> Fit:
                                "leaves (target X_post/s − X_pre); both folded",
                    needs=StatNeeds(channel=True, inner=True, inner_stream=True), stock=True,
                    fold=f"{REFIT_FOLD}, and the magnitude scale into the embeddings and every residual writer "
-                        "before each cut (the final norm's gain divided by it where the head is tied)")
+                        "before each cut (the final norm's gain divided by it where the head is tied)",
+                   cost=OperatorCost(1, "refit", refit=True))
 def fit_magcomp_refit(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _refit("magcomp_refit", stats, opts, magnitude_scale(stats, opts.magcomp_form))
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ghosted_core.report.tables import DENSE_COLOR, blocks_text, held_out_error, plural, variant_colors
+from ghosted_core.report.tables import DENSE_COLOR, blocks_text, esc, held_out_error, plural, variant_colors
 
 
 TITLE_CHARS = 46  # characters per subtitle line: fits a 390 px phone screen at 11 px
@@ -33,7 +33,7 @@ def base_figure(title: str, subtitle: Sequence[str], panels: Sequence[str] = ())
     titles would overlap on a narrow screen).
     """
     rows = max(1, len(panels))
-    lines = wrap_parts(subtitle)
+    lines = [esc(line) for line in wrap_parts(subtitle)]  # model names and labels are shown as text, never markup
     top = 44 + 15 * len(lines)  # px for the title and its subtitle lines
     fig = make_subplots(rows=rows, cols=1, subplot_titles=list(panels) or None, vertical_spacing=0.16 if rows > 1 else 0)
     text = f"<b>{title}</b>" + "".join(f"<br><span style='font-size:11px;color:#64748b'>{line}</span>" for line in lines)

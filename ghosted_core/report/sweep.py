@@ -12,9 +12,10 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 
+from ghosted_core.files import write_text
 from ghosted_core.report.charts import base_figure, empty_figure
-from ghosted_core.report.tables import DENSE_COLOR, blocks_text, corpus_tag, fmt, tokens_text, variant_colors, \
-    worse_boundaries
+from ghosted_core.report.tables import DENSE_COLOR, blocks_text, corpus_tag, esc, fmt, ppl_columns, tokens_text, \
+    variant_colors, worse_boundaries
 
 CORPUS_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 
@@ -108,10 +109,7 @@ def recovered_figure(report: dict) -> go.Figure:
 def sweep_table(report: dict) -> pd.DataFrame:
     """One row per depth and operator: removed blocks, perplexity and damage recovered per corpus, held-out boundary error."""
     corpora = _corpora(report)
-    columns = ["blocks removed", "which", "operator"]
-    for corpus in corpora:
-        columns += [f"{corpus_tag(report, corpus)} ppl", f"{corpus_tag(report, corpus)} recovered"]
-    columns.append("held-out boundary error")
+    columns = ["blocks removed", "which", "operator", *ppl_columns(report, corpora), "held-out boundary error"]
     rows = []
     for result in _depth_results(report):
         which = blocks_text(result["removed_layers"])
@@ -131,11 +129,11 @@ def sweep_caption(report: dict) -> str:
     sweep = report.get("sweep", {})
     done = [r["n"] for r in sweep.get("results", [])]
     pending = [n for n in sweep.get("depths", []) if n not in done]
-    corpora = " · ".join(f"{c} = {report['corpora'].get(c, {}).get('label', c)} ({tokens_text(report, c)})"
+    corpora = " · ".join(f"{esc(c)} = {esc(report['corpora'].get(c, {}).get('label', c))} ({tokens_text(report, c)})"
                          for c in _corpora(report))
     state = f"depths done: {', '.join(map(str, done)) or 'none yet'}" + (
         f"; still to come: {', '.join(map(str, pending))}" if pending else "")
-    return (f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} "
+    return (f"**{esc(report.get('model', ''))}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} "
             f"sweep · {state}  \n{corpora}  \nrecovered = (ppl_none − ppl_op) / (ppl_none − ppl_dense); ⚠ held-out "
             "boundary error above 1 (worse than plain pruning on held-out calibration text)")
 
@@ -143,12 +141,10 @@ def sweep_caption(report: dict) -> str:
 def write_sweep_html(report: dict, path: str | Path) -> Path:
     """The curve and damage-recovered charts, caption and table in one self-contained HTML page
     (plotly.js inlined, so it opens offline): what the CLI leaves beside results.json."""
-    caption = html.escape(sweep_caption(report)).replace("  \n", "<br>").replace("**", "")
+    caption = sweep_caption(report).replace("  \n", "<br>").replace("**", "")  # its model and labels come escaped
     charts = [figure.to_html(full_html=False, include_plotlyjs=k == 0)
               for k, figure in enumerate((curve_figure(report), recovered_figure(report)))]
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>Depth sweep · {html.escape(report.get('model', ''))}"
             f"</title></head><body style='font-family:sans-serif;max-width:1100px;margin:auto'><h1>Depth sweep</h1>"
             f"<p>{caption}</p>{''.join(charts)}{sweep_table(report).to_html(index=False, border=0)}</body></html>")
-    path = Path(path)
-    path.write_text(page, encoding="utf-8")
-    return path
+    return write_text(path, page, "sweep.html")

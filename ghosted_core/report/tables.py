@@ -11,6 +11,7 @@ import pandas as pd
 from ghosted_core.planning.advice import worse_than_pruning
 from ghosted_core.evaluation.tasks import TASKS
 from ghosted_core.run.options import OPERATOR_CHOICES
+from ghosted_core.selection.criteria import criterion_title
 
 
 PALETTE = ("#dc2626", "#ea580c", "#ca8a04", "#4f46e5", "#0d9488", "#16a34a", "#9333ea", "#db2777", "#0891b2",
@@ -26,6 +27,12 @@ def variant_colors(names: Sequence[str]) -> dict[str, str]:
             index = OPERATOR_CHOICES.index(name) if name in OPERATOR_CHOICES else len(colors)
             colors[name] = PALETTE[index % len(PALETTE)]
     return colors
+
+
+def esc(text: object) -> str:
+    """A user- or model-controlled string (a model name, a label quoting an uploaded file's name) made safe for
+    Markdown, HTML and chart titles: `<script>` shows as text."""
+    return html.escape(str(text), quote=False)
 
 
 def fmt(value: float | None, digits: int = 2) -> str:
@@ -61,6 +68,11 @@ def corpus_tag(report: dict, corpus: str) -> str:
     return f"{corpus} ({'exact' if info.get('real') else 'stand-in'})"
 
 
+def ppl_columns(report: dict, corpora: Sequence[str]) -> list[str]:
+    """'ptb (exact) ppl', 'ptb (exact) recovered', … for every corpus: a sweep's and a comparison's table columns."""
+    return [f"{corpus_tag(report, corpus)} {what}" for corpus in corpora for what in ("ppl", "recovered")]
+
+
 def plural(count: int, noun: str) -> str:
     """'1 block', '7 blocks'."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
@@ -68,9 +80,11 @@ def plural(count: int, noun: str) -> str:
 
 def cut_text(report: dict) -> str:
     """What the run removes: the blocks once chosen, never 'removed 0 blocks: none' before they are scored."""
-    removed, criterion = report.get("removed_layers", []), report.get("criterion", "")
+    removed, criterion = report.get("removed_layers", []), criterion_title(report.get("criterion", ""))
     if "sweep" in report:
         return f"{criterion} sweep over n = **{', '.join(map(str, report['sweep'].get('depths', [])))}** blocks"
+    if "compare" in report:
+        return f"criteria compared at n = **{report['compare'].get('n')}**: {', '.join(report['compare']['criteria'])}"
     if removed:
         return f"{criterion} removed **{plural(len(removed), 'block')}: {blocks_text(removed)}**"
     if criterion == "none":
@@ -80,10 +94,10 @@ def cut_text(report: dict) -> str:
 
 def context_line(report: dict) -> str:
     """Model, removed blocks and calibration: the caption every table and chart carries."""
-    line = f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks) · {cut_text(report)}"
+    line = f"**{esc(report.get('model', ''))}** ({report.get('num_layers', '?')} blocks) · {cut_text(report)}"
     cal = report.get("calibration", {})
     if cal.get("label"):
-        line += f" · calibration: {cal['label']}, {cal['sequences']} × {cal['seqlen']} tokens, seed {cal['seed']}"
+        line += f" · calibration: {esc(cal['label'])}, {cal['sequences']} × {cal['seqlen']} tokens, seed {cal['seed']}"
     return line
 
 
@@ -98,7 +112,7 @@ def corpora_caption(report: dict) -> str:
     parts = []
     for corpus in report.get("variants", {}).get("dense", {}).get("ppl", {}):
         info = report["corpora"].get(corpus, {})
-        parts.append(f"{corpus} = {info.get('label', corpus)} ({info.get('windows', '?')} windows, "
+        parts.append(f"{esc(corpus)} = {esc(info.get('label', corpus))} ({info.get('windows', '?')} windows, "
                      f"{info.get('tokens', '?')} tokens)")
     return " · ".join(parts)
 

@@ -16,13 +16,13 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.statistics import BoundaryStats
-from ghosted_core.calibration.collect import collect_boundary_stats
+from ghosted_core.calibration.collect import HeldoutRows, collect_boundary_stats
 from ghosted_core.recovery.heldout import measure_errors
-from ghosted_core.model.loading import decoder_blocks
-from ghosted_core.recovery.assessment import BoundaryMap, FitReport, assess
+from ghosted_core.model.loading import decoder_blocks, module_device
+from ghosted_core.recovery.assessment import BoundaryMap, Diagnostics, FitReport, assess
 from ghosted_core.recovery.magcomp import cut_index
 from ghosted_core.recovery.operators import Fit, choose_by_heldout, get_operator, needs_of
-from ghosted_core.recovery.modules import branch_replacement, module_device, refit_replacement, residual_module
+from ghosted_core.recovery.modules import branch_replacement, refit_replacement, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.model.scaling import scale_before
 from ghosted_core.model.surgery import build_variant, patch_site
@@ -96,6 +96,13 @@ def _sequential_stats(dense: PreTrainedModel, plan: PruningPlan, k: int, view: P
     return stats, source_start
 
 
+def report_detail(options: RunOptions) -> Diagnostics:
+    """The fit-report parts a run computes: as asked, plus calibration-token errors when nothing is held out
+    (they then stand in for the held-out errors every view shows)."""
+    detail = options.diagnostics
+    return detail if options.heldout > 0 else dataclasses.replace(detail, fit_errors=True)
+
+
 def _with_heldout(report: FitReport, errors) -> FitReport:
     return report if errors is None else dataclasses.replace(
         report, heldout_error=errors.relative, heldout_error_ordinary=errors.relative_ordinary,
@@ -103,14 +110,15 @@ def _with_heldout(report: FitReport, errors) -> FitReport:
 
 
 def choose_fit(dense: PreTrainedModel, fit: Fit, batches, options: RunOptions, source: PreTrainedModel | None = None,
-               source_start: int | None = None) -> Fit:
+               source_start: int | None = None, kept: HeldoutRows | None = None) -> Fit:
     """A fit that carries candidates (replaceme_keepsink: one per number of sink directions) becomes the
     candidate with the lowest held-out boundary error. Time: one held-out pass up to the boundary for
-    all candidates (one per candidate for a sequential fit); memory: the candidates' C×C updates."""
+    all candidates (none with `kept` rows; one per candidate for a sequential fit); memory: the
+    candidates' C×C updates."""
     if not fit.candidates:
         return fit
     if source is None:
-        errors = measure_errors(dense, list(fit.candidates), batches, options.calibrate)
+        errors = measure_errors(dense, list(fit.candidates), batches, options.calibrate, kept=kept)
     else:
         errors = [measure_errors(dense, [c], batches, options.calibrate, source, source_start)[0] for c in fit.candidates]
     return choose_by_heldout(fit, errors)
@@ -133,7 +141,7 @@ def fit_variant(dense: PreTrainedModel, plan: PruningPlan, variant: VariantSpec,
             boundary_stats, source_start = _sequential_stats(dense, plan, k, source, batches, options, variant.operator)
         fit = choose_fit(dense, spec.fit(boundary_stats, options.fit), batches, options, source, source_start)
         fits.append(fit)
-        reports.append(assess(fit, boundary_stats))
+        reports.append(assess(fit, boundary_stats, detail=report_detail(options)))
         if source is not None:
             held.append(measure_errors(dense, [fit], batches, options.calibrate, source, source_start)[0])
     independent = [k for k in range(len(fits)) if not (variant.sequential and k > 0)]
@@ -155,20 +163,21 @@ class VariantBuild:
     maps: list[BoundaryMap] = field(default_factory=list)
     reports: list[FitReport] = field(default_factory=list)
 
-    def add(self, dense: PreTrainedModel, fit: Fit, stats: BoundaryStats) -> None:
-        """Realize, assess and compact one fit; the float64 update is not kept."""
+    def add(self, dense: PreTrainedModel, fit: Fit, stats: BoundaryStats, detail: Diagnostics = Diagnostics()) -> None:
+        """Realize, assess (the parts `detail` asks for) and compact one fit; the float64 update is not kept."""
         patches, replacements, scales = _realize(dense, [fit])
         self.patches.update(patches)
         self.replacements.update(replacements)
         self.scales.update(scales)
-        self.reports.append(assess(fit, stats))
+        self.reports.append(assess(fit, stats, detail=detail))
         self.maps.append(BoundaryMap.of(fit))
 
 
 def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[VariantSpec],
-                 stats: list[BoundaryStats | None], batches,
-                 options: RunOptions) -> tuple[dict[str, list[FitReport]], dict[str, PreTrainedModel]]:
-    """Fit every variant at every boundary, build the variants, then measure held-out errors in one pass.
+                 stats: list[BoundaryStats | None], batches, options: RunOptions,
+                 kept: HeldoutRows | None = None) -> tuple[dict[str, list[FitReport]], dict[str, PreTrainedModel]]:
+    """Fit every variant at every boundary, build the variants, then measure held-out errors in one pass
+    (no pass with the `kept` rows of the calibration pass, for the independent fits).
 
     Memory: boundary by boundary, every fit that reads a boundary's statistics is made, realized
     as its module and compacted (`BoundaryMap`), then that entry of `stats` is set to None (the
@@ -181,8 +190,9 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     for k in range(len(stats)):
         for variant in variants:
             if not variant.sequential or k == 0:
-                fit = choose_fit(dense, get_operator(variant.operator).fit(stats[k], options.fit), batches, options)
-                builds[variant.name].add(dense, fit, stats[k])
+                fit = choose_fit(dense, get_operator(variant.operator).fit(stats[k], options.fit), batches, options,
+                                 kept=kept)
+                builds[variant.name].add(dense, fit, stats[k], report_detail(options))
                 del fit
         if k > 0 or not sequential:
             stats[k] = None
@@ -198,11 +208,11 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
             boundary_stats, source_start = _sequential_stats(dense, plan, k, view, batches, options, variant.operator)
             fit = get_operator(variant.operator).fit(boundary_stats, options.fit)
             fit = choose_fit(dense, fit, batches, options, view, source_start)
-            build.add(dense, fit, boundary_stats)
+            build.add(dense, fit, boundary_stats, report_detail(options))
             del boundary_stats
             errors = measure_errors(dense, [build.maps[k]], batches, options.calibrate, view, source_start)[0]
             build.reports[k] = _with_heldout(build.reports[k], errors)
-    measured = measure_errors(dense, [b.maps[k] for b, k in independent], batches, options.calibrate)
+    measured = measure_errors(dense, [b.maps[k] for b, k in independent], batches, options.calibrate, kept=kept)
     for (build, k), errors in zip(independent, measured):
         build.reports[k] = _with_heldout(build.reports[k], errors)
     reports = {name: b.reports for name, b in builds.items()}

@@ -2,7 +2,8 @@
 
 `validate` refuses bad input before any expensive step. `planned` resolves the calibration size
 and asks `memory.plan_memory` where things go, before loading (from the config) or after it
-(from where the weights already are); the pipeline and the sweep both plan through here.
+(from where the weights already are, counting what they hold as available to the run); the
+pipeline, the sweep and the cost estimates all plan through `memory_plan` here.
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transformers import PreTrainedModel
-
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.generation import GenerationOptions
-from ghosted_core.memory import MemoryPlan, inner_width, max_boundaries, min_calibration_sequences, plan_memory
+from ghosted_core.memory import MemoryPlan, PlanRequest, plan_memory, resident_bytes
+from ghosted_core.memory_parts import inner_width, max_boundaries, min_calibration_sequences
 from ghosted_core.model.embedded import DEFAULT_MODEL
-from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_options, peek_config, resolve_device, resolve_dtype
+from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_options, model_placement, peek_config, \
+    resolve_device, resolve_dtype
+from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
-from ghosted_core.recovery.modules import module_device
 from ghosted_core.selection.criteria import SelectionRequest, check_request, get_criterion
 from ghosted_core.evaluation.tasks import parse_tasks
 from ghosted_core.data.user_text import USER_CORPUS, UserText
@@ -88,6 +89,7 @@ class RunOptions:
     generation: GenerationOptions = GenerationOptions()
     fit: FitOptions = FitOptions()
     calibrate: CalibrationOptions = CalibrationOptions()
+    diagnostics: Diagnostics = SHOWN  # O(C³) fit-report parts beyond the summary's (--diagnostics: all)
     user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
     quiet: bool = False
 
@@ -125,6 +127,7 @@ def validate(options: RunOptions, num_layers: int | None = None, max_positions: 
             raise GhostedError(f"--task_limit must be at least 1 (got {options.task_limit})")
     if options.train_size is not None and options.train_size < 1 or options.seqlen < 2:
         raise GhostedError("--train_size must be at least 1 and --seqlen at least 2")
+    _check_counts(options)
     sizes = {"--batch_size": options.calibrate.batch_size, "eval batch size": options.eval_batch_size,
              "--task_batch_size": options.task_batch_size}
     for flag, size in sizes.items():
@@ -138,6 +141,23 @@ def validate(options: RunOptions, num_layers: int | None = None, max_positions: 
         check_request(options.criterion, selection_request(options, num_layers))
 
 
+SEED_LIMIT = 2**32  # seeds are 0 … 2³² − 1 (what every generator the run seeds accepts)
+
+
+def _check_counts(options: RunOptions) -> None:
+    """Sizes and seeds that no run could use, refused before any work (a negative cap, a 1-token window)."""
+    if not 0 <= options.seed < SEED_LIMIT:
+        raise GhostedError(f"--seed must be between 0 and {SEED_LIMIT - 1} (got {options.seed})")
+    if options.eval_max_tokens is not None and options.eval_max_tokens < 1:
+        raise GhostedError(f"--eval_max_tokens must be at least 1, or 0 for the whole split (got {options.eval_max_tokens})")
+    if options.eval_seqlen is not None and options.eval_seqlen < 2:
+        raise GhostedError(f"--eval_seqlen must be at least 2 tokens (got {options.eval_seqlen})")
+    if options.heldout_size is not None and options.heldout_size < 0:
+        raise GhostedError(f"--heldout_size must be at least 0 (got {options.heldout_size})")
+    if options.drift_windows < 0:
+        raise GhostedError(f"drift windows must be at least 0 (got {options.drift_windows})")
+
+
 def selection_request(options: RunOptions, num_layers: int) -> SelectionRequest:
     return SelectionRequest(num_layers, options.num_prune, options.layers, options.cosine)
 
@@ -149,56 +169,89 @@ def sized(options: RunOptions, width: int) -> RunOptions:
     return dataclasses.replace(options, train_size=min_calibration_sequences(width, options.seqlen))
 
 
-def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None,
-                boundaries: int | None = None) -> MemoryPlan:
-    """The run's memory plan from the config (before loading: device and dtype as the load options say)."""
+PREFIX_CACHE_BYTES = 2 * 2**30  # a sweep's default cap on its kept dense evaluation states
+UNCAPPED_EVAL_TOKENS = 100_000  # perplexity tokens assumed per corpus without a cap (PTB's test split: ~82k)
+
+
+def plan_request(options: RunOptions, config, boundaries: int | None = None,
+                 depths: Sequence[int] | None = None, kept_cap: int = PREFIX_CACHE_BYTES) -> PlanRequest:
+    """What `options` asks for, in the counts the memory plan multiplies out (the one place that spells
+    `RunOptions` out for `memory.plan_memory`).
+
+    `boundaries`: statistics alive at once (None: the most the criterion can make, summed over a
+    sweep's `depths`). A sweep (`depths` given) keeps one dense state per depth, under `kept_cap`.
+    """
+    layers = config.num_hidden_layers
+    chosen = tuple(sorted(set(depths))) if depths else (options.num_prune,)
+    per_depth = [max_boundaries(options.criterion, layers, n, options.layers) for n in chosen]
+    if boundaries is None:
+        boundaries = sum(per_depth)
+    sequences = options.train_size or min_calibration_sequences(config.hidden_size, options.seqlen)
+    eval_seqlen = options.eval_seqlen or options.seqlen
+    per_corpus = options.eval_max_tokens // eval_seqlen * eval_seqlen if options.eval_max_tokens else UNCAPPED_EVAL_TOKENS
+    cal = options.calibrate
+    scores = get_criterion(options.criterion).needs_similarity
+    needs = needs_of(v.operator for v in options.variants)
+    return PlanRequest(
+        needs=needs, boundaries=boundaries, sequences=sequences,
+        inner=inner_width(config, needs),
+        refit_candidates=len(set(options.fit.refit_lambdas)) * len(set(options.fit.refit_sink_directions)),
+        seqlen=options.seqlen, batch_size=cal.batch_size, sink_capacity=cal.capacity(sequences),
+        operators=tuple(get_operator(v.operator).cost for v in options.variants),
+        variant_boundaries=max(per_depth) if depths else boundaries, candidates=len(set(options.fit.sink_directions)),
+        heldout=options.heldout, score_streams=max(chosen) + 1 if scores else 0, eval_batch=options.eval_batch_size,
+        eval_seqlen=options.eval_seqlen, eval_tokens=len(options.eval_corpora) * per_corpus,
+        kept_indices=len(chosen) if depths else 0, kept_cap=kept_cap,
+        drift=not depths and options.drift_windows > 0 and bool(options.eval_corpora),
+        sequential=any(v.sequential for v in options.variants), keep_heldout=not depths and options.heldout > 0,
+        pipeline=cal.pipeline, stats_device=cal.stats_device)
+
+
+def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None, boundaries: int | None = None,
+                depths: Sequence[int] | None = None, resident: tuple[int, int] = (0, 0),
+                device_available: int | None = None, host_available: int | None = None) -> MemoryPlan:
+    """The run's memory plan from the config (before loading: device and dtype as the load options say;
+    once loaded: its placement, and `resident` = `memory.resident_bytes` of the loaded model)."""
     device = device or resolve_device(options.load.device)
     dtype = dtype or resolve_dtype(options.load.dtype, device)
-    if boundaries is None:
-        boundaries = max_boundaries(options.criterion, config.num_hidden_layers, options.num_prune, options.layers)
-    sequences = options.train_size or min_calibration_sequences(config.hidden_size, options.seqlen)
-    cal = options.calibrate
-    return plan_memory(config, options.model, device, dtype, needs_of(v.operator for v in options.variants),
-                       boundaries, sequences, options.seqlen, cal.batch_size, cal.capacity(sequences),
-                       options.eval_batch_size, options.eval_seqlen, cal.pipeline, cal.stats_device)
+    return plan_memory(config, options.model, device, dtype, plan_request(options, config, boundaries, depths),
+                       device_available, host_available, resident)
 
 
-def planned(options: RunOptions, loaded: LoadedModel | None = None,
-            boundaries: int | None = None) -> tuple[RunOptions, MemoryPlan]:
+def planned(options: RunOptions, loaded: LoadedModel | None = None, boundaries: int | None = None,
+            depths: Sequence[int] | None = None) -> tuple[RunOptions, MemoryPlan]:
     """Options with the calibration size resolved and calibration placed, and the memory plan behind them.
 
     Before loading (`loaded` None) the plan comes from the config alone; a plan that cannot fit
-    is refused here, before any weight is read. `boundaries`: how many boundaries the statistics
-    hold at once (None: the most this criterion and depth can make).
+    is refused here, before any weight is read. Once loaded, the plan adds what the model already
+    holds to the free memory it measures, so it is the plan made before loading. `boundaries`:
+    how many boundaries the statistics hold at once (None: the most this criterion and depth, or
+    a sweep's `depths`, can make).
     """
     if loaded is None:
-        config = peek_config(options.model)
+        config = peek_config(options.model, options.load.local_folders)
         options = sized(options, config.hidden_size)
-        plan = memory_plan(options, config, boundaries=boundaries)
+        plan = memory_plan(options, config, boundaries=boundaries, depths=depths)
     else:
         options = sized(options, loaded.hidden_size)
-        plan = memory_plan(options, loaded.model.config, *loaded_placement(loaded.model), boundaries=boundaries)
+        plan = memory_plan(options, loaded.model.config, *model_placement(loaded.model), boundaries=boundaries,
+                           depths=depths, resident=resident_bytes(loaded.model))
     plan.check()
     log.info(plan.summary())
     return _placed(plan, options), plan
 
 
 def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
-    """Options with the plan's calibration pipeline and, on a GPU, its statistics device."""
+    """Options with the plan's calibration pipeline, whether the held-out rows are kept, and, on a GPU, its
+    statistics device."""
     cal = options.calibrate
     stats_device = plan.stats_device if cal.stats_device == "auto" and plan.device != "cpu" else cal.stats_device
     compute = cal.compute_device
     if plan.pipeline == "blocks" and compute is None and plan.device.startswith("cuda"):
         compute = plan.device
-    return dataclasses.replace(options, calibrate=dataclasses.replace(cal, pipeline=plan.pipeline,
-                                                                      stats_device=stats_device, compute_device=compute))
-
-
-def loaded_placement(model: PreTrainedModel) -> tuple[str, object]:
-    """(device, dtype) of an already loaded model, as the memory plan names them."""
-    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
-        return "map", model.dtype
-    return str(module_device(model.model.embed_tokens)), model.dtype
+    return dataclasses.replace(options, calibrate=dataclasses.replace(
+        cal, pipeline=plan.pipeline, stats_device=stats_device, compute_device=compute,
+        keep_heldout=plan.heldout_rows_bytes > 0))
 
 
 OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]

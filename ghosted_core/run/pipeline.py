@@ -12,21 +12,22 @@ from collections.abc import Iterator
 
 
 from ghosted_core.data import corpora
-from ghosted_core.calibration.collect import collect_stats, make_batches
+from ghosted_core.calibration.collect import HeldoutRows, collect_stats, make_batches
 from ghosted_core.evaluation.perplexity import block_drift, perplexity
 from ghosted_core.evaluation.generation import generate
-from ghosted_core.memory import min_calibration_sequences
+from ghosted_core.memory_parts import min_calibration_sequences
 from ghosted_core.export.model_card import run_record
-from ghosted_core.model.loading import LoadedModel, load_model, \
-    max_positions, peek_config
+from ghosted_core.model.loading import LoadedModel, load_model, max_positions, model_placement, peek_config
+from ghosted_core.oom import guard_stages
 from ghosted_core.recovery.operators import needs_of
-from ghosted_core.selection.criteria import get_criterion, \
-    select_blocks
+from ghosted_core.selection.choose import select_blocks
+from ghosted_core.selection.criteria import get_criterion
 from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.evaluation.tasks import evaluate_tasks
 from ghosted_core.data.user_text import USER_CORPUS
 from ghosted_core.run.fitting import fit_variants
-from ghosted_core.run.options import RunOptions, loaded_placement, memory_plan, planned, selection_request, validate
+from ghosted_core.memory import resident_bytes
+from ghosted_core.run.options import RunOptions, memory_plan, planned, selection_request, validate
 from ghosted_core.run.result import RunResult
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,14 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
     `should_stop` (e.g. `threading.Event().is_set`) is polled before every stage and between the
     batches of perplexity and drift and the variants of generation and tasks; when it returns
     True the generator raises `stopping.RunStopped` naming the stage, and the result yielded last
-    holds every stage finished before it.
+    holds every stage finished before it. Running out of memory raises a `GhostedError` that
+    names the settings to lower, once what the stage held is freed (`oom.guard_stages`).
     """
+    return guard_stages(_stages(options, loaded, should_stop), "load model")
+
+
+def _stages(options: RunOptions, loaded: LoadedModel | None,
+            should_stop: StopCheck) -> Iterator[tuple[str, RunResult]]:
     validate(options)
     result = RunResult(options)
     clock = time.perf_counter()
@@ -53,7 +60,7 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
         return stage, result
 
     if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
-        config = peek_config(options.model)
+        config = peek_config(options.model, options.load.local_folders)
         validate(options, config.num_hidden_layers, max_positions(config))
     options, plan = planned(options, loaded)
     result.options, result.memory_plan = options, plan
@@ -83,13 +90,15 @@ def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
 
     if plan.removed:
         check_stop(should_stop, "calibrate")
-        result.memory_plan = memory_plan(options, dense.config, *loaded_placement(dense), len(plan.boundaries))
+        result.memory_plan = memory_plan(options, dense.config, *model_placement(dense), len(plan.boundaries),
+                                         resident=resident_bytes(dense))  # the boundaries it made, as placed
         needs = needs_of(v.operator for v in options.variants)
-        stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs)
+        kept = HeldoutRows() if options.calibrate.keep_heldout else None  # the held-out rows, from this same pass
+        stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs, heldout=kept)
         yield done("calibrate")
         check_stop(should_stop, "fit operators")
-        reports, models = fit_variants(dense, plan, options.variants, stats, batches, options)
-        del stats  # every entry was released as soon as its fits existed
+        reports, models = fit_variants(dense, plan, options.variants, stats, batches, options, kept)
+        del stats, kept  # every statistic was released as soon as its fits existed; the rows once measured
         for variant in options.variants:
             result.fits[variant.name] = reports[variant.name]
             result.notes += [f"{variant.name}, boundary {r.boundary}: {note}"

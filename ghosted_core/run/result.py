@@ -13,7 +13,7 @@ from ghosted_core.evaluation.perplexity import BlockDrift
 from ghosted_core.memory import MemoryPlan
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.plan import PruningPlan
-from ghosted_core.selection.criteria import SimilarityStats
+from ghosted_core.selection.similarity import SimilarityStats
 from ghosted_core.evaluation.tasks import TaskResults
 from ghosted_core.run.options import RunOptions
 

@@ -358,37 +358,6 @@ def test_blocks_pipeline_respects_padding(tiny_gemma):
     torch.testing.assert_close(blocks.ordinary.xtd, full.ordinary.xtd, rtol=1e-10, atol=1e-10)
 
 
-def test_blocks_pipeline_holds_one_block_on_the_compute_device_at_a_time(tiny_gemma, monkeypatch):
-    """Every move of a block to the compute device is undone before the next block moves, and a
-    block only runs between its two moves (tracked `.to()` calls; on a GPU machine, real moves)."""
-    events = []
-    for j, block in enumerate(tiny_gemma.model.layers):
-        original = block.to
-
-        def tracked(*args, j=j, original=original, **kwargs):
-            events.append(("to", j))
-            return original(*args, **kwargs)
-        monkeypatch.setattr(block, "to", tracked)
-    handles = [block.mlp.register_forward_pre_hook(lambda m, a, j=j: events.append(("run", j)))  # real computation only
-               for j, block in enumerate(tiny_gemma.model.layers)]
-    try:
-        collect_stats(tiny_gemma, [Boundary(2, 4)], make_batches(random_tokens(6, 12), None, 2),
-                      CalibrationOptions(quiet=True, pipeline="blocks"))
-    finally:
-        for handle in handles:
-            handle.remove()
-    on: set[int] = set()
-    for kind, j in events:
-        if kind == "to":
-            on ^= {j}
-            assert len(on) <= 1, events
-        else:
-            assert on == {j}, events  # runs only while it alone is on the compute device
-    assert not on
-    assert [e for e in events if e[0] == "to"] == [("to", j) for j in range(4) for _ in range(2)]  # blocks 0..3, once
-    assert sum(1 for e in events if e == ("run", 0)) == 3  # every batch passed through the block while it was there
-
-
 def test_blocks_pipeline_measures_heldout_errors_like_full(tiny_gemma):
     ids = random_tokens(6, 10)
     batches = make_batches(ids[:4], ids[4:], 2)

@@ -19,7 +19,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.perplexity import perplexity
 from ghosted_core.run.options import RunOptions, validate
 from ghosted_core.run.pipeline import calibration_batches, window_counts
-from tests.conftest import make_tiny_model
+from conftest import make_tiny_model
 
 BOS_ID = 1  # SmolLM2's "<|im_start|>": never produced by encoding plain text
 

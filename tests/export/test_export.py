@@ -54,6 +54,30 @@ def test_stock_export_loads_without_ghosted_core_and_matches_the_variant(family,
         assert_same_model(loaded[name], variants[name], ids)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_stock_qwen_export_keeps_sliding_windows_on_the_same_blocks(family, tmp_path):
+    """Qwen2/Qwen3 with sliding windows above max_window_layers = 3, blocks 1 and 4 removed: the exported
+    config.json slices layer_types and re-counts max_window_layers (3 → 2), an engine that reads only
+    max_window_layers derives the same layer types, and the export reloaded in plain transformers gives the
+    variant's logits on sequences longer than the window (where a misplaced window would change them)."""
+    model = make_tiny_model(family, use_sliding_window=True, sliding_window=4, max_window_layers=3)
+    assert model.config.layer_types == ["full_attention"] * 3 + ["sliding_attention"] * 3
+    _plan, variants = recovered_variants(model, (1, 4))
+    folders = {}
+    for name in ("none", "replaceme"):
+        folders[name] = export_variant(variants[name], None, tmp_path / name, mode="stock").folder
+        config = json.loads((folders[name] / "config.json").read_text())
+        assert config["layer_types"] == ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+        assert config["max_window_layers"] == 2 and config["num_hidden_layers"] == 4
+        assert config["use_sliding_window"] is True and config["sliding_window"] == 4
+        engine = type(model.config).from_dict({k: v for k, v in config.items() if k != "layer_types"})
+        assert engine.layer_types == config["layer_types"]
+    ids = random_tokens(2, 20, seed=4)  # 20 tokens > the 4-token window
+    loaded = load_in_fresh_process(tmp_path / "fresh", folders, ids, trust_remote_code=False)
+    for name in folders:
+        assert_same_model(loaded[name], variants[name], ids)
+
+
 def test_replaceme_on_gemma3_does_not_fold_and_says_why(tiny_gemma, tmp_path):
     _plan, variants = recovered_variants(tiny_gemma, (2, 3))
     with pytest.raises(GhostedError, match="post_feedforward_layernorm"):

@@ -16,7 +16,9 @@ from ghosted_core.hub import hub_reachable
 from ghosted_core.model.embedded import EMBEDDED
 from ghosted_core.model.loading import LoadOptions, decoder_blocks, load_model, placement, \
     resolve_dtype
-from ghosted_core.memory import check_fits, estimate_parameters
+from ghosted_core.memory import check_fits
+from ghosted_core.memory_parts import estimate_parameters
+from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run
 from ghosted_core.architectures import ARCHITECTURES
@@ -126,7 +128,8 @@ def test_family_runs_the_whole_pipeline(tiny_folder, smollm2_tokenizer, family, 
     options = RunOptions(model=str(tiny_folder(family)), criterion="shortgpt", num_prune=2,
                          variants=parse_variants("none,ghost,replaceme,ghost+seq"), calibration="ptb", train_size=4,
                          seqlen=32, eval_corpora=("ptb",), eval_max_tokens=128, prompt="The market",
-                         generation=GenerationOptions(max_new_tokens=4), quiet=True, load=LoadOptions(device="cpu"))
+                         generation=GenerationOptions(max_new_tokens=4), quiet=True, load=LoadOptions(device="cpu"),
+                         diagnostics=Diagnostics())
     result = run(options, loaded)
     assert result.model_description.startswith("local folder") and result.num_layers == TINY_LAYERS
     assert type(result.models["dense"]).__name__.lower().startswith(family)

@@ -20,6 +20,7 @@ from conftest import random_tokens
 from ghosted_core.cli import main
 from ghosted_core.export.folder import load_recovered
 from ghosted_core.model.loading import LoadOptions, load_model, parse_max_memory
+from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run
 
@@ -49,7 +50,7 @@ def capped(tiny_model_folder, smollm2_tokenizer, tmp_path_factory):
 def run_options(model: str) -> RunOptions:
     return RunOptions(model=model, criterion="manual", layers=REMOVED, variants=parse_variants(VARIANTS),
                       calibration="ptb", train_size=4, seqlen=32, eval_corpora=("ptb",), eval_max_tokens=128,
-                      quiet=True)
+                      quiet=True, diagnostics=Diagnostics())
 
 
 def test_max_memory_flag_is_parsed_into_bytes():
@@ -98,7 +99,7 @@ def test_cli_device_map_with_a_memory_cap_runs_calibration_perplexity_and_save(t
     cap, total = cap_below_model(tiny_model_folder)
     common = ["--model", str(tiny_model_folder), "--pruning_method", "manual", "--layers", "1,3-4",
               "--insert_type", VARIANTS, "--calibration_data", "ptb", "--train_size", "4", "--seqlen", "32",
-              "--eval_ppl", "ptb", "--eval_max_tokens", "128", "--quiet"]
+              "--eval_ppl", "ptb", "--eval_max_tokens", "128", "--quiet", "--diagnostics"]
     with caplog.at_level(logging.INFO, logger="ghosted_core.model.loading"):
         assert main([*common, "--device", "map", "--max_memory", f"cpu={cap}", "--offload_folder",
                      str(tmp_path / "offload"), "--outdir", str(tmp_path / "map"), "--save_model",

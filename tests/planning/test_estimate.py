@@ -12,7 +12,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.planning.estimate import ZEROGPU_MAX_SECONDS, ZEROGPU_MIN_SECONDS, DeviceInfo, current_device, \
     estimate_memory, estimate_time, gpu_duration, workload
 from ghosted_core.run.options import statistics_bytes_per_boundary
-from ghosted_core.memory import estimate_parameters
+from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.run.options import RunOptions
 from ghosted_core.plan import Boundary
@@ -38,16 +38,16 @@ def test_memory_estimate_plans_every_boundary_of_a_sweep_at_once():
     options = RunOptions(model="meta-llama/Llama-3.1-8B", train_size=64)
     single = estimate_memory(config, options, device=DEVICE)
     per_boundary = statistics_bytes_per_boundary(4096, options, config=config)
-    assert single.weights == estimate_parameters(config) * 2 and single.statistics == per_boundary
-    assert single.plan.stats_bytes_per_boundary == per_boundary and single.kept_states == 0
+    assert single.weights_bytes == estimate_parameters(config) * 2 and single.stats_bytes == per_boundary
+    assert single.stats_bytes_per_boundary == per_boundary and single.kept_states_bytes == 0
     sweep = estimate_memory(config, options, (2, 4, 6, 8, 10), device=DEVICE)
-    assert sweep.statistics == 5 * single.statistics  # streamline: one boundary per depth, all alive in the pass
-    assert sweep.kept_states == 5 * 2 * 8192 * 4096 * 2  # two corpora × 8192 tokens × C × bf16 per depth
-    assert sweep.on_device == sweep.plan.device_bytes + sweep.kept_states
+    assert sweep.stats_bytes == 5 * single.stats_bytes  # streamline: one boundary per depth, all alive in the pass
+    assert sweep.kept_states_bytes == 5 * 2 * 8192 * 4096 * 2  # two corpora × 8192 tokens × C × bf16 per depth
+    assert sweep.on_device == sweep.device_bytes >= single.device_bytes + sweep.kept_states_bytes
     shortgpt = estimate_memory(config, replace(options, criterion="shortgpt"), (2, 4), device=DEVICE)
-    assert shortgpt.statistics == 6 * single.statistics  # worst case: a boundary per removed block
+    assert shortgpt.stats_bytes == 6 * single.stats_bytes  # worst case: a boundary per removed block
     cpu = estimate_memory(config, options)
-    assert cpu.weights == 2 * single.weights and cpu.on_device == cpu.plan.host_bytes  # fp32 on the CPU
+    assert cpu.weights_bytes == 2 * single.weights_bytes and cpu.on_device == cpu.host_bytes  # fp32 on the CPU
 
 
 def test_time_estimate_scales_with_tokens_depths_and_device():

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.planning.estimate import DeviceInfo
-from ghosted_core.memory import estimate_parameters
+from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.run.options import RunOptions
 from ghosted_core.planning.presets import PRESETS, check_preset, config_for, get_preset, preset_status, \
     preset_statuses
@@ -51,7 +51,7 @@ def test_offline_every_preset_is_unavailable_and_says_why():
     assert len(statuses) == len(PRESETS)
     for status in statuses:
         assert not status.available and "cannot be reached" in status.reason
-        assert status.memory.weights == status.preset.params * 2  # bf16 on a GPU
+        assert status.memory.weights_bytes == status.preset.params * 2  # bf16 on a GPU
         assert status.seconds.total > 0
         assert status.to_json()["available"] is False
 
@@ -67,7 +67,7 @@ def test_gated_without_a_token_or_too_big_is_refused_before_any_download():
     qwen3b = get_preset("qwen2.5-3b")
     assert preset_status(qwen3b, on_gpu, MID_GPU, token="", online=True).available
     crowded = preset_status(qwen3b, on_gpu, MID_GPU, (2, 4, 6, 8, 10), token="", online=True)
-    assert crowded.memory.plan.boundaries == 2 + 4 + 6 + 8 + 10  # ShortGPT at its worst: a boundary per block
+    assert crowded.memory.boundaries == 2 + 4 + 6 + 8 + 10  # ShortGPT at its worst: a boundary per block
     assert not crowded.available and "sweep fewer depths" in crowded.reason  # every depth's statistics at once
     small = preset_status(get_preset("qwen2.5-0.5b"), RunOptions(), SMALL_GPU, token="", online=True)
     assert small.available and small.reason == ""

@@ -190,6 +190,36 @@ def test_rank_deficient_fit_warns_and_falls_back(caplog):
     assert full.ridge_fallback is None
 
 
+def _gram_with_condition(cond: float, width: int = 64, seed: int = 0) -> torch.Tensor:
+    """A symmetric PSD matrix with eigenvalues spread log-evenly from 1e3 down to 1e3 / cond, in a random basis."""
+    basis, _ = torch.linalg.qr(torch.randn(width, width, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+    values = torch.logspace(3, 3 - np.log10(cond), width, dtype=torch.float64)
+    return (basis * values) @ basis.T
+
+
+@pytest.mark.parametrize("cond", [1e4, 1e9, 1e11, 1e13, 1e15])
+def test_the_cholesky_test_gives_the_eigenvalues_verdict(cond):
+    from ghosted_core.recovery.operators import condition_number, ill_conditioned, largest_eigenvalue
+
+    gram = _gram_with_condition(cond)
+    assert largest_eigenvalue(gram) == pytest.approx(1e3, rel=1e-2)  # to about its tolerance: the verdict needs no more
+    assert ill_conditioned(gram, 1e12) == (condition_number(gram) > 1e12) == (cond > 1e12)
+
+
+def test_an_ill_conditioned_fit_falls_back_with_or_without_its_condition_number():
+    stats, *_ = synthetic_stats(tokens=400)
+    gram = stats.ordinary.xtx.clone()
+    gram[:, 0] = gram[:, 1] * (1 + 1e-15)  # two channels the same: singular up to rounding
+    gram[0, :] = gram[1, :] * (1 + 1e-15)
+    from ghosted_core.recovery.operators import solve_ridge
+
+    cheap = solve_ridge(gram, stats.ordinary.xtd, 400, FitOptions())
+    exact = solve_ridge(gram, stats.ordinary.xtd, 400, FitOptions(condition_number=True))
+    assert cheap[1] == exact[1] > FitOptions().epsilon  # the same relative ridge
+    torch.testing.assert_close(cheap[0], exact[0], rtol=0, atol=0)
+    assert "cond(XᵀX) > 1e+12" in cheap[3][0] and exact[2] > 1e12 and np.isnan(cheap[2])
+
+
 def test_relative_ridge_option():
     stats, *_ = synthetic_stats()
     fit = get_operator("ghost").fit(stats, FitOptions(ridge="relative", ridge_lambda=1e-3))

@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from ghosted_core.run import sweep as sweep_module
+from ghosted_core.run import plans as plans_module
 from ghosted_core.calibration.collect import CalibrationOptions
+from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.errors import GhostedError
 from ghosted_core.model.loading import LoadOptions, load_model
 from ghosted_core.run.options import RunOptions, parse_variants
@@ -27,7 +28,7 @@ def loaded(tiny_model_folder):
 def options_for(folder, criterion: str = "shortgpt", variants: str = ALL_VARIANTS) -> RunOptions:
     return RunOptions(model=str(folder), criterion=criterion, variants=parse_variants(variants), calibration="ptb",
                       train_size=4, seqlen=32, heldout_size=2, eval_corpora=("ptb", "wiki"), eval_max_tokens=96,
-                      eval_batch_size=2, drift_windows=0, quiet=True,
+                      eval_batch_size=2, drift_windows=0, quiet=True, diagnostics=Diagnostics(),
                       calibrate=CalibrationOptions(quiet=True, batch_size=2))
 
 
@@ -76,8 +77,8 @@ class ForwardCounter:
 def test_sweep_scores_once_and_calibrates_in_one_pass(loaded, tiny_model_folder, monkeypatch):
     options = options_for(tiny_model_folder, variants="none,diag,ghost,ghost_capped,replaceme")
     calls = []
-    real_collect = sweep_module.collect_stats
-    monkeypatch.setattr(sweep_module, "collect_stats", lambda *a, **k: calls.append(a[1]) or real_collect(*a, **k))
+    real_collect = plans_module.collect_stats
+    monkeypatch.setattr(plans_module, "collect_stats", lambda *a, **k: calls.append(a[1]) or real_collect(*a, **k))
     counter = ForwardCounter(loaded.model)
     fit_batches, heldout_batches = 2, 1  # 4 fit sequences and 2 held-out, 2 per forward pass
     eval_batches = 2 * 2  # 96 tokens of 32 = 3 windows per corpus → 2 batches of 2, two corpora
@@ -125,14 +126,14 @@ def test_boundaries_shared_by_depths_are_accumulated_once_and_freed_after_their_
         loaded, tiny_model_folder, monkeypatch):
     options = options_for(tiny_model_folder, variants="none,ghost")
     alive = {}
-    real_collect = sweep_module.collect_stats
+    real_collect = plans_module.collect_stats
 
     def tracking(*args, **kwargs):
         stats = real_collect(*args, **kwargs)
         alive.update({s.boundary: weakref.ref(s) for s in stats})
         return stats
 
-    monkeypatch.setattr(sweep_module, "collect_stats", tracking)
+    monkeypatch.setattr(plans_module, "collect_stats", tracking)
     stages = sweep_stages(options, (1, 2, 3, 4), loaded)
     for stage, result in stages:
         if stage == "calibrate":

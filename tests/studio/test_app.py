@@ -22,6 +22,7 @@ from studio import cache, handlers, layout, outputs, presets_view, runner, runs,
     user_input
 from ghosted_core.report import charts, sweep as sweep_report, tables
 from studio import history as history_mod
+from studio.outputs import OUTPUT_NAMES  # slow tests name their local results `outputs`
 
 SMALL = dict(samples=8, seqlen=128, eval_tokens=256, new_tokens=8)  # the defaults otherwise
 
@@ -280,7 +281,7 @@ def test_the_page_says_what_a_default_run_takes_here(tmp_path):
 
 def test_model_cache_is_bounded_and_keyed_by_name(monkeypatch):
     loads = []
-    monkeypatch.setattr(cache, "load_model", lambda name: loads.append(name) or f"model {name}")
+    monkeypatch.setattr(cache, "load_model", lambda name, options=None: loads.append(name) or f"model {name}")
     models = cache.ModelCache(capacity=2)
     assert models.get("a") == "model a" and models.get("a") == "model a"
     models.get("b"), models.get("c")
@@ -292,7 +293,7 @@ def test_a_slow_load_blocks_nobody_else_and_the_cache_never_exceeds_its_capacity
     loads, peak = [], []
     models = cache.ModelCache(capacity=2)
 
-    def load(name):
+    def load(name, options=None):
         loads.append(name)
         peak.append(models.held())
         if name == "slow":
@@ -434,6 +435,7 @@ def test_a_sweep_request_checks_its_depths_and_sets_aside_what_a_sweep_does_not_
             runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", settings.SWEEP, bad)
 
 
+
 # ---------------------------------------------------------------- slow: the served app on SmolLM2
 
 
@@ -477,13 +479,13 @@ def plot_title(output: dict) -> str:
 @pytest.mark.slow
 def test_default_run_streams_and_fills_every_output(client, all_threads):
     job = client.submit(api_name="/run", **run_kwargs())
-    outputs = dict(zip(outputs.OUTPUT_NAMES, job.result(timeout=900)))
+    outputs = dict(zip(OUTPUT_NAMES, job.result(timeout=900)))
     streamed = job.outputs()
     variants = ["dense", *settings.DEFAULTS.operators]
 
     # streaming: one update per stage; perplexity shows up before the generations do
     assert len(streamed) >= 8
-    partial = dict(zip(outputs.OUTPUT_NAMES, streamed[5]))
+    partial = dict(zip(OUTPUT_NAMES, streamed[5]))
     assert partial["ppl_table"]["data"] and "data-variant" not in partial["generations"]
 
     assert "Run complete" in outputs["status"] and "smollm2-135m" in outputs["status"]
@@ -553,7 +555,7 @@ def test_stop_during_perplexity_says_where_it_stopped_and_the_next_run_succeeds(
     assert "Run stopped** during perplexity" in final[0] and "finished stages (load model, score blocks" in final[0]
     assert "Running" not in final[0]
 
-    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", "ghost_capped"], eval_corpora=["ptb"], prompt=""))))
     assert "Run complete" in outputs["status"]
     assert [row[0] for row in outputs["ppl_table"]["data"]] == ["dense", "none", "ghost_capped"]
@@ -568,7 +570,7 @@ def test_too_small_calibration_and_a_cut_through_the_last_block_are_flagged(clie
     assert "fewer than 2·C = 1152" in client.predict(**check | {"samples": 2}, api_name="/check")
     assert "reaches the last block (29)" in client.predict(**check | {"criterion": "manual", "manual_blocks": "25-29"},
                                                            api_name="/check")
-    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(criterion="manual", manual_blocks="25-29", samples=2, seqlen=256,
                                       operators=["none", "ghost"], eval_corpora=["ptb"], eval_tokens=256, prompt=""))))
     assert "Run complete" in outputs["status"]
@@ -621,7 +623,7 @@ def load_in_fresh_process(archive: Path, mode: str, where: Path) -> dict:
 @pytest.mark.parametrize("variant, mode", [("replaceme", "stock"), ("ghost_capped", "remote_code")])
 def test_the_saved_model_loads_in_plain_transformers_as_stock_or_with_remote_code(client, tmp_path, variant, mode,
                                                                                     all_threads):
-    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", variant], eval_corpora=["ptb"], prompt="", save_variant=variant))))
     assert "Run complete" in outputs["status"] and f"**{mode}**" in outputs["save_note"]
     archive = Path(outputs["model_file"])
@@ -639,7 +641,7 @@ def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads)
     job = client.submit(api_name="/run", **run_kwargs(mode="sweep", depths="2:10:2", samples=settings.DEFAULTS.samples,
                                                       seqlen=settings.DEFAULTS.seqlen, eval_corpora=["ptb"],
                                                       eval_tokens=512))  # default operators and calibration
-    outputs = dict(zip(outputs.OUTPUT_NAMES, job.result(timeout=1800)))
+    outputs = dict(zip(OUTPUT_NAMES, job.result(timeout=1800)))
     assert "Run complete" in outputs["status"]
     operators = list(settings.DEFAULTS.operators)
     curve = plot_traces(outputs["curve"])
@@ -651,9 +653,9 @@ def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads)
     assert recovered == set(operators) - {"none"}
     rows = outputs["sweep_table"]["data"]
     assert [(row[0], row[2]) for row in rows] == [(n, name) for n in (2, 4, 6, 8, 10) for name in operators]
-    points = [len(json.loads(update[outputs.OUTPUT_NAMES.index("curve")]["plot"])["data"][1].get("x", []))
-              for update in job.outputs() if isinstance(update[outputs.OUTPUT_NAMES.index("curve")], dict)
-              and json.loads(update[outputs.OUTPUT_NAMES.index("curve")]["plot"])["data"]]
+    points = [len(json.loads(update[OUTPUT_NAMES.index("curve")]["plot"])["data"][1].get("x", []))
+              for update in job.outputs() if isinstance(update[OUTPUT_NAMES.index("curve")], dict)
+              and json.loads(update[OUTPUT_NAMES.index("curve")]["plot"])["data"]]
     assert points[:5] == [1, 2, 3, 4, 5]  # the curve grew depth by depth
     report = json.loads(Path(outputs["results_file"]).read_text())
     assert report["sweep"]["statistics"]["calibration_passes"] == 1 and len(report["sweep"]["results"]) == 5
@@ -668,16 +670,16 @@ def test_four_bad_uploads_each_get_a_message_and_then_your_text_calibrates_and_e
 
     bad = {"empty.txt": (b"", "is empty"), "binary.txt": (bytes(range(256)) * 64, "not UTF-8 text"),
            "short.txt": (b"Far too short to calibrate on.", "your text"),
-           "huge.txt": (b"word " * (1_100_000), "more than the 5 MB")}
+           "huge.txt": (b"word " * (1_100_000), "exceeds the maximum file size")}  # refused before it uploads
     for name, (content, message) in bad.items():
         path = tmp_path / name
         path.write_bytes(content)
-        with pytest.raises(AppError, match=message):
+        with pytest.raises(ValueError if name == "huge.txt" else AppError, match=message):
             client.predict(api_name="/run", **run_kwargs(your_file=handle_file(str(path)), text_use="both",
                                                          eval_corpora=["ptb"], prompt=""))
     good = tmp_path / "mine.txt"
     good.write_text(corpora.load_corpus("books", "evaluation").text[:60_000])
-    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(your_file=handle_file(str(good)), text_use="both", operators=["none", "ghost"],
                                       eval_corpora=["ptb"], prompt=""))))
     assert "Run complete" in outputs["status"]
@@ -689,7 +691,7 @@ def test_four_bad_uploads_each_get_a_message_and_then_your_text_calibrates_and_e
 
 @pytest.mark.slow
 def test_quick_tasks_fill_the_table_and_chart(client, all_threads):
-    outputs = dict(zip(outputs.OUTPUT_NAMES, client.predict(
+    outputs = dict(zip(OUTPUT_NAMES, client.predict(
         api_name="/run", **run_kwargs(operators=["none", "ghost"], eval_corpora=["ptb"], prompt="", tasks_on=True,
                                       task_names=["copa", "arc_easy"], task_examples=5))))
     table = outputs["tasks_table"]
@@ -732,7 +734,7 @@ def concurrent_client(smollm2):
 
 def run_summary(outputs: tuple) -> dict:
     """What two runs must agree on: perplexities, generations, removed blocks, fits and boundary errors."""
-    named = dict(zip(outputs.OUTPUT_NAMES, outputs))
+    named = dict(zip(OUTPUT_NAMES, outputs))
     report = json.loads(Path(named["results_file"]).read_text())
     return {"status": "Run complete" in named["status"], "ppl": named["ppl_table"]["data"],
             "generations": named["generations"], "removed": report["removed_layers"],

@@ -1,0 +1,217 @@
+"""The byte formulas the memory plan adds up, each from the config and the run's counts.
+
+One function per thing the code allocates: the weights (parameters from the config's shapes),
+one forward batch's transients, the LM head's logits chunk, what each operator's fit works in
+and what its variant keeps (`OperatorCost`, declared by each operator in its registry entry),
+the `blocks` pipeline's recorded masks, a sweep's kept dense states, and the run's sizes.
+`memory.plan_memory` places them phase by phase.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from ghosted_core.architectures import ARCHITECTURES
+from ghosted_core.statistics import STATS_ITEM
+
+GIB = 2**30
+LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once, per perplexity chunk
+KEPT = ("none", "scale", "rotated", "matrix", "branch", "refit")
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def _tied(config: PretrainedConfig) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, head width)."""
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, \
+        getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def estimate_parameters(config: PretrainedConfig) -> int:
+    """Parameter count of a decoder-only LM from its config (to refuse what cannot fit before loading)."""
+    c = config.hidden_size
+    layers = config.num_hidden_layers
+    return int(layers * block_parameters(config) + config.vocab_size * c * (1 if _tied(config) else 2) + c)
+
+
+def block_parameters(config: PretrainedConfig) -> int:
+    """Parameters of one decoder block: attention projections, the gated MLP and two norms."""
+    c = config.hidden_size
+    heads, kv_heads, head_dim = _heads(config)
+    attention = c * head_dim * (2 * heads + 2 * kv_heads)
+    return attention + 3 * c * config.intermediate_size + 2 * c
+
+
+def _forward_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int) -> int:
+    """A forward's transient tensors for `tokens` (= sequences × seqlen): hidden states, q/k/v, the MLP's
+    intermediate, and the attention scores (B, H, T, T) where attention materializes them."""
+    c = config.hidden_size
+    heads, kv_heads, head_dim = _heads(config)
+    forward = tokens * item * (4 * c + (heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size)
+    return forward + tokens * seqlen * heads * item
+
+
+def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: torch.dtype, residuals: int,
+                     branches: int, inners: int = 0) -> int:
+    """One calibration batch: the forward's transients and what the capture and the accumulators hold
+    (grows with tokens·C, tokens·I for the down_proj refit's `inners`, and tokens·seqlen·heads)."""
+    c, item, i = config.hidden_size, dtype_bytes(dtype), config.intermediate_size
+    captured = (residuals + branches) * tokens * c * item  # (B, T, C) per captured index
+    captured += inners * tokens * i * item  # (B, T, I) per captured down_proj input
+    working = 3 * tokens * c * STATS_ITEM  # x_pre, Δ, m as float64 (T, C) in the accumulator
+    working += tokens * i * STATS_ITEM if inners else 0  # a as float64 (T, I)
+    return _forward_bytes(config, tokens, seqlen, item) + captured + working
+
+
+def logits_bytes(config: PretrainedConfig, batch: int, seqlen: int) -> int:
+    """Float32 logits of one perplexity chunk, and cross-entropy's copy of them."""
+    full = 4 * config.vocab_size * batch * max(seqlen - 1, 1)
+    return 2 * min(full, max(LOGITS_BUDGET, 4 * config.vocab_size * batch))
+
+
+def evaluation_bytes(config: PretrainedConfig, batch: int, seqlen: int, dtype: torch.dtype) -> int:
+    """One perplexity batch besides its logits: the forward's transients, the shared prefix's output and a
+    suffix's output (B, T, C) each."""
+    item = dtype_bytes(dtype)
+    return _forward_bytes(config, batch * seqlen, seqlen, item) + 2 * batch * seqlen * config.hidden_size * item
+
+
+def drift_bytes(config: PretrainedConfig, seqlen: int, dtype: torch.dtype) -> int:
+    """Per-block drift on one window: every captured residual of the dense model and of one variant, and
+    the float64 copies of one index."""
+    c = config.hidden_size
+    return 2 * (config.num_hidden_layers + 1) * seqlen * c * dtype_bytes(dtype) + 3 * seqlen * c * STATS_ITEM
+
+
+def mask_bytes(config: PretrainedConfig, sequences: int, batch_size: int, seqlen: int, item: int) -> int:
+    """The `blocks` pipeline's recorded attention masks on the host, for every calibration batch.
+
+    Under SDPA the full causal mask is not materialized; a sliding-window one (Gemma-3's sliding
+    layers, Mistral) is, (B, 1, T, T) bool broadcast over the batch, kept broadcast on the host:
+    T² bytes per batch. Eager attention materializes float masks of the model's dtype for every
+    kind. Memory grows with batches × T².
+    """
+    eager = getattr(config, "_attn_implementation", None) == "eager"
+    types = set(getattr(config, "layer_types", None) or ())
+    sliding = "sliding_attention" in types or (config.model_type == "mistral" and getattr(config, "sliding_window", None))
+    kinds = int(bool(sliding)) + int(eager)
+    batches = math.ceil(max(sequences, 1) / max(batch_size, 1))
+    return batches * kinds * seqlen * seqlen * (item if eager else 1)
+
+
+def kept_states_bytes(width: int, item: int, eval_tokens: int, indices: int, cap: int) -> int:
+    """A sweep's kept dense evaluation states: tokens × C × dtype bytes per kept index, or none over `cap`."""
+    needed = eval_tokens * width * item * indices
+    return needed if needed <= cap else 0
+
+
+@dataclass(frozen=True)
+class OperatorCost:
+    """What an operator's fit works in and what its variant keeps, per boundary.
+
+    `fit_matrices`: C×C float64 matrices alive at its fit's peak beside the statistics (assembled
+    normal equations, the eigenvalues' workspace, the regularized copy, the solution, the error
+    and singular-value products). `candidates`: one C×C float64 fit and its float32 map per
+    sink-direction count until the held-out pass chooses (replaceme_keepsink). `kept`: what stays
+    once fitted: "none"; "scale" (a (C,) map and module); "rotated" (a (C,) map, a dense fp32 C×C
+    module: H diag(r) Hᵀ); "matrix" (an fp32 C×C map and module); "branch" (an fp32 C×C map, and
+    the folded down_proj copy, C × intermediate in the model's dtype, or an fp32 C×C module where a
+    norm follows the MLP); "refit" (the down_proj change B, an fp32 I×C map, and the folded down_proj
+    copy). `refit`: the fit solves the down_proj refit (two I×I and one I×C float64 matrices, and
+    every (λ, sink count) candidate's fp32 I×C update until the held-out pass chooses).
+    """
+
+    fit_matrices: int = 0
+    kept: str = "none"
+    candidates: bool = False
+    refit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kept not in KEPT:
+            raise ValueError(f"kept must be one of {KEPT}, not {self.kept!r}")
+
+
+def _folds(config: PretrainedConfig) -> bool:
+    arch = ARCHITECTURES.get(config.model_type)
+    return arch is None or arch.branch_folds_into_down_proj
+
+
+def inner_width(config: PretrainedConfig, needs) -> int:
+    """I, when the down_proj refit's statistics are collected for this family (0 otherwise: none asked, or a
+    norm after the MLP, where a change of down_proj is no change of the stream)."""
+    return int(config.intermediate_size) if needs.inner and _folds(config) else 0
+
+
+def _refit_bytes(cost: OperatorCost, config: PretrainedConfig, inner: int, refit_candidates: int) -> tuple[int, int]:
+    """(the refit's solve: two I×I and one I×C float64, its candidates' fp32 I×C updates) in bytes."""
+    if not (cost.refit and inner):
+        return 0, 0
+    c = config.hidden_size
+    return (2 * inner * inner + inner * c) * STATS_ITEM, refit_candidates * inner * c * 4
+
+
+def fit_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int, inner: int = 0,
+              refit_candidates: int = 0) -> int:
+    """One fit's working memory at its peak: its C×C float64 matrices (with every candidate solved so far),
+    a refit's I×I solve and candidates, or, for a fold, the update, T and the float64 down_proj with its
+    product Tᵀ W_down, whichever is larger."""
+    c = config.hidden_size
+    solving = (cost.fit_matrices + (candidates if cost.candidates else 0)) * c * c * STATS_ITEM
+    solving += sum(_refit_bytes(cost, config, inner, refit_candidates))
+    folding = 2 * c * c * STATS_ITEM + 2 * c * config.intermediate_size * STATS_ITEM \
+        if cost.kept == "branch" and _folds(config) else 0
+    return max(solving, folding)
+
+
+def choice_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int, inner: int = 0,
+                 refit_candidates: int = 0) -> int:
+    """Candidates alive while the held-out pass chooses among them: a float64 fit and a float32 map each
+    (a refit's: its fp32 I×C update, once as the fit and once as the map)."""
+    c = config.hidden_size
+    return (candidates * c * c * (STATS_ITEM + 4) if cost.candidates else 0) + \
+        2 * _refit_bytes(cost, config, inner, refit_candidates)[1]
+
+
+def kept_bytes(cost: OperatorCost, config: PretrainedConfig, item: int, inner: int = 0) -> tuple[int, int]:
+    """(its map for the held-out pass, its module in the variant) per boundary, in bytes."""
+    c = config.hidden_size
+    if cost.kept == "refit":
+        return (4 * inner * c, c * config.intermediate_size * item) if inner else (c * STATS_ITEM, 4 * c)
+    if cost.kept == "scale":
+        return c * STATS_ITEM, 4 * c
+    if cost.kept == "rotated":
+        return c * STATS_ITEM, 4 * c * c
+    if cost.kept == "matrix":
+        return 4 * c * c, 4 * c * c
+    if cost.kept == "branch":
+        return 4 * c * c, c * config.intermediate_size * item if _folds(config) else 4 * c * c
+    return 0, 0
+
+
+def max_boundaries(criterion: str, num_layers: int, n: int, layers: tuple[int, ...] = ()) -> int:
+    """The most boundaries (runs of removed blocks) a criterion can produce, before it has scored anything."""
+    from ghosted_core.plan import boundaries_of
+
+    if criterion == "manual":
+        return len(boundaries_of(layers))
+    if criterion in ("streamline", "angular", "kl"):  # criteria that remove one run
+        return 1 if n > 0 else 0
+    if criterion == "none" or n <= 0:
+        return 0
+    return max(1, min(n, num_layers - n + 1))
+
+
+def min_calibration_sequences(width: int, seqlen: int, factor: int = 4, floor: int = 64) -> int:
+    """Sequences that give a fit at least `factor`·C tokens (a well-posed C×C least squares), at least `floor`."""
+    return max(floor, math.ceil(factor * width / max(seqlen, 1)))
