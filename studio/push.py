@@ -20,6 +20,7 @@ from gradio.utils import get_space
 from ghosted_core.errors import GhostedError
 from ghosted_core.export.folder import upload_export
 from ghosted_core.hub import hub_reachable
+from studio import guard
 from studio.outputs import page_message
 from studio.saved import SAVED
 
@@ -72,6 +73,8 @@ def on_push(repo_id: str, private: bool, token: str, oauth_token: gr.OAuthToken 
             profile: gr.OAuthProfile | None = None, request: gr.Request | None = None) -> tuple[str, str]:
     """Push button: the session's saved model to a new Hub repo; (message with the URL, the token box cleared)."""
     try:
+        repo_id, token = guard.text(repo_id, "New Hub repo", guard.FIELD_CHARS), guard.text(token, "token", guard.FIELD_CHARS)
+        private = guard.flag(private, "Private repo")
         folder = SAVED.latest(request.session_hash if request else "")
         if folder is None:
             raise GhostedError("save a model first: choose a variant under 'Save a recovered model' and run")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -284,15 +285,20 @@ def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, ex
     """Export one variant for the page: into `keep` (the session's push folder) when given, the download (its zip,
     or its GGUF for the gguf format) in `folder`. Returns the report's "app" fields about it."""
     stem = f"{safe_name(model_name)}-{safe_name(variant)}"
-    if export_format == GGUF_FORMAT:
-        saved = export_gguf(model, tokenizer, (keep or folder) / stem, gguf_type)
-        download = saved.gguf
-    elif keep is not None:
-        saved = export_variant(model, tokenizer, keep / stem, export_format)
-        download = zip_export(saved.folder, folder / f"{stem}.zip")
-    else:
-        saved = archive_export(model, tokenizer, folder / f"{stem}.zip", export_format)
-        download = saved.archive
+    try:
+        if export_format == GGUF_FORMAT:
+            saved = export_gguf(model, tokenizer, (keep or folder) / stem, gguf_type)
+            download = saved.gguf
+        elif keep is not None:
+            saved = export_variant(model, tokenizer, keep / stem, export_format)
+            download = zip_export(saved.folder, folder / f"{stem}.zip")
+        else:
+            saved = archive_export(model, tokenizer, folder / f"{stem}.zip", export_format)
+            download = saved.archive
+    except BaseException:  # a save that fails (a full disk, a stop) leaves nothing the push could pick up
+        if keep is not None:
+            shutil.rmtree(keep / stem, ignore_errors=True)
+        raise
     return {"saved_model": str(download), "saved_mode": saved.mode, "saved_reason": saved.reason,
             "saved_variant": saved.variant, "saved_gguf": None if saved.gguf is None else saved.gguf.name,
             "saved_folder": None if keep is None else str(saved.folder)}

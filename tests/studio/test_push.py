@@ -90,7 +90,8 @@ def test_a_bare_repo_name_goes_to_the_signed_in_users_namespace():
         push.repo_name(" ", profile)
 
 
-def test_nothing_saved_is_refused_and_the_token_is_never_echoed():
+def test_nothing_saved_is_refused_and_the_token_is_never_echoed(monkeypatch, tmp_path):
+    monkeypatch.setattr(push, "SAVED", SavedModels(root=tmp_path))  # this session has saved nothing
     message, token = push.on_push("me/model", False, "hf_secret123", None, None, None)
     assert "save a model first" in message and token == "" and "hf_secret123" not in message
 
