@@ -39,7 +39,8 @@ from ghosted_core.model.loading import LoadOptions, load_model
 from ghosted_core.recovery.operators import Fit, needs_of
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.fitting import build_recovered, fit_variant
-from ghosted_core.selection.criteria import SelectionRequest, select_blocks
+from ghosted_core.selection.choose import select_blocks
+from ghosted_core.selection.criteria import SelectionRequest
 
 OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
 CORPORA = ("ptb", "wiki")

@@ -285,6 +285,22 @@ def like_for_like(args, shape: str) -> dict:
             "peak_extra_gib": {m: max(r["peak_extra_gib"] for r in rs) for m, rs in runs.items()}}
 
 
+def like_for_like_only(args) -> None:
+    """The like-for-like comparison alone, written into the existing report (its table keeps the command and the
+    commit it was measured with; this comparison records its own)."""
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / "scale.json"
+    report = json.loads(out.read_text()) if out.exists() else {"mode": "cpu", "rows": []}
+    result = like_for_like(args, "llama-3-8b")
+    result["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
+    result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                      text=True).stdout.strip()
+    result["load_average"] = os.getloadavg()
+    report["like_for_like"] = result
+    out.write_text(json.dumps(report, indent=2))
+    print("\n".join(like_for_like_lines(result)))
+    print(f"written: {out}")
+
+
 def like_for_like_lines(result: dict) -> list[str]:
     mean, peak = result["mean_wall_s"], result["peak_extra_gib"]
     return ["", f"like-for-like ({result['shape']}, one boundary, ghost alone, order {' '.join(result['order'])}): "
@@ -395,6 +411,8 @@ def main() -> None:
     parser.add_argument("--dry_run", action="store_true", help="--device cuda's steps on the CPU with a small shape")
     parser.add_argument("--smollm2_products", action="store_true",
                         help="only: fp32 vs float64 products on the real SmolLM2 (scale_products.json)")
+    parser.add_argument("--like_for_like_only", action="store_true",
+                        help="rerun only the like-for-like comparison (C = 4096) into the existing scale.json")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shape", default="llama-3.2-1b", help=argparse.SUPPRESS)
@@ -408,6 +426,8 @@ def main() -> None:
         worker(args)
     elif args.smollm2_products:
         smollm2_products(args)
+    elif args.like_for_like_only:
+        like_for_like_only(args)
     elif args.device == "cuda":
         cuda_main(args)
     else:

@@ -40,6 +40,9 @@ class Architecture:
     # scales the stream leaving the block by s (the magnitude compensation's fold sites). Linears (weight and bias
     # scale) or, where post_norms, norms (gain: offset + γ scales)
     residual_writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
+    # the MLP's output projection: its input is the MLP's intermediate activation a (I features), on which the
+    # down_proj refit regresses; the refit folds only where the projection writes to the stream (`branch == "mlp"`)
+    down_proj: str = "mlp.down_proj"
 
     @property
     def branch_folds_into_down_proj(self) -> bool:

@@ -1,7 +1,8 @@
 """Command line: `python -m ghosted_core` with the seed repository's flags.
 
 Parses, builds `RunOptions`, calls `run.pipeline.run` (or `run.sweep.run_sweep` for a depth range
-`--total_num_prune START:STOP:STEP`), writes OUTDIR/results.json and prints a summary table.
+`--total_num_prune START:STOP:STEP`, or `run.compare.run_compare` for a comma list of criteria),
+writes OUTDIR/results.json and prints a summary table.
 Holds no method logic. Bad input: one line on stderr, exit code 2.
 """
 
@@ -20,6 +21,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.files import check_new_folder, check_writable_folder, write_text
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
+from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES, export_gguf, find_llamacpp
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
 from ghosted_core.recovery.assessment import HELDOUT_FLAG, SHOWN, Diagnostics
@@ -28,7 +30,8 @@ from ghosted_core.recovery.operators import OPERATORS, FitOptions
 from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run
-from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, parse_layers
+from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, criterion_title, parse_layers
+from ghosted_core.run.compare import CompareResult, parse_criteria, run_compare
 from ghosted_core.run.sweep import SweepResult, parse_depths, run_sweep
 from ghosted_core.evaluation.tasks import parse_tasks
 from ghosted_core.data.user_text import USER_CORPUS, canonical, from_file
@@ -47,12 +50,26 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip() and item.strip().lower() != "none")
 
 
+def _criteria(text: str) -> str:
+    """One criterion, or a comma list of them (a comparison); argparse reports an unknown name."""
+    for name in (n.strip() for n in text.split(",")):
+        if name not in CRITERIA:
+            raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(CRITERIA)})")
+    return text
+
+
+def is_comparison(args: argparse.Namespace) -> bool:
+    return "," in args.pruning_method
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(prog="python -m ghosted_core",
                        description="Prune decoder blocks of a causal LM and recover them without training.")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"embedded model ({', '.join(embedded_names())}), local folder, or Hub id")
-    p.add_argument("--pruning_method", default="streamline", choices=list(CRITERIA), help="how blocks are chosen")
+    p.add_argument("--pruning_method", default="streamline", type=_criteria,
+                   help=f"how blocks are chosen: {', '.join(CRITERIA)}; a comma list (streamline,shortgpt,sleb) "
+                        "compares the criteria in one run (one calibration pass for every plan)")
     p.add_argument("--layers", default="", help="blocks to remove for --pruning_method manual, e.g. 20,21,25-27")
     p.add_argument("--total_num_prune", default="7",
                    help="number of blocks to remove, or a depth sweep START:STOP:STEP with STOP included "
@@ -115,11 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outdir", default="out", help="folder for results.json")
     p.add_argument("--save_model", default=None, metavar="DIR",
                    help="save each pruned variant to DIR/<variant> as a Hugging Face folder (see --export)")
-    p.add_argument("--export", default="auto", choices=EXPORT_MODES,
+    p.add_argument("--export", default="auto", choices=[*EXPORT_MODES, GGUF_FORMAT],
                    help="format of --save_model: stock (plain transformers and serving engines; "
                         + ", ".join(name for name, spec in OPERATORS.items() if spec.stock)
                         + "), remote_code (needs trust_remote_code=True; every operator), auto (stock "
-                        "where the variant folds, remote_code otherwise)")
+                        "where the variant folds, remote_code otherwise), gguf (stock plus a GGUF written by "
+                        "llama.cpp's converter; needs `make llamacpp`)")
+    p.add_argument("--gguf_type", default="f16", choices=GGUF_OUTTYPES, help="GGUF weights for --export gguf")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
                    help="auto (cuda if present, else cpu), cpu, cuda, cuda:N, or map (accelerate: GPUs, then CPU, "
@@ -161,7 +180,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         model=args.model,
         load=LoadOptions(device=args.device, dtype=args.dtype, max_memory=parse_max_memory(args.max_memory),
                          offload_folder=args.offload_folder),
-        criterion=args.pruning_method,
+        criterion=parse_criteria(args.pruning_method)[0] if is_comparison(args) else args.pruning_method,
         num_prune=parse_depths(args.total_num_prune)[0] if is_sweep(args) else _depth(args.total_num_prune),
         layers=parse_layers(args.layers),
         cosine=args.cosine,
@@ -262,7 +281,7 @@ def sweep_summary(result: SweepResult) -> str:
 def summary(result: RunResult) -> str:
     """A plain-text table of perplexity and boundary error per variant, with corpus labels."""
     report = result.to_json()
-    lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {report['criterion']} | "
+    lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {criterion_title(report['criterion'])} | "
              f"removed: {report['removed_layers']} | boundaries: {report['boundaries']}"]
     corpora = list(result.perplexity)
     lines += _corpus_lines(report, corpora)
@@ -317,10 +336,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from_args(args)
         outdir = check_outputs(args, options)
-        result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
+        if is_comparison(args):
+            result = run_compare(options, parse_criteria(args.pruning_method))
+        else:
+            result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
         report = result.to_json()
         write_text(outdir / "results.json", json.dumps(report, indent=2))
-        if isinstance(result, SweepResult):
+        if isinstance(result, CompareResult):
+            from ghosted_core.report.compare import compare_text, write_compare_html
+
+            print(compare_text(report))
+            print(f"charts: {write_compare_html(report, outdir / 'compare.html')}")
+        elif isinstance(result, SweepResult):
             from ghosted_core.report.sweep import write_sweep_html  # the app's charts, drawn once more into a file
 
             print(sweep_summary(result))
@@ -328,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(summary(result))
             if args.save_model:
-                report["exports"] = save_variants(result, Path(args.save_model), args.export)
+                report["exports"] = save_variants(result, Path(args.save_model), args.export, args.gguf_type)
                 write_text(outdir / "results.json", json.dumps(report, indent=2))
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -340,23 +367,32 @@ def main(argv: list[str] | None = None) -> int:
 def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
     """Everything about the run's outputs that can fail, checked before any work: the folders exist and
     can be written, an export target is new or empty, the export format suits the operators. Returns --outdir."""
-    if is_sweep(args) and args.save_model:
-        raise GhostedError("--save_model saves the variants of one depth; run a single --total_num_prune to save")
+    if (is_sweep(args) or is_comparison(args)) and args.save_model:
+        raise GhostedError("--save_model saves the variants of one depth and one criterion; run a single "
+                           "--total_num_prune and --pruning_method to save")
+    if is_sweep(args) and is_comparison(args):
+        raise GhostedError("a criteria comparison runs at one depth: give --total_num_prune a single number")
     outdir = check_writable_folder(args.outdir, "--outdir")
     if args.save_model:
-        check_export([v.operator for v in options.variants], args.export)
+        check_export([v.operator for v in options.variants], "stock" if args.export == GGUF_FORMAT else args.export)
+        if args.export == GGUF_FORMAT:
+            find_llamacpp()  # refused before the run, not after it
         check_new_folder(args.save_model, "--save_model")
     if args.offload_folder:
         check_writable_folder(args.offload_folder, "--offload_folder")
     return outdir
 
 
-def save_variants(result: RunResult, folder: Path, mode: str) -> dict[str, dict]:
-    """Export every pruned variant to folder/<variant>, saying in which format and why."""
+def save_variants(result: RunResult, folder: Path, mode: str, gguf_type: str = "f16") -> dict[str, dict]:
+    """Export every pruned variant to folder/<variant>, saying in which format and why (gguf: stock + its GGUF)."""
     exports = {}
     for name, model in result.models.items():
         if name != "dense":
-            done = export_variant(model, result.tokenizer, folder / name, mode)
+            if mode == GGUF_FORMAT:
+                done = export_gguf(model, result.tokenizer, folder / name, gguf_type)
+            else:
+                done = export_variant(model, result.tokenizer, folder / name, mode)
             exports[name] = done.to_json()
-            print(f"saved {name} as {done.mode} ({done.reason}): {done.folder}")
+            gguf = f" and {done.gguf.name}" if done.gguf is not None else ""
+            print(f"saved {name} as {done.mode}{gguf} ({done.reason}): {done.folder}")
     return exports

@@ -106,6 +106,8 @@ class PlanRequest:
     operators: tuple[OperatorCost, ...] = ()  # one per variant
     variant_boundaries: int | None = None  # boundaries of one depth's variants (None: `boundaries`)
     candidates: int = 5  # replaceme_keepsink's sink-direction counts
+    inner: int = 0  # I, when the down_proj refit's statistics are collected (`memory_parts.inner_width`; 0: none)
+    refit_candidates: int = 0  # the refit's (λ, sink count) candidates, held until the held-out pass chooses
     heldout: int = 0  # held-out sequences
     score_streams: int = 0  # residual streams the scoring pass keeps per batch (run length + 1; 0: no scoring)
     eval_batch: int = 4
@@ -223,29 +225,33 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     params = estimate_parameters(config)
     weights = params * item
     tokens = min(r.batch_size, max(r.sequences, 1)) * r.seqlen
-    per_boundary = statistics_bytes(c, r.needs, r.sink_capacity)
+    per_boundary = statistics_bytes(c, r.needs, r.sink_capacity, inner_width=r.inner)
     stats = per_boundary * r.boundaries
     depth_boundaries = r.boundaries if r.variant_boundaries is None else r.variant_boundaries
     stats_after = per_boundary * max(r.boundaries - depth_boundaries, 0)  # other depths' statistics, still alive
-    fit = max((fit_bytes(op, config, r.candidates) for op in r.operators), default=0) if r.boundaries else 0
-    choice = max((choice_bytes(op, config, r.candidates) for op in r.operators), default=0) if r.boundaries else 0
-    kept_parts = [kept_bytes(op, config, item) for op in r.operators]  # (map, module) per variant
+    fit = max((fit_bytes(op, config, r.candidates, r.inner, r.refit_candidates) for op in r.operators),
+              default=0) if r.boundaries else 0
+    choice = max((choice_bytes(op, config, r.candidates, r.inner, r.refit_candidates) for op in r.operators),
+                 default=0) if r.boundaries else 0
+    kept_parts = [kept_bytes(op, config, item, r.inner) for op in r.operators]  # (map, module) per variant
     maps = depth_boundaries * sum(m for m, _ in kept_parts)
     modules = depth_boundaries * sum(m for _, m in kept_parts)
-    acts = activation_bytes(config, tokens, r.seqlen, dtype, 2 * r.boundaries, r.boundaries * r.needs.branch)
-    rows = 4 * tokens * c * STATS_ITEM  # the held-out pass: x, m, Δ and one fit's error rows, float64
+    acts = activation_bytes(config, tokens, r.seqlen, dtype, 2 * r.boundaries, r.boundaries * r.needs.branch,
+                            r.boundaries * bool(r.inner))
+    rows = tokens * (4 * c + r.inner) * STATS_ITEM  # the held-out pass: x, m, Δ, a refit's a and one error, float64
     score = acts + r.score_streams * tokens * c * item
     eval_seqlen = r.eval_seqlen or r.seqlen
     logits = logits_bytes(config, r.eval_batch, eval_seqlen)
     evaluate = evaluation_bytes(config, r.eval_batch, eval_seqlen, dtype) + logits
     drift = drift_bytes(config, eval_seqlen, dtype) if r.drift else 0
     kept = kept_states_bytes(c, item, r.eval_tokens, r.kept_indices, r.kept_cap)
-    hidden = (1 + 2 * r.boundaries) * r.sequences * r.seqlen * c * item
-    held_hidden = (1 + 2 * r.boundaries) * r.heldout * r.seqlen * c * item
+    open_copies = 1 + 2 * r.boundaries + r.boundaries * r.inner / c  # `blocks`: hidden states, x_pre/m (and a) copies
+    hidden = int(open_copies * r.sequences * r.seqlen * c * item)
+    held_hidden = int(open_copies * r.heldout * r.seqlen * c * item)
     masks = mask_bytes(config, r.sequences, r.batch_size, r.seqlen, item)
     # the held-out rows (x_pre, x_post, m) kept from the calibration pass when they cost no more than one
     # boundary's statistics: the held-out pass then needs no forward
-    rows_per_boundary = r.heldout * r.seqlen * c * item * (2 + r.needs.branch)
+    rows_per_boundary = r.heldout * r.seqlen * item * ((2 + r.needs.branch) * c + r.inner)
     held_rows = rows_per_boundary * r.boundaries if r.keep_heldout and 0 < rows_per_boundary <= per_boundary else 0
     gpu = device.startswith("cuda") or device == "map" and (device_available is not None or torch.cuda.is_available())
     if host_available is None:

@@ -20,7 +20,7 @@ from ghosted_core.statistics import STATS_ITEM
 
 GIB = 2**30
 LOGITS_BUDGET = 2**28  # bytes of logits (the head's output and its fp32 copy) materialized at once, per perplexity chunk
-KEPT = ("none", "scale", "rotated", "matrix", "branch")
+KEPT = ("none", "scale", "rotated", "matrix", "branch", "refit")
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -63,12 +63,14 @@ def _forward_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int
 
 
 def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: torch.dtype, residuals: int,
-                     branches: int) -> int:
+                     branches: int, inners: int = 0) -> int:
     """One calibration batch: the forward's transients and what the capture and the accumulators hold
-    (grows with tokens·C, and tokens·seqlen·heads)."""
-    c, item = config.hidden_size, dtype_bytes(dtype)
+    (grows with tokens·C, tokens·I for the down_proj refit's `inners`, and tokens·seqlen·heads)."""
+    c, item, i = config.hidden_size, dtype_bytes(dtype), config.intermediate_size
     captured = (residuals + branches) * tokens * c * item  # (B, T, C) per captured index
+    captured += inners * tokens * i * item  # (B, T, I) per captured down_proj input
     working = 3 * tokens * c * STATS_ITEM  # x_pre, Δ, m as float64 (T, C) in the accumulator
+    working += tokens * i * STATS_ITEM if inners else 0  # a as float64 (T, I)
     return _forward_bytes(config, tokens, seqlen, item) + captured + working
 
 
@@ -125,12 +127,15 @@ class OperatorCost:
     once fitted: "none"; "scale" (a (C,) map and module); "rotated" (a (C,) map, a dense fp32 C×C
     module: H diag(r) Hᵀ); "matrix" (an fp32 C×C map and module); "branch" (an fp32 C×C map, and
     the folded down_proj copy, C × intermediate in the model's dtype, or an fp32 C×C module where a
-    norm follows the MLP).
+    norm follows the MLP); "refit" (the down_proj change B, an fp32 I×C map, and the folded down_proj
+    copy). `refit`: the fit solves the down_proj refit (two I×I and one I×C float64 matrices, and
+    every (λ, sink count) candidate's fp32 I×C update until the held-out pass chooses).
     """
 
     fit_matrices: int = 0
     kept: str = "none"
     candidates: bool = False
+    refit: bool = False
 
     def __post_init__(self) -> None:
         if self.kept not in KEPT:
@@ -142,25 +147,47 @@ def _folds(config: PretrainedConfig) -> bool:
     return arch is None or arch.branch_folds_into_down_proj
 
 
-def fit_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int) -> int:
+def inner_width(config: PretrainedConfig, needs) -> int:
+    """I, when the down_proj refit's statistics are collected for this family (0 otherwise: none asked, or a
+    norm after the MLP, where a change of down_proj is no change of the stream)."""
+    return int(config.intermediate_size) if needs.inner and _folds(config) else 0
+
+
+def _refit_bytes(cost: OperatorCost, config: PretrainedConfig, inner: int, refit_candidates: int) -> tuple[int, int]:
+    """(the refit's solve: two I×I and one I×C float64, its candidates' fp32 I×C updates) in bytes."""
+    if not (cost.refit and inner):
+        return 0, 0
+    c = config.hidden_size
+    return (2 * inner * inner + inner * c) * STATS_ITEM, refit_candidates * inner * c * 4
+
+
+def fit_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int, inner: int = 0,
+              refit_candidates: int = 0) -> int:
     """One fit's working memory at its peak: its C×C float64 matrices (with every candidate solved so far),
-    or, for a fold, the update, T and the float64 down_proj with its product Tᵀ W_down, whichever is larger."""
+    a refit's I×I solve and candidates, or, for a fold, the update, T and the float64 down_proj with its
+    product Tᵀ W_down, whichever is larger."""
     c = config.hidden_size
     solving = (cost.fit_matrices + (candidates if cost.candidates else 0)) * c * c * STATS_ITEM
+    solving += sum(_refit_bytes(cost, config, inner, refit_candidates))
     folding = 2 * c * c * STATS_ITEM + 2 * c * config.intermediate_size * STATS_ITEM \
         if cost.kept == "branch" and _folds(config) else 0
     return max(solving, folding)
 
 
-def choice_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int) -> int:
-    """Candidates alive while the held-out pass chooses among them: a float64 fit and a float32 map each."""
+def choice_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int, inner: int = 0,
+                 refit_candidates: int = 0) -> int:
+    """Candidates alive while the held-out pass chooses among them: a float64 fit and a float32 map each
+    (a refit's: its fp32 I×C update, once as the fit and once as the map)."""
     c = config.hidden_size
-    return candidates * c * c * (STATS_ITEM + 4) if cost.candidates else 0
+    return (candidates * c * c * (STATS_ITEM + 4) if cost.candidates else 0) + \
+        2 * _refit_bytes(cost, config, inner, refit_candidates)[1]
 
 
-def kept_bytes(cost: OperatorCost, config: PretrainedConfig, item: int) -> tuple[int, int]:
+def kept_bytes(cost: OperatorCost, config: PretrainedConfig, item: int, inner: int = 0) -> tuple[int, int]:
     """(its map for the held-out pass, its module in the variant) per boundary, in bytes."""
     c = config.hidden_size
+    if cost.kept == "refit":
+        return (4 * inner * c, c * config.intermediate_size * item) if inner else (c * STATS_ITEM, 4 * c)
     if cost.kept == "scale":
         return c * STATS_ITEM, 4 * c
     if cost.kept == "rotated":
@@ -178,7 +205,7 @@ def max_boundaries(criterion: str, num_layers: int, n: int, layers: tuple[int, .
 
     if criterion == "manual":
         return len(boundaries_of(layers))
-    if criterion in ("streamline", "angular"):
+    if criterion in ("streamline", "angular", "kl"):  # criteria that remove one run
         return 1 if n > 0 else 0
     if criterion == "none" or n <= 0:
         return 0

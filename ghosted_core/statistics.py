@@ -4,11 +4,15 @@ What a boundary keeps depends on `StatNeeds`, the union of what the requested op
 declare (see `recovery.operators.needs_of`):
 - ordinary-token moments in float64: XᵀX and XᵀΔ only for least-squares residual fits,
   mᵀm and mᵀΔ only for the ReplaceMe family (memory 2·C²·8 B per pair, whatever the tokens);
+  aᵀa (I×I) and aᵀΔ (I×C) only for the down_proj refit, a = the input of block s−1's down_proj
+  (I = intermediate size; memory (I² + I·C)·8 B, 1.6 GB + 0.5 GB at I = 14336, C = 4096), and
+  aᵀX_pre (I×C) when the refit also compensates the magnitude;
 - per-channel sums (|x|, |y|, x², x·y, y², C each) in the channel basis for diag and in the
   Hadamard basis for rotate, for ordinary and sink tokens (they give both the fit and its error);
 - the massive-activation ("sink") tokens as rows: x_pre, Δ and (for the ReplaceMe family) m,
-  float64, with each row's cap factor, in buffers of a fixed capacity (memory capacity·C·8 B per
-  kind). Sinks beyond the capacity spill into C×C sink moments, allocated then, with a note.
+  (for the refit) a, float64, with each row's cap factor, in buffers of a fixed capacity (memory
+  capacity·C·8 B per kind, capacity·I·8 B for a). Sinks beyond the capacity spill into C×C sink
+  moments (and an I×I Gram of their a rows), allocated then, with a note.
 The all-token fit (paper ghost), the capped fit and the sink-free fit are all derived at fit
 time from the ordinary moments plus the sink rows; nothing else is C×C.
 
@@ -41,38 +45,43 @@ class StatNeeds:
     branch: bool = False  # ordinary mᵀm, mᵀΔ, m = block s−1's MLP output (ReplaceMe family)
     channel: bool = False  # per-channel sums in the channel basis (diag)
     rotated: bool = False  # per-channel sums in the Hadamard basis (rotate)
+    inner: bool = False  # ordinary aᵀa (I×I), aᵀΔ (I×C), a = block s−1's down_proj input, + sink rows of a (the refit)
+    inner_stream: bool = False  # ordinary aᵀX_pre (I×C): a refit that also scales the stream (magcomp_refit)
 
     def __or__(self, other: StatNeeds) -> StatNeeds:
         return StatNeeds(**{f.name: getattr(self, f.name) or getattr(other, f.name) for f in fields(self)})
 
     @property
     def sink_rows(self) -> bool:
-        """Rows are kept for the C×C fits; per-channel sums split sinks off without rows."""
-        return self.residual or self.branch
+        """Rows are kept for the C×C (and I×C) fits; per-channel sums split sinks off without rows."""
+        return self.residual or self.branch or self.inner
 
     def describe(self) -> str:
         return ", ".join(f.name for f in fields(self) if getattr(self, f.name)) or "token counts only"
 
 
-ALL_NEEDS = StatNeeds(True, True, True, True)
+ALL_NEEDS = StatNeeds(True, True, True, True, True, True)
 
 
-def statistics_bytes(width: int, needs: StatNeeds, sink_capacity: int, branch: bool = True) -> int:
+def statistics_bytes(width: int, needs: StatNeeds, sink_capacity: int, branch: bool = True, inner_width: int = 0) -> int:
     """Bytes one boundary's accumulator allocates (the formula the memory plan adds up).
 
-    `branch`: whether this boundary has a block before it (ReplaceMe statistics exist only then).
-    Spilled sink moments (allocated only past the capacity) are not counted: the run notes them.
+    `branch`: whether this boundary has a block before it (ReplaceMe and refit statistics exist only then).
+    `inner_width`: I, the intermediate size whose down_proj the refit changes (0: the refit's statistics are
+    not collected, e.g. where a norm follows the MLP). Spilled sink moments (allocated only past the
+    capacity) are not counted: the run notes them.
     """
-    c = width
+    c, i = width, inner_width if needs.inner and branch else 0
     with_branch = needs.branch and branch
     matrices = 2 * needs.residual + 2 * with_branch  # (C, C) each
     vectors = 5 * 2 * needs.channel + 5 * 2 * (needs.rotated and hadamard_factors(c) is not None)  # (C,) each
+    inner = i * i + i * c * (1 + needs.inner_stream) if i else 0  # aᵀa (I, I), aᵀΔ and aᵀX_pre (I, C)
     rows = 0
     if needs.sink_rows:
         kinds = 2 + with_branch  # x_pre, Δ (and m): (capacity, C) each
-        rows = sink_capacity * (kinds * c + 1)  # + the cap factor per row
+        rows = sink_capacity * (kinds * c + i + 1)  # + a (capacity, I) + the cap factor per row
     scalars = 2  # ‖Δ‖² of ordinary and sink tokens
-    return STATS_ITEM * (matrices * c * c + vectors * c + rows + scalars)
+    return STATS_ITEM * (matrices * c * c + vectors * c + inner + rows + scalars)
 
 
 # ---------------------------------------------------------------- frozen records
@@ -88,12 +97,18 @@ class Moments:
     xtd: torch.Tensor | None = None  # (C, C) X_preᵀ Δ
     mtm: torch.Tensor | None = None  # (C, C) mᵀm, m = MLP branch output of block s−1
     mtd: torch.Tensor | None = None  # (C, C) mᵀΔ
+    ata: torch.Tensor | None = None  # (I, I) aᵀa, a = block s−1's down_proj input
+    atd: torch.Tensor | None = None  # (I, C) aᵀΔ
+    atx: torch.Tensor | None = None  # (I, C) aᵀX_pre
 
     def __add__(self, other: Moments) -> Moments:
         def add(a, b):
             return a if b is None else b if a is None else a + b
         return Moments(self.tokens + other.tokens, self.dd + other.dd,
-                       *(add(getattr(self, n), getattr(other, n)) for n in ("xtx", "xtd", "mtm", "mtd")))
+                       *(add(getattr(self, n), getattr(other, n)) for n in MOMENT_MATRICES))
+
+
+MOMENT_MATRICES = ("xtx", "xtd", "mtm", "mtd", "ata", "atd", "atx")
 
 
 @dataclass(frozen=True)
@@ -122,9 +137,11 @@ class SinkRows:
 
     The names other fits build on: `x_pre` (k, C), `delta` (k, C) = X_post − X_pre, `branch`
     (k, C) the MLP branch output m of block s−1 (None without ReplaceMe statistics or at s = 0),
-    `cap` (k,) the factor ≤ 1 that brings each row down to its batch's sink threshold norm.
-    `tokens` counts every sink seen; those beyond the capacity are in `spill` (uncapped sums)
-    and `spill_capped` (the same rows scaled by their cap), None when nothing spilled.
+    `cap` (k,) the factor ≤ 1 that brings each row down to its batch's sink threshold norm,
+    `inner` (k, I) block s−1's down_proj input a (None without refit statistics).
+    `tokens` counts every sink seen; those beyond the capacity are in `spill` (uncapped sums;
+    of the a rows only aᵀa) and `spill_capped` (the same rows scaled by their cap), None when
+    nothing spilled.
     """
 
     x_pre: torch.Tensor  # (k, C)
@@ -135,6 +152,7 @@ class SinkRows:
     dd: float  # ‖Δ‖² over every sink token, kept or spilled
     spill: Moments | None = None
     spill_capped: Moments | None = None
+    inner: torch.Tensor | None = None  # (k, I)
 
     @property
     def kept(self) -> int:
@@ -149,7 +167,12 @@ class SinkRows:
                        x.T @ x if residual else None, x.T @ d if residual else None,
                        m.T @ m if branch and m is not None else None, m.T @ d if branch and m is not None else None)
         spilled = self.spill_capped if capped else self.spill
-        return rows if spilled is None else rows + spilled
+        return rows if spilled is None else rows + replace(spilled, ata=None)
+
+    @property
+    def inner_spill(self) -> torch.Tensor | None:
+        """(I, I) aᵀa of the sinks that spilled past the kept rows (None: none spilled, or no refit statistics)."""
+        return None if self.spill is None else self.spill.ata
 
     def merged(self, other: SinkRows) -> SinkRows:
         def cat(a, b):
@@ -159,7 +182,8 @@ class SinkRows:
             return a if b is None else b if a is None else a + b
         return SinkRows(cat(self.x_pre, other.x_pre), cat(self.delta, other.delta), cat(self.branch, other.branch),
                         cat(self.cap, other.cap), self.tokens + other.tokens, self.dd + other.dd,
-                        add(self.spill, other.spill), add(self.spill_capped, other.spill_capped))
+                        add(self.spill, other.spill), add(self.spill_capped, other.spill_capped),
+                        cat(self.inner, other.inner))
 
 
 @dataclass(frozen=True)
@@ -198,6 +222,11 @@ class BoundaryStats:
         return self.boundary.start > 0 and self.ordinary.mtm is not None
 
     @property
+    def has_inner(self) -> bool:
+        """The refit's statistics were collected (a block before the cut whose down_proj writes to the stream)."""
+        return self.boundary.start > 0 and self.ordinary.ata is not None
+
+    @property
     def dd(self) -> float:
         return self.ordinary.dd + self.sinks.dd
 
@@ -217,14 +246,15 @@ class BoundaryStats:
             return self.ordinary
         sinks = self.sinks.moments(which == "capped", residual, branch)
         keep = {"xtx": residual, "xtd": residual, "mtm": branch, "mtd": branch}
-        base = replace(self.ordinary, **{name: None for name, wanted in keep.items() if not wanted})
+        base = replace(self.ordinary, **{name: None for name, wanted in keep.items() if not wanted},
+                       ata=None, atd=None, atx=None)
         return base + sinks
 
     @property
     def fit(self) -> Moments:
         """All calibration tokens, every C×C moment that was collected (allocates them anew)."""
         sinks = self.sinks.moments(False, self.ordinary.xtx is not None, self.ordinary.mtm is not None)
-        return self.ordinary + sinks
+        return replace(self.ordinary, ata=None, atd=None, atx=None) + sinks
 
     @property
     def fit_ordinary(self) -> Moments:
@@ -292,6 +322,37 @@ def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) ->
         total += left.T @ right
 
 
+class _InnerSum:
+    """Running refit sums over block s−1's down_proj input a (I features), allocated at the first batch
+    that brings a: ordinary aᵀa (I, I), aᵀΔ (I, C), optionally aᵀX_pre (I, C), and the sink rows of a
+    (capacity, I); sinks past the capacity add to an I×I Gram of their own (allocated then)."""
+
+    def __init__(self, width: int, inner: int, capacity: int, stream: bool, device: torch.device,
+                 product: torch.dtype):
+        def zeros(*shape):
+            return torch.zeros(*shape, dtype=STATS_DTYPE, device=device)
+        self.product = product
+        self.ata, self.atd = zeros(inner, inner), zeros(inner, width)  # memory: (I² + I·C)·8 B
+        self.atx = zeros(inner, width) if stream else None  # memory: I·C·8 B
+        self.rows = zeros(capacity, inner)  # memory: capacity·I·8 B
+        self.spill: torch.Tensor | None = None  # (I, I), only once sinks spill
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.ata, self.atd, self.atx, self.rows, self.spill]
+
+    def add_ordinary(self, a: torch.Tensor, x: torch.Tensor, d: torch.Tensor) -> None:
+        """a (T, I), x, d (T, C): O(T·I²) time per batch."""
+        ap = a.to(self.product)  # (T, I)
+        _accumulate(self.ata, ap, ap)
+        _accumulate(self.atd, ap, d.to(self.product))
+        if self.atx is not None:
+            _accumulate(self.atx, ap, x.to(self.product))
+
+    def add_spill(self, a: torch.Tensor) -> None:
+        gram = a.T @ a  # (I, I)
+        self.spill = gram if self.spill is None else self.spill + gram
+
+
 class BoundarySums:
     """The mutable float64 accumulator of one boundary; `freeze` gives its `BoundaryStats`.
 
@@ -330,11 +391,13 @@ class BoundarySums:
         self.kept = 0
         self.spill: Moments | None = None
         self.spill_capped: Moments | None = None
+        self.with_inner = needs.inner and boundary.start > 0
+        self.inner: _InnerSum | None = None  # the refit's sums, once a batch brings block s−1's down_proj input
 
     def nbytes(self) -> int:
         """Bytes allocated now (equals `statistics_bytes` until sinks spill)."""
         tensors = [self.xtx, self.xtd, self.mtm, self.mtd, self.dd, self.rows_x, self.rows_d, self.rows_m,
-                   self.rows_cap]
+                   self.rows_cap] + ([] if self.inner is None else self.inner.tensors())
         total = sum(_tensor_bytes(t) for t in tensors)
         for sums in (self.channel, self.rotated):
             total += 0 if sums is None else sum(_tensor_bytes(t) for t in sums.sums.values())
@@ -352,11 +415,16 @@ class BoundarySums:
             _accumulate(self.mtd, mp, dp)
 
     def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None,
-            sinks: torch.Tensor, cap: torch.Tensor) -> None:
-        """One batch of valid tokens: x_pre, x_post, branch (T, C), sinks (T,) bool, cap (T,) factor ≤ 1."""
+            sinks: torch.Tensor, cap: torch.Tensor, inner: torch.Tensor | None = None) -> None:
+        """One batch of valid tokens: x_pre, x_post, branch (T, C), sinks (T,) bool, cap (T,) factor ≤ 1,
+        inner (T, I) block s−1's down_proj input (None: not captured)."""
         x = x_pre.to(self.device, STATS_DTYPE)  # (T, C) float64: T·C·8 B per working copy
         d = x_post.to(self.device, STATS_DTYPE) - x  # (T, C)
         m = branch.to(self.device, STATS_DTYPE) if branch is not None and self.with_branch else None  # (T, C)
+        a = inner.to(self.device, STATS_DTYPE) if inner is not None and self.with_inner else None  # (T, I): T·I·8 B
+        if a is not None and self.inner is None:
+            self.inner = _InnerSum(self.width, a.shape[-1], self.capacity, self.needs.inner_stream, self.device,
+                                   self.product)
         sinks = sinks.to(self.device)
         ordinary = ~sinks
         for group, mask in ((0, ordinary), (1, sinks)):
@@ -371,20 +439,30 @@ class BoundarySums:
                     sums.add(xg, xg + dg, group)
         if ordinary.all():
             self._products(x, d, m)
+            if a is not None:
+                self.inner.add_ordinary(a, x, d)
         elif ordinary.any():
             self._products(x[ordinary], d[ordinary], None if m is None else m[ordinary])
+            if a is not None:
+                self.inner.add_ordinary(a[ordinary], x[ordinary], d[ordinary])
         if sinks.any() and self.needs.sink_rows:
-            self._keep_rows(x[sinks], d[sinks], None if m is None else m[sinks], cap.to(self.device)[sinks])
+            self._keep_rows(x[sinks], d[sinks], None if m is None else m[sinks], cap.to(self.device)[sinks],
+                            None if a is None else a[sinks])
 
-    def _keep_rows(self, x: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, cap: torch.Tensor) -> None:
+    def _keep_rows(self, x: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, cap: torch.Tensor,
+                   a: torch.Tensor | None = None) -> None:
         room = self.capacity - self.kept
         take = min(room, x.shape[0])
+        if a is not None and take < x.shape[0]:
+            self.inner.add_spill(a[take:])
         if take:
             end = self.kept + take
             self.rows_x[self.kept:end] = x[:take]
             self.rows_d[self.kept:end] = d[:take]
             if self.rows_m is not None:
                 self.rows_m[self.kept:end] = m[:take]
+            if a is not None:
+                self.inner.rows[self.kept:end] = a[:take]
             self.rows_cap[self.kept:end] = cap[:take].to(STATS_DTYPE)
             self.kept = end
         if take < x.shape[0]:  # past the capacity: fold the rest into C×C sink moments (allocated once)
@@ -404,10 +482,16 @@ class BoundarySums:
             notes = (f"{self.tokens[1]} sink tokens exceeded the {self.capacity} kept rows at boundary {self.boundary}: "
                      f"{spilled} were folded into C×C sink moments ({extra / 2**20:.0f} MiB more than planned); "
                      "raise the sink capacity or use a stricter sink rule",)
+        inner = self.inner
+        spill = self.spill
+        if inner is not None and inner.spill is not None:  # the spilled a rows' Gram rides with the spilled moments
+            spill = replace(spill or Moments(0, 0.0), ata=inner.spill)
         sinks = SinkRows(self.rows_x[:k].clone(), self.rows_d[:k].clone(),
                          None if self.rows_m is None else self.rows_m[:k].clone(), self.rows_cap[:k].clone(),
-                         self.tokens[1], float(self.dd[1]), self.spill, self.spill_capped)
-        ordinary = Moments(self.tokens[0], float(self.dd[0]), self.xtx, self.xtd, self.mtm, self.mtd)
+                         self.tokens[1], float(self.dd[1]), spill, self.spill_capped,
+                         None if inner is None else inner.rows[:k].clone())
+        ordinary = Moments(self.tokens[0], float(self.dd[0]), self.xtx, self.xtd, self.mtm, self.mtd,
+                           *((None, None, None) if inner is None else (inner.ata, inner.atd, inner.atx)))
         return BoundaryStats(self.boundary, self.needs, self.width, ordinary, sinks,
                              None if self.channel is None else self.channel.freeze(),
                              None if self.rotated is None else self.rotated.freeze(), sink_rule, notes)

@@ -13,6 +13,8 @@
 - `speed`        what a default run takes on this machine
 - `outputs`      the Run outputs' names, and a run's JSON snapshot rendered into them
 - `handlers`     what the page's events call
+- `saved`        the model each session saved last, kept as its export folder for the push
+- `push`         the Hub push: sign-in on a Space (OAuth), a pasted token elsewhere, the upload
 - `layout`       the page: widgets and their wiring
 
 The UI holds no method logic: every number comes from `ghosted_core`, and every table and

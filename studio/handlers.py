@@ -8,38 +8,40 @@ where they stopped.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import tempfile
 import time
-from html import escape
 from collections.abc import Iterator
+from html import escape
 from dataclasses import replace
-from pathlib import Path
 
 import gradio as gr
 
 from ghosted_core.planning.advice import Advice, default_depth
 from ghosted_core.data import user_text
 from ghosted_core.errors import GhostedError
-from ghosted_core.oom import guard_stages
-from ghosted_core.export.archive import unpack_export
-from ghosted_core.export.folder import upload_export
+from ghosted_core.export.gguf import GGUF_OUTTYPES
 from ghosted_core.hub import hub_reachable
+from ghosted_core.oom import guard_stages
 from ghosted_core.stopping import RunStopped
 from ghosted_core.run.sweep import check_sweep, parse_depths
 from studio.cache import model_shape, num_blocks
 from studio.history import add_run, settings_of
 from studio.presets_view import find_preset, preset_note
-from studio.runner import QuickTasks, build_options, build_request, check_options, run_job, run_sweep_job, \
-    settings_advice
+from studio.runner import QuickTasks, build_options, build_request, check_options, run_compare_job, run_job, \
+    run_sweep_job, settings_advice
 from studio import guard
 from studio.runs import RUNS, ActiveRun, client_gone
+from studio.saved import SAVED
 from studio.session_files import serve_outputs
 from studio.user_input import corpora_with_text, read_user_text
-from studio.settings import DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP, TASK_EXAMPLES
+from studio.settings import COMPARE, DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP, TASK_EXAMPLES
 from studio.status import NOTHING_SHOWN, advice_lines, complete_status, failed_status, refused_status, \
     report_advice, running_status, shown_state, stopped_before_start, stopped_status
-from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outputs, history_outputs, page_message, render, render_sweep, write_results
+from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outputs, history_outputs, page_message, \
+    render, render_compare, render_sweep, write_results
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +54,13 @@ def on_submit() -> tuple[float, str]:
 def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str], calibration: str,
            samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
            new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
-           export_format: str = "auto", mode: str = "single depth", depths: str = "2:10:2", your_text: str | None = None,
-           your_file: str | None = None, text_use: str = "evaluation", submitted: float | None = None,
-           shown: dict | None = None, history: list[dict] | None = None, request: gr.Request | None = None,
+           export_format: str = "auto", gguf_type: str = "f16", mode: str = "single depth", depths: str = "2:10:2",
+           your_text: str | None = None, your_file: str | None = None, text_use: str = "evaluation",
+           compare_criteria: list[str] | None = None, submitted: float | None = None, shown: dict | None = None,
+           history: list[dict] | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
-    """Run button: stream a single-depth run or a sweep into the page, with the session's state; failures become gr.Error."""
+    """Run button: stream a single-depth run, a sweep or a comparison into the page, with the session's state;
+    failures become gr.Error."""
     settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
     start = time.perf_counter()
     queued = time.time() - submitted if submitted else None
@@ -70,7 +74,9 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                                         evals, eval_tokens, prompt, new_tokens), user_text=text)
         quick = QuickTasks(guard.flag(tasks_on, "Score every variant on quick tasks"), guard.names(task_names, "Tasks"),
                            guard.whole(task_examples, "Examples per task", 1, TASK_EXAMPLES[1]))
-        job = build_request(options, quick, save_variant, export_format, mode, depths)
+        job = build_request(options, quick, save_variant, export_format, mode, depths,
+                            guard.names(compare_criteria, "Criteria to compare"),
+                            guard.choice(gguf_type, "GGUF weights", GGUF_OUTTYPES))
         stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
     except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
         yield as_outputs({"status": refused_status(page_message(err), shown)})
@@ -85,9 +91,16 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         yield as_outputs(blank_outputs(running_status(stages[0], 0, len(stages), 0.0, None, advice, queued))
                          | {"shown": NOTHING_SHOWN})
         with tempfile.TemporaryDirectory(prefix="ghosted-run-") as folder:  # removed when the run ends or is stopped
-            updates = guard_stages(run_sweep_job(job.options, job.depths, should_stop) if job.sweep else
-                                   run_job(job.options, job.quick, job.save_variant, folder, should_stop,
-                                           job.export_format), stages[0])  # out of memory: one message
+            if job.compare:
+                updates, draw = run_compare_job(job.options, job.criteria, should_stop), render_compare
+            elif job.sweep:
+                updates, draw = run_sweep_job(job.options, job.depths, should_stop), render_sweep
+            else:
+                keep = str(SAVED.new_folder(session)) if job.save_variant else None  # for the push
+                updates = run_job(job.options, job.quick, job.save_variant, folder, should_stop, job.export_format,
+                                  job.gguf_type, keep)
+                draw = render
+            updates = guard_stages(updates, stages[0])  # out of memory: one message
             for done, (stage, report) in enumerate(updates, start=1):
                 run.done, run.report = done, report
                 elapsed = time.perf_counter() - start
@@ -97,7 +110,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                     advice = report_advice(report) + [Advice(note) for note in job.notes]
                 status = (running_status(following, done, len(stages), elapsed, report, advice, queued) if following
                           else complete_status(elapsed, report, advice, queued))
-                values = (render_sweep if job.sweep else render)(report, status, write_results(report, folder))
+                values = draw(report, status, write_results(report, folder))
                 values["shown"] = shown_state(report, "in progress" if following else "complete")
                 if following is None:
                     values |= history_outputs(add_run(history, settings, report, "complete"), folder)
@@ -202,10 +215,30 @@ def on_settings_change(model: str, criterion: str, depth: float, manual_blocks: 
 
 
 def on_mode_change(mode: str, criterion: str) -> tuple:
-    """Sweep: the depth range instead of one depth, and the sweep's results instead of a single run's."""
-    sweep = mode == SWEEP
-    return (gr.update(visible=not sweep and criterion not in ("manual", "none")), gr.update(visible=sweep),
-            gr.update(visible=not sweep), gr.update(visible=sweep))
+    """Sweep: the depth range instead of one depth, and the sweep's results instead of a single run's. Compare: the
+    criteria list instead of one criterion, one depth, and the comparison's map, scores and table."""
+    sweep, compare = mode == SWEEP, mode == COMPARE
+    single = not sweep and not compare
+    return (gr.update(visible=compare or (single and criterion not in ("manual", "none"))), gr.update(visible=sweep),
+            gr.update(visible=single), gr.update(visible=sweep), gr.update(visible=compare),
+            gr.update(visible=not compare), gr.update(visible=compare))
+
+
+@functools.wraps(on_run)  # the same parameters, so Gradio passes the Run inputs, the request and the progress
+def on_rerun_on_your_text(*args, **kwargs) -> Iterator[tuple]:
+    """The comparison again, its blocks chosen (and operators fitted) on your text: one click.
+
+    Your text takes the calibration role (and keeps the evaluation role if it had it); refused when no
+    text is pasted or uploaded."""
+    values = inspect.signature(on_run).bind(*args, **kwargs).arguments
+    if not (values.get("your_text") or "").strip() and not values.get("your_file"):
+        message = ("paste or upload your text under 'Your text' first: the comparison then reruns with your text "
+                   "choosing the blocks")
+        yield as_outputs({"status": refused_status(message, values.get("shown"))})
+        raise gr.Error(message, duration=TOAST_SECONDS)
+    use = values.get("text_use", "evaluation")
+    values |= {"mode": COMPARE, "text_use": "both" if use in ("evaluation", "both") else "calibration"}
+    yield from on_run(**values)
 
 
 def on_history_select(history: list[dict] | None, event: gr.SelectData) -> tuple:
@@ -217,31 +250,6 @@ def on_history_select(history: list[dict] | None, event: gr.SelectData) -> tuple
     return tuple(gr.update(value=settings[name]) if name in settings else gr.skip() for name in SETTING_NAMES)
 
 
-def upload_available() -> tuple[bool, str]:
-    """Whether the Hub upload control is on here, and the note beside it."""
-    if hub_reachable():
-        return True, ("Paste a Hugging Face **write** token to upload the downloaded folder, with its model card, to "
-                      "a new model repo. The token is used for this upload only: never logged, stored or shown again.")
-    return False, ("Uploading to the Hugging Face Hub is **off**: the Hub cannot be reached from this machine. "
-                   "Download the zip above instead.")
-
-
-def on_upload(model_file: str | None, repo_id: str, token: str) -> tuple[str, str]:
-    """Upload the saved model's folder to a new Hub repo; the token box is cleared whatever happens."""
-    try:
-        repo_id, token = guard.text(repo_id, "New Hub repo", guard.FIELD_CHARS), guard.text(token, "token", guard.FIELD_CHARS)
-        if not upload_available()[0]:  # nothing is unpacked where nothing can be uploaded
-            raise GhostedError("uploading is off: the Hugging Face Hub cannot be reached from this machine")
-        if not isinstance(model_file, str) or not Path(model_file).is_file():
-            raise GhostedError("save a model first: choose a variant under 'Save a recovered model' and run")
-        with tempfile.TemporaryDirectory(prefix="ghosted-upload-") as folder:
-            exported = unpack_export(model_file, folder)  # refuses what this app's save panel never writes
-            url = upload_export(exported, repo_id.strip(), token)
-    except GhostedError as err:
-        return f"**Upload refused:** {page_message(err)}", ""
-    return f"Uploaded to {escape(url)}", ""
-
-
 def depth_info(layers: int) -> str:
     """The depth slider's help text for a model with `layers` blocks."""
     return f"of {layers} blocks (removing all {layers} is refused)"
@@ -249,5 +257,7 @@ def depth_info(layers: int) -> str:
 
 def on_criterion_change(criterion: str, mode: str = "single depth") -> tuple:
     """Depth for similarity criteria (one, or a sweep's range), the block picker for manual, neither for none."""
+    if mode == COMPARE:
+        return gr.update(visible=True), gr.update(visible=False)
     return (gr.update(visible=criterion not in ("manual", "none") and mode != SWEEP),
             gr.update(visible=criterion == "manual"))

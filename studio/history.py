@@ -26,7 +26,10 @@ def history_entry(number: int, settings: dict, report: dict, state: str) -> dict
     def row(blocks: str, name: str, entry: dict) -> dict:
         return {"blocks": blocks, "operator": name, **{corpus_tag(report, c): ppl for c, ppl in entry.get("ppl", {}).items()}}
 
-    if "sweep" in report:
+    if "compare" in report:
+        rows = [row(f"{r['criterion']}: {blocks_text(r['removed_layers'])}", r["operator"], r)
+                for r in report["compare"].get("table", [])]
+    elif "sweep" in report:
         rows = [row(f"{depth['n']}: {blocks_text(depth['removed_layers'])}", name, entry)
                 for depth in report["sweep"].get("results", []) for name, entry in depth["variants"].items()]
     else:

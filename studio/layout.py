@@ -12,10 +12,13 @@ from ghosted_core.selection.criteria import CRITERIA
 from ghosted_core.evaluation.tasks import TASKS
 from studio.cache import num_blocks
 from ghosted_core.export.folder import EXPORT_MODES
+from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES
 from ghosted_core.recovery.operators import OPERATORS
 from studio.outputs import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES
 from studio.handlers import depth_info, model_note, on_criterion_change, on_history_select, on_mode_change, \
-    on_model_change, on_run, on_settings_change, on_stop, on_submit, on_upload, upload_available
+    on_model_change, on_rerun_on_your_text, on_run, on_settings_change, on_stop, on_submit
+from studio.push import on_push, on_space, push_available
+from studio.saved import SAVED
 from studio.history import history_table
 from studio.presets_view import model_choices
 from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, MODES, NEW_TOKENS, NO_SAVE, \
@@ -26,7 +29,9 @@ from studio.session_files import DELETE_CACHE, SESSION_FILES
 from ghosted_core.data.user_text import MAX_BYTES
 from studio.speed import default_run_note
 from studio.status import NOTHING_SHOWN
+from ghosted_core.report.compare import compare_table
 from ghosted_core.report.sweep import sweep_table
+from studio.outputs import COMPARE_HINT
 from ghosted_core.report.tables import empty_perplexity_table
 
 log = logging.getLogger(__name__)
@@ -61,7 +66,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
     """
     prompts = read_prompts()
     default_layers = num_blocks_or(DEFAULTS.model, 30)
-    can_upload, upload_note = upload_available()
+    can_push, push_note = push_available()
     with gr.Blocks(title="Ghosted Layers Studio", delete_cache=DELETE_CACHE) as demo:
         with gr.Row(equal_height=True):
             with gr.Column(scale=2, elem_id="app-header"):
@@ -88,8 +93,14 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     criterion = gr.Dropdown([(f"{name}: {CRITERION_HELP.get(name, spec.paper)}", name)
                                              for name, spec in CRITERIA.items()],
                                             value=DEFAULTS.criterion, label="Which blocks to remove", elem_id="criterion")
+                    compare_criteria = gr.Dropdown(
+                        [(f"{name}: {CRITERION_HELP.get(name, spec.paper)}", name) for name, spec in CRITERIA.items()
+                         if name not in ("manual", "none")], value=list(DEFAULTS.compare_criteria), multiselect=True,
+                        label="Criteria to compare", visible=False, elem_id="compare-criteria",
+                        info="each one's blocks, then every operator on every distinct plan (one calibration pass)")
                     mode = gr.Radio(list(MODES), value=DEFAULTS.mode, label="Depth", elem_id="mode",
-                                    info="sweep: every depth of a range from one calibration pass")
+                                    info="sweep: every depth of a range from one calibration pass; compare criteria: "
+                                         "which blocks each criterion removes at one depth, and what each costs")
                     depth = gr.Slider(1, default_layers, value=DEFAULTS.depth, step=1, label="Blocks to remove",
                                       info=depth_info(default_layers), elem_id="depth")
                     depths = gr.Textbox(DEFAULTS.depths, label="Depths to sweep (START:STOP:STEP, STOP included)",
@@ -134,18 +145,29 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES, value=DEFAULTS.save_variant,
                                                label="Variant to download", elem_id="save-variant",
                                                info="must be one of the operators above (SmolLM2: about 0.4 GB)")
-                    export_format = gr.Radio(list(EXPORT_MODES), value=DEFAULTS.export_format, label="Format",
+                    export_format = gr.Radio([*EXPORT_MODES, GGUF_FORMAT], value=DEFAULTS.export_format,
+                                             label="Format", elem_id="export-format",
                                              info="stock: a plain Hugging Face model ("
                                                   + ", ".join(n for n, spec in OPERATORS.items() if spec.stock)
                                                   + " fold into it); remote_code: loads with "
-                                                  "trust_remote_code=True; auto: stock where the variant folds")
-                    model_file = gr.File(label="Recovered model (zip)", elem_id="model-file", interactive=False)
+                                                  "trust_remote_code=True; auto: stock where the variant folds; "
+                                                  "gguf: stock, converted for llama.cpp by its own converter")
+                    gguf_type = gr.Radio(list(GGUF_OUTTYPES), value=DEFAULTS.gguf_type, label="GGUF weights",
+                                         elem_id="gguf-type", info="for the gguf format: f16, or q8_0 (about half)")
+                    model_file = gr.File(label="Recovered model (zip, or the .gguf)", elem_id="model-file",
+                                         interactive=False)
                     save_note_md = gr.Markdown(SAVE_HINT, elem_classes="caption", elem_id="save-note")
-                    gr.Markdown(upload_note, elem_classes="caption", elem_id="upload-note")
-                    repo_id = gr.Textbox(label="New Hub repo (name or org/name)", interactive=can_upload)
-                    token = gr.Textbox(label="Hugging Face write token", type="password", interactive=can_upload)
-                    upload_btn = gr.Button("Upload to the Hub", interactive=can_upload, elem_id="upload-button")
-                    upload_result = gr.Markdown("", elem_classes="caption")
+                    gr.Markdown(push_note, elem_classes="caption", elem_id="push-note")
+                    if on_space() and can_push:  # OAuth exists only on a Space (see studio.push)
+                        gr.LoginButton(elem_id="login-button")
+                    repo_id = gr.Textbox(label="New Hub repo (name, or org/name)", interactive=can_push,
+                                         elem_id="push-repo")
+                    private = gr.Checkbox(False, label="Make it a private repo", interactive=can_push,
+                                          elem_id="push-private")
+                    token = gr.Textbox(label="Hugging Face write token", type="password", elem_id="push-token",
+                                       interactive=can_push, visible=not on_space())
+                    push_btn = gr.Button("Push to the Hub", interactive=can_push, elem_id="push-button")
+                    push_result = gr.Markdown("", elem_classes="caption", elem_id="push-result")
             with gr.Column(scale=2):
                 progress_slot = gr.HTML("", elem_id="run-progress")  # the progress bar, so it never covers the status
                 status = gr.Markdown("Press **Run** to start.", elem_id="status")
@@ -176,6 +198,15 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     recovered_plot = gr.Plot(show_label=False, elem_id="plot-recovered")
                     sweep_table_df = gr.Dataframe(sweep_table({}), interactive=False, show_label=False,
                                                   elem_id="sweep-table", wrap=True)
+                with gr.Column(visible=False) as compare_box:
+                    gr.Markdown("### Which blocks? Criteria compared", elem_classes="section-title")
+                    compare_caption_md = gr.Markdown(COMPARE_HINT, elem_classes="caption", elem_id="compare-caption")
+                    rerun_btn = gr.Button("Rerun this comparison on your text (it chooses the blocks)",
+                                          elem_id="rerun-your-text", size="sm")
+                    map_plot = gr.Plot(show_label=False, elem_id="plot-map")
+                    criterion_scores_plot = gr.Plot(show_label=False, elem_id="plot-criterion-scores")
+                    compare_table_df = gr.Dataframe(compare_table({}), interactive=False, show_label=False,
+                                                    elem_id="compare-table", wrap=True)
                 results_file = gr.File(label="results.json", elem_id="results-file", interactive=False)
                 with gr.Accordion("Runs in this session", open=False, elem_id="history-box"):
                     gr.Markdown("Every run of this browser tab (gone when you close it). Click a row to put that "
@@ -193,13 +224,17 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                    "seed": seed, "eval_corpora": eval_corpora, "eval_tokens": eval_tokens, "prompt": prompt,
                    "new_tokens": new_tokens, "tasks_on": tasks_on, "task_names": task_names,
                    "task_examples": task_examples, "save_variant": save_variant, "export_format": export_format,
-                   "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use}
+                   "gguf_type": gguf_type,
+                   "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use,
+                   "compare_criteria": compare_criteria}
         components = {"status": status, "generations": generations, "ppl_caption": ppl_caption, "ppl_table": ppl_table,
                       "scores": scores_plot, "errors": errors_plot, "drift": drift_plot, "structure": structure_plot,
                       "tasks_caption": tasks_caption_md, "tasks_table": tasks_table_df, "tasks_plot": tasks_plot,
                       "results_file": results_file, "model_file": model_file, "save_note": save_note_md,
                       "sweep_caption": sweep_caption_md, "curve": curve_plot, "recovered": recovered_plot,
                       "sweep_table": sweep_table_df, "history_table": history_df, "history_file": history_file,
+                      "compare_caption": compare_caption_md, "similarity_map": map_plot,
+                      "criterion_scores": criterion_scores_plot, "compare_table": compare_table_df,
                       "shown": shown, "history": history}
         inputs = [widgets[name] for name in INPUT_NAMES]
         outputs = [components[name] for name in (*OUTPUT_NAMES, *STATE_NAMES)]
@@ -215,8 +250,13 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                      concurrency_limit=None)
         criterion.change(on_criterion_change, [criterion, mode], [depth, manual_blocks], api_visibility="private",
                          concurrency_limit=None)
-        mode.change(on_mode_change, [mode, criterion], [depth, depths, single_box, sweep_box],
+        mode.change(on_mode_change, [mode, criterion], [depth, depths, single_box, sweep_box, compare_box, criterion,
+                                                        compare_criteria],
                     api_visibility="private", concurrency_limit=None)
+        rerun = rerun_btn.click(on_submit, None, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
+                                api_visibility="private")
+        rerun.then(on_rerun_on_your_text, [*inputs, submitted, shown, history], outputs, api_name="rerun_on_your_text",
+                   concurrency_limit=concurrency, concurrency_id="run", show_progress_on=[progress_slot])
         settings = [model, criterion, depth, manual_blocks, operators, samples, seqlen, mode, depths]
         for widget in settings:
             widget.change(on_settings_change, settings, run_advice, api_name="check" if widget is model else None,
@@ -225,9 +265,9 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
         tasks_on.change(lambda on: gr.update(visible=on), tasks_on, tasks_box, api_visibility="private")
         history_df.select(on_history_select, [history], [widgets[name] for name in SETTING_NAMES],
                           api_visibility="private", concurrency_limit=None)
-        upload_btn.click(on_upload, [model_file, repo_id, token], [upload_result, token], api_name="upload",
-                         concurrency_limit=None)
-        demo.unload(on_session_end)  # a closed tab: the files served to it go
+        push_btn.click(on_push, [repo_id, private, token], [push_result, token], api_name="push",
+                       concurrency_limit=None)
+        demo.unload(on_session_end)  # a closed tab: the files served to it, and its saved model, go
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency)
     return demo
 
@@ -244,6 +284,7 @@ def num_blocks_or(name: str, fallback: int) -> int:
 def on_session_end(request: gr.Request) -> None:
     """Gradio's unload event: the session's tab is closed (its heartbeat stream ended)."""
     SESSION_FILES.end(request.session_hash)
+    SAVED.forget(request.session_hash)
 
 
 def launch_options() -> dict:

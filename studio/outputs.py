@@ -13,6 +13,8 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.report.charts import boundary_error_figure, drift_figure, empty_figure, scores_figure, \
     structure_figure, tasks_figure
 from studio.history import history_csv, history_table
+from ghosted_core.report.compare import compare_caption, compare_table, criterion_scores_figure, \
+    similarity_map_figure
 from ghosted_core.report.sweep import curve_figure, recovered_figure, sweep_caption, sweep_table
 from ghosted_core.report.tables import empty_perplexity_table, generations_html, perplexity_caption, \
     perplexity_table, tasks_caption, tasks_table
@@ -25,12 +27,14 @@ TOAST_SECONDS = 12  # the error pop-up goes after this; the status panel keeps t
 
 OUTPUT_NAMES = ("status", "generations", "ppl_caption", "ppl_table", "scores", "errors", "drift", "structure",
                 "tasks_caption", "tasks_table", "tasks_plot", "results_file", "model_file", "save_note",
-                "sweep_caption", "curve", "recovered", "sweep_table", "history_table", "history_file")
+                "sweep_caption", "curve", "recovered", "sweep_table", "history_table", "history_file",
+                "compare_caption", "similarity_map", "criterion_scores", "compare_table")
 STATE_NAMES = ("shown", "history")  # per-session state, after the components (hidden from the API)
 # The Run inputs, in order (the /run endpoint's parameters). History restores all but your text.
 INPUT_NAMES = ("model", "criterion", "depth", "manual_blocks", "operators", "calibration", "samples", "seqlen", "seed",
                "eval_corpora", "eval_tokens", "prompt", "new_tokens", "tasks_on", "task_names", "task_examples",
-               "save_variant", "export_format", "mode", "depths", "your_text", "your_file", "text_use")
+               "save_variant", "export_format", "gguf_type", "mode", "depths", "your_text", "your_file", "text_use",
+               "compare_criteria")
 SETTING_NAMES = tuple(name for name in INPUT_NAMES if name not in ("your_text", "your_file"))  # never kept
 
 
@@ -70,6 +74,13 @@ def render_sweep(report: dict, status: str, results_path: str | None) -> dict:
             "recovered": recovered_figure(report), "sweep_table": sweep_table(report), "results_file": results_path}
 
 
+def render_compare(report: dict, status: str, results_path: str | None) -> dict:
+    """The comparison outputs for one snapshot: the map, each criterion's scores, the criterion × operator table."""
+    return {"status": status, "compare_caption": compare_caption(report), "similarity_map": similarity_map_figure(report),
+            "criterion_scores": criterion_scores_figure(report), "compare_table": compare_table(report),
+            "results_file": results_path}
+
+
 def blank_outputs(status: str) -> dict:
     """Outputs at the start of a run: the previous run's results cleared."""
     waiting = empty_figure("waiting for the run…")
@@ -79,7 +90,11 @@ def blank_outputs(status: str) -> dict:
             "tasks_caption": "Quick tasks run after the other stages when enabled.", "tasks_table": None,
             "tasks_plot": None, "results_file": None, "model_file": None, "save_note": SAVE_HINT,
             "sweep_caption": "A sweep's curve and table appear here depth by depth.", "curve": waiting,
-            "recovered": waiting, "sweep_table": sweep_table({})}
+            "recovered": waiting, "sweep_table": sweep_table({}), "compare_caption": COMPARE_HINT,
+            "similarity_map": waiting, "criterion_scores": waiting, "compare_table": compare_table({})}
+
+
+COMPARE_HINT = "A comparison's map, scores and table appear here criterion by criterion."
 
 
 SAVE_HINT = "Choose a variant above to download it after the next run."
@@ -87,6 +102,10 @@ SAVE_HINT = "Choose a variant above to download it after the next run."
 
 def save_note(app: dict) -> str:
     """Which format the download is in, why, and how to load it."""
+    if app.get("saved_gguf"):
+        how = (f"a **GGUF** for llama.cpp (`{app['saved_gguf']}`, written by llama.cpp's own converter from the "
+               "stock folder): `llama-cli -m FILE -p \"…\"`; Push to the Hub sends the stock folder with it")
+        return f"`{app.get('saved_variant', '')}` saved as {how}. Why stock: {app.get('saved_reason', '')}."
     if app.get("saved_mode") == "stock":
         how = ("a **stock** Hugging Face folder: plain `AutoModelForCausalLM.from_pretrained(folder)` and serving "
                "engines load it")

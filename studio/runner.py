@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -12,7 +13,8 @@ from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.planning.estimate import zerogpu
 from ghosted_core.evaluation.generation import GenerationOptions
-from ghosted_core.export.folder import archive_export, check_export
+from ghosted_core.export.folder import archive_export, check_export, export_variant, zip_export
+from ghosted_core.export.gguf import GGUF_FORMAT, export_gguf, find_llamacpp
 from ghosted_core.model.embedded import needs_conversion
 from ghosted_core.model.loading import LoadedModel, LoadOptions
 from ghosted_core.plan import MAX_BLOCKS
@@ -28,8 +30,11 @@ from ghosted_core.run.sweep import check_sweep, parse_depths, sweep_stages
 from ghosted_core.run.sweep import planned_stages as sweep_planned
 from studio.cache import MODELS, model_shape, num_blocks
 from studio.presets_view import device, find_preset
+from ghosted_core.run.compare import check_compare, compare_stages
+from ghosted_core.run.compare import planned_stages as compare_planned
 from studio import guard
-from studio.settings import DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, NEW_TOKENS, NO_SAVE, SEQLENS, SWEEP, gpu_run, gpu_sweep
+from studio.settings import COMPARE, DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, NEW_TOKENS, NO_SAVE, SEQLENS, SWEEP, \
+    gpu_compare, gpu_run, gpu_sweep
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,9 @@ def check_save(options: RunOptions, save_variant: str, export_format: str = "aut
     if save_variant not in built:
         raise GhostedError(f"cannot save {save_variant!r}: it is not among this run's variants "
                            f"({', '.join(built) or 'none: nothing is pruned'}); add it to 'Operators' or choose {NO_SAVE!r}")
-    check_export([save_variant.removesuffix(SEQUENTIAL_SUFFIX)], export_format)
+    check_export([save_variant.removesuffix(SEQUENTIAL_SUFFIX)], "stock" if export_format == GGUF_FORMAT else export_format)
+    if export_format == GGUF_FORMAT:
+        find_llamacpp()  # a missing build is refused before the run, not after it
     return save_variant
 
 
@@ -134,17 +141,25 @@ class RunRequest:
     options: RunOptions
     quick: QuickTasks = QuickTasks()
     save_variant: str | None = None
-    export_format: str = "auto"
+    export_format: str = "auto"  # auto, stock, remote_code or gguf (stock plus its GGUF)
+    gguf_type: str = "f16"
     depths: tuple[int, ...] = ()  # a sweep's depths; empty for a single-depth run
     notes: tuple[str, ...] = ()  # settings the request set aside, said in the status
+    criteria: tuple[str, ...] = ()  # a comparison's criteria; empty otherwise
 
     @property
     def sweep(self) -> bool:
         return bool(self.depths)
 
+    @property
+    def compare(self) -> bool:
+        return bool(self.criteria)
+
     def stages(self) -> list[str]:
         if self.sweep:
             return conversion_stage(self.options.model) + sweep_planned(self.depths)
+        if self.compare:
+            return conversion_stage(self.options.model) + compare_planned(self.criteria)
         return planned_stages(self.options, self.quick, self.save_variant)
 
     def advice(self) -> list[Advice]:
@@ -152,16 +167,17 @@ class RunRequest:
 
 
 def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, export_format: str, mode: str,
-                  depths_text: str) -> RunRequest:
+                  depths_text: str, criteria: Sequence[str] = (), gguf_type: str = "f16") -> RunRequest:
     """A checked request from the options and the mode widgets; GhostedError for anything no run could do."""
-    if mode == SWEEP:
+    if mode == COMPARE:
+        notes = _set_aside(options, quick, save_variant, "a comparison")
+        options = replace(options, prompt=None, tasks=(), layers=())
+        chosen = check_compare(options, [c for c in criteria or () if c not in ("manual", "none")],
+                               num_blocks(options.model))
+        request = RunRequest(options, notes=tuple(notes), criteria=chosen)
+    elif mode == SWEEP:
         depths = parse_depths(guard.text(depths_text, "Depths to sweep", guard.FIELD_CHARS))
-        notes = []
-        if options.prompt or quick.enabled:
-            notes.append("a sweep reports perplexity and boundary errors: the prompt and quick tasks apply to "
-                         "single-depth runs")
-        if save_variant and save_variant != NO_SAVE:
-            notes.append("a sweep saves no model: save one from a single-depth run")
+        notes = _set_aside(options, quick, save_variant, "a sweep")
         options = replace(options, prompt=None, tasks=())
         layers = num_blocks(options.model)
         request = RunRequest(options, depths=check_sweep(options, depths, layers), notes=tuple(notes))
@@ -169,13 +185,24 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
         if quick.enabled and not quick.tasks:
             raise GhostedError("quick tasks are on but none is selected; pick at least one task or switch them off")
         check_options(options)
-        request = RunRequest(options, quick, check_save(options, save_variant, export_format), export_format)
+        request = RunRequest(options, quick, check_save(options, save_variant, export_format), export_format, gguf_type)
     preset = find_preset(options.model)
     if preset is not None:  # offline, gated without a token or too big: refused before anything downloads
         check_preset(preset.hub_id, options, device(), request.depths or None)
     if zerogpu():
         gpu_seconds(options, request.depths or None)  # refuses a run longer than a ZeroGPU call may hold
     return request
+
+
+def _set_aside(options: RunOptions, quick: QuickTasks, save_variant: str, what: str) -> list[str]:
+    """What a sweep or a comparison leaves out of the settings, said in the status."""
+    notes = []
+    if options.prompt or quick.enabled:
+        notes.append(f"{what} reports perplexity and boundary errors: the prompt and quick tasks apply to "
+                     "single-depth runs")
+    if save_variant and save_variant != NO_SAVE:
+        notes.append(f"{what} saves no model: save one from a single-depth run")
+    return notes
 
 
 # ---------------------------------------------------------------- the run (the @spaces.GPU unit)
@@ -224,13 +251,15 @@ def snapshot(result: RunResult, options: RunOptions, timings: dict[str, float]) 
 
 @gpu_run
 def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None, folder: str | None = None,
-            should_stop: StopCheck = None, export_format: str = "auto") -> Iterator[tuple[str, dict]]:
+            should_stop: StopCheck = None, export_format: str = "auto", gguf_type: str = "f16",
+            keep: str | None = None) -> Iterator[tuple[str, dict]]:
     """(Convert →) load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each.
 
     Refuses bad input before loading any weights. A first use of an embedded model whose GGUF
     was not converted at setup converts it as its own stage. `should_stop` is polled between
-    batches and stages (`RunStopped`). Yields only plain data (a saved model is a zip path in
-    `folder`), so it can run in a ZeroGPU worker process.
+    batches and stages (`RunStopped`). Yields only plain data (a saved model is a path: its zip or
+    GGUF in `folder`, its export folder in `keep` for the Hub push), so it can run in a ZeroGPU
+    worker process.
     """
     check_options(options)
     timings: dict[str, float] = {}
@@ -243,13 +272,47 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
     if save_variant and folder and result is not None:
         check_stop(should_stop, "save model")
         start = time.perf_counter()
-        saved = archive_export(result.models[save_variant], result.tokenizer,
-                               Path(folder) / f"{safe_name(options.model)}-{safe_name(save_variant)}.zip", export_format)
+        saved = save_model(result.models[save_variant], result.tokenizer, options.model, save_variant, Path(folder),
+                           export_format, gguf_type, Path(keep) if keep else None)
         result.timings["save model"] = time.perf_counter() - start
         report = snapshot(result, options, timings)
-        report["app"] |= {"saved_model": str(saved.archive), "saved_mode": saved.mode, "saved_reason": saved.reason,
-                          "saved_variant": saved.variant}
+        report["app"] |= saved
         yield "save model", report
+
+
+def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, export_format: str, gguf_type: str,
+               keep: Path | None) -> dict:
+    """Export one variant for the page: into `keep` (the session's push folder) when given, the download (its zip,
+    or its GGUF for the gguf format) in `folder`. Returns the report's "app" fields about it."""
+    stem = f"{safe_name(model_name)}-{safe_name(variant)}"
+    try:
+        if export_format == GGUF_FORMAT:
+            saved = export_gguf(model, tokenizer, (keep or folder) / stem, gguf_type)
+            download = saved.gguf
+        elif keep is not None:
+            saved = export_variant(model, tokenizer, keep / stem, export_format)
+            download = zip_export(saved.folder, folder / f"{stem}.zip")
+        else:
+            saved = archive_export(model, tokenizer, folder / f"{stem}.zip", export_format)
+            download = saved.archive
+    except BaseException:  # a save that fails (a full disk, a stop) leaves nothing the push could pick up
+        if keep is not None:
+            shutil.rmtree(keep / stem, ignore_errors=True)
+        raise
+    return {"saved_model": str(download), "saved_mode": saved.mode, "saved_reason": saved.reason,
+            "saved_variant": saved.variant, "saved_gguf": None if saved.gguf is None else saved.gguf.name,
+            "saved_folder": None if keep is None else str(saved.folder)}
+
+
+@gpu_compare
+def run_compare_job(options: RunOptions, criteria: tuple[str, ...],
+                    should_stop: StopCheck = None) -> Iterator[tuple[str, dict]]:
+    """Criteria compared: (convert →) load → each criterion's blocks → one calibration pass → each criterion's
+    operators, yielding (stage, the comparison's results.json so far): the map, scores and table grow criterion by
+    criterion."""
+    timings: dict[str, float] = {}
+    loaded = yield from load_stages(options.model, timings, should_stop)
+    yield from _reports(compare_stages(options, criteria, loaded, should_stop=should_stop), timings)
 
 
 @gpu_sweep
@@ -260,7 +323,12 @@ def run_sweep_job(options: RunOptions, depths: tuple[int, ...], should_stop: Sto
     """
     timings: dict[str, float] = {}
     loaded = yield from load_stages(options.model, timings, should_stop)
-    for stage, result in sweep_stages(options, depths, loaded, should_stop=should_stop):
+    yield from _reports(sweep_stages(options, depths, loaded, should_stop=should_stop), timings)
+
+
+def _reports(stages: Iterator, timings: dict[str, float]) -> Iterator[tuple[str, dict]]:
+    """(stage, results.json so far) of a sweep or a comparison, with the app's own stage times first."""
+    for stage, result in stages:
         report = result.to_json()
         report["timings"] = with_app_timings(report["timings"], timings)
         yield stage, report

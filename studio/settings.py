@@ -10,13 +10,15 @@ from pathlib import Path
 from ghosted_core.planning.advice import default_depth
 from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED
 from ghosted_core.planning.presets import gpu_seconds
+from ghosted_core.run.options import DEFAULT_VARIANTS
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 NO_SAVE = "don't save"
 SWEEP = "sweep"  # the mode that runs every depth of a range from one calibration pass
-MODES = ("single depth", SWEEP)
+COMPARE = "compare criteria"  # the mode that scores several criteria at one depth and evaluates every plan
+MODES = ("single depth", SWEEP, COMPARE)
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class Defaults:
     model: str = DEFAULT_MODEL
     criterion: str = "streamline"
     depth: int = default_depth(EMBEDDED[DEFAULT_MODEL].num_layers)  # blocks removed: a quarter of them (7 of 30)
-    operators: tuple[str, ...] = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
+    operators: tuple[str, ...] = DEFAULT_VARIANTS  # ghost_capped beside the best stock operator (magcomp_refit)
     calibration: str = "mix"  # broad stand-in for C4
     samples: int = 12  # calibration sequences (the paper: 128); 3072 tokens, over 5× the width of SmolLM2
     seqlen: int = 256  # calibration and perplexity window length (the paper: 2048)
@@ -38,10 +40,13 @@ class Defaults:
     tasks: tuple[str, ...] = ("arc_easy", "copa", "piqa")
     task_examples: int = 20
     save_variant: str = NO_SAVE  # a variant to download as a recovered model (zip); off by default (~0.4 GB)
-    export_format: str = "auto"  # stock where the variant folds, remote_code otherwise
+    export_format: str = "auto"  # stock where the variant folds, remote_code otherwise (gguf: stock plus its GGUF)
+    gguf_type: str = "f16"  # GGUF weights for the gguf format (f16 or q8_0)
     mode: str = "single depth"  # or SWEEP
     depths: str = "2:10:2"  # a sweep's depths, START:STOP:STEP with STOP included
     text_use: str = "evaluation"  # what "your text" is used for, when given
+    # criteria compared by default: the quick ones (sleb, swap_kl and prunecomp cost many passes: add them at will)
+    compare_criteria: tuple[str, ...] = ("streamline", "shortgpt", "kl", "weights")
 
 
 DEFAULTS = Defaults()
@@ -64,6 +69,12 @@ CRITERION_HELP = {  # short dropdown labels; the registry's paper names are long
     "angular": "angular distance (PruneMe)",
     "manual": "the blocks you list",
     "none": "dense model only",
+    "sleb": "greedy by calibration NLL (SLEB; n rounds)",
+    "kl": "run with the least KL to the dense output",
+    "swap_kl": "interchange probe (No Free Swap; many passes)",
+    "swap_kl_repl": "replacement probe (No Free Swap; many passes)",
+    "weights": "forward-free, from the weights (ours, after WRP's abstract)",
+    "prunecomp": "iterative BI with magnitude compensation (Prune&Comp)",
 }
 
 
@@ -85,5 +96,11 @@ def _sweep_seconds(options, depths, *args, **kwargs) -> int:
     return gpu_seconds(options, tuple(depths))
 
 
+def _compare_seconds(options, criteria, *args, **kwargs) -> int:
+    """Rough: a single run's estimate per criterion (the scoring criteria cost more, the shared passes less)."""
+    return min(300, gpu_seconds(options) * max(1, len(criteria)))
+
+
 gpu_run = _spaces_gpu(_run_seconds)  # decorates studio.runner.run_job
 gpu_sweep = _spaces_gpu(_sweep_seconds)  # decorates studio.runner.run_sweep_job
+gpu_compare = _spaces_gpu(_compare_seconds)  # decorates studio.runner.run_compare_job

@@ -28,10 +28,11 @@ torch.set_num_threads(1)  # tiny models: thread start-up costs more than the mat
 TINY_LAYERS = 6
 TINY_WIDTH = 36  # a Paley Hadamard order, so rotate works too
 TINY_VOCAB = 97
+TINY_INNER = 72  # intermediate size: the down_proj refit's I
 
 
 def _tiny_config(family: str, vocab_size: int = TINY_VOCAB, **overrides):
-    common = dict(vocab_size=vocab_size, hidden_size=TINY_WIDTH, intermediate_size=72, num_hidden_layers=TINY_LAYERS,
+    common = dict(vocab_size=vocab_size, hidden_size=TINY_WIDTH, intermediate_size=TINY_INNER, num_hidden_layers=TINY_LAYERS,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256) | overrides
     if family == "llama":
         return LlamaForCausalLM, LlamaConfig(**common)

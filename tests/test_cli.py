@@ -175,7 +175,7 @@ def test_sweep_of_smollm2_from_the_command_line(tmp_path):
     sweep = results["sweep"]
     assert sweep["depths"] == [2, 4, 6, 8, 10] and sweep["statistics"]["calibration_passes"] == 1
     assert [len(entry["removed_layers"]) for entry in sweep["results"]] == [2, 4, 6, 8, 10]
-    assert sweep["variants"] == ["none", "diag", "rotate", "ghost", "ghost_capped", "replaceme"]
+    assert sweep["variants"] == ["none", "diag", "rotate", "ghost", "ghost_capped", "magcomp_refit"]
     rows = [line.split() for line in done.stdout.splitlines() if line[:1].isdigit()]
     assert len(rows) == 1 + 5 * 6  # dense, then depth × operator
     for entry in sweep["results"]:
@@ -208,3 +208,48 @@ def test_too_little_calibration_warns_and_records_the_ridge_fallback(tiny_model_
     assert " !" in out and "! = worse than plain pruning on held-out calibration text" in out
     assert not results["variants"]["none"]["fits"][0]["heldout_worse_than_pruning"]
     assert results["memory_plan"]["fits"] and results["calibration"]["tokens"] == 16
+
+
+def test_a_comma_list_compares_every_criterion_in_one_process_with_one_calibration_pass(tiny_model_folder, tmp_path,
+                                                                                          monkeypatch, capsys):
+    from ghosted_core.run import plans
+    from ghosted_core.selection import choose
+    from ghosted_core.selection.criteria import CRITERIA
+
+    criteria = [name for name in CRITERIA if name not in ("none", "manual")]
+    calibrations, similarity = [], []
+    real_collect, real_similarity = plans.collect_stats, choose.measure_similarity_depths
+    monkeypatch.setattr(plans, "collect_stats", lambda *a, **k: calibrations.append(a[1]) or real_collect(*a, **k))
+    monkeypatch.setattr(choose, "measure_similarity_depths",
+                        lambda *a, **k: similarity.append(a[1]) or real_similarity(*a, **k))
+    code = main(["--model", str(tiny_model_folder), "--pruning_method", ",".join(criteria), "--total_num_prune", "2",
+                 "--insert_type", "none,ghost_capped,replaceme_keepsink", "--calibration_data", "ptb", "--train_size",
+                 "4", "--seqlen", "32", "--eval_ppl", "ptb,wiki", "--eval_max_tokens", "96", "--outdir", str(tmp_path),
+                 "--quiet"])
+    assert code == 0
+    assert len(calibrations) == 1 and len(similarity) == 1  # ONE calibration pass, ONE similarity pass, in one process
+    results = json.loads((tmp_path / "results.json").read_text())
+    compare = results["compare"]
+    assert compare["criteria"] == criteria and set(compare["selections"]) == set(criteria)
+    for name in criteria:
+        blocks = compare["selections"][name]["removed_layers"]
+        assert len(blocks) == 2 and all(0 <= b < 6 for b in blocks)
+        rows = [r for r in compare["table"] if r["criterion"] == name]
+        assert [r["operator"] for r in rows] == ["none", "ghost_capped", "replaceme_keepsink"]
+        assert all(r["removed_layers"] == blocks and set(r["ppl"]) == {"ptb", "wiki"} for r in rows)
+    distinct = {tuple(s["removed_layers"]) for s in compare["selections"].values()}
+    assert len(compare["plans"]) == len(distinct) and len(calibrations[0]) == compare["statistics"]["distinct_boundaries"]
+    assert "PTB" in compare["calibration_note"]
+    assert (tmp_path / "compare.html").exists()
+    out = capsys.readouterr().out
+    assert "sleb" in out and "ghost_capped" in out and "inspired by WRP" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pruning_method", "streamline,random"], "invalid choice: 'random'"),
+    (["--pruning_method", "streamline,sleb", "--total_num_prune", "2:4"], "one depth"),
+    (["--pruning_method", "streamline,none"], "'none' removes nothing"),
+])
+def test_bad_comparisons_are_one_line_errors(tiny_model_folder, args, message):
+    done = run_cli("--model", str(tiny_model_folder), "--quiet", *args)
+    assert message in one_error_line(done)

@@ -17,7 +17,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.model.modeling_ghosted import PatchedBlock
-from ghosted_core.architectures import ARCHITECTURES
+from ghosted_core.model.scaling import writer_path
+from ghosted_core.architectures import ARCHITECTURES, architecture_of
 
 
 class StopForward(Exception):
@@ -41,24 +42,37 @@ def branch_module(block: nn.Module) -> nn.Module:
 BRANCH_NORMS = tuple(sorted({arch.branch for arch in ARCHITECTURES.values()} - {"mlp"}))
 
 
+def down_projection(model: PreTrainedModel, block: nn.Module) -> nn.Module:
+    """The module computing block `block`'s MLP output projection (its input: the intermediate a, I features),
+    found through a view's wrappers."""
+    return block.get_submodule(writer_path(block, architecture_of(model.config).down_proj))
+
+
+def inner_folds(model: PreTrainedModel) -> bool:
+    """A change of down_proj is a change of the stream (no norm after the MLP): the refit's statistics apply."""
+    return architecture_of(model.config).branch_folds_into_down_proj
+
+
 @contextlib.contextmanager
 def capture(model: PreTrainedModel, residuals: Iterable[int], branches: Iterable[int] = (),
-            on_tensor: Callable[[tuple[str, int], torch.Tensor], None] | None = None) -> Iterator[dict]:
-    """Hook `model` to record residual streams and MLP branch outputs during `run_forward`.
+            on_tensor: Callable[[tuple[str, int], torch.Tensor], None] | None = None,
+            inners: Iterable[int] = ()) -> Iterator[dict]:
+    """Hook `model` to record residual streams, MLP branch outputs and MLP intermediates during `run_forward`.
 
     `residuals`: layer-list indices whose incoming residual (as the block sees it, after any
     boundary operator) is wanted; index len(layers) means the input of the final norm.
-    `branches`: layer-list indices whose MLP branch output is wanted. Tensors go to
+    `branches`: layer-list indices whose MLP branch output is wanted; `inners`: those whose
+    down_proj input (the MLP's intermediate activation) is wanted. Tensors go to
     `on_tensor(key, tensor)` if given, else into the yielded dict under ("residual", j) /
-    ("branch", j). Hooks fire only in the thread that opened the context (other users of a
-    shared model are not disturbed) and are removed on exit, whatever happens.
+    ("branch", j) / ("inner", j). Hooks fire only in the thread that opened the context (other
+    users of a shared model are not disturbed) and are removed on exit, whatever happens.
     """
-    residuals, branches = sorted(set(residuals)), sorted(set(branches))
+    residuals, branches, inners = sorted(set(residuals)), sorted(set(branches)), sorted(set(inners))
     layers = model.model.layers
     store: dict[tuple[str, int], torch.Tensor] = {}
     sink = on_tensor or store.__setitem__
     owner = threading.get_ident()
-    last = max([*residuals, *(j + 1 for j in branches)], default=-1)
+    last = max([*residuals, *(j + 1 for j in (*branches, *inners))], default=-1)
     handles = []
 
     def residual_hook(j: int):
@@ -77,12 +91,20 @@ def capture(model: PreTrainedModel, residuals: Iterable[int], branches: Iterable
                 sink(("branch", j), (output[0] if isinstance(output, tuple) else output).detach())
         return hook
 
+    def inner_hook(j: int):
+        def hook(_module, args):
+            if threading.get_ident() == owner:
+                sink(("inner", j), args[0].detach())
+        return hook
+
     try:
         for j in residuals:
             target = unwrap(layers[j]) if j < len(layers) else unwrap(model.model.norm)
             handles.append(target.register_forward_pre_hook(residual_hook(j), with_kwargs=True))
         for j in branches:
             handles.append(branch_module(layers[j]).register_forward_hook(branch_hook(j)))
+        for j in inners:
+            handles.append(down_projection(model, layers[j]).register_forward_pre_hook(inner_hook(j)))
         yield store
     finally:
         for handle in handles:

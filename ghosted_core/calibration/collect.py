@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES, get_pipeline
-from ghosted_core.calibration.capture import capture, run_forward
+from ghosted_core.calibration.capture import capture, inner_folds, run_forward
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory import choose_pipeline
 from ghosted_core.model.loading import model_placement
@@ -159,8 +159,9 @@ class BoundaryAccumulator:
         self.capacity = options.capacity(sequences)
         self.sums: BoundarySums | None = None
 
-    def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None, valid: torch.Tensor) -> None:
-        """One batch: x_pre, x_post, branch (B, T, C), valid (B, T) bool (False = padding)."""
+    def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None, valid: torch.Tensor,
+            inner: torch.Tensor | None = None) -> None:
+        """One batch: x_pre, x_post, branch (B, T, C), valid (B, T) bool (False = padding), inner (B, T, I)."""
         if self.sums is None:
             device = resolve_stats_device(self.options, x_pre.device)
             self.sums = BoundarySums(self.boundary, x_pre.shape[-1], device, self.needs, self.capacity,
@@ -179,7 +180,8 @@ class BoundaryAccumulator:
             def pick(t: torch.Tensor) -> torch.Tensor:
                 return t[valid]
         branch = None if branch is None else pick(branch.to(x_pre.device))
-        self.sums.add(pick(x_pre), pick(x_post), branch, pick(sinks), pick(cap))
+        inner = None if inner is None else pick(inner.to(x_pre.device))
+        self.sums.add(pick(x_pre), pick(x_post), branch, pick(sinks), pick(cap), inner)
 
     def nbytes(self) -> int:
         return 0 if self.sums is None else self.sums.nbytes()
@@ -194,21 +196,24 @@ class HeldoutRows:
     """The held-out batches' boundary activations, kept from the calibration pass, so that the held-out
     errors need no second pass over the model (`recovery.heldout.measure_errors`).
 
-    Memory: held-out tokens × C × dtype bytes × (2, or 3 with the MLP branch) per boundary, where
-    the activations arrive (references to the captured tensors; indices boundaries share are kept once).
+    Memory: held-out tokens × dtype bytes × (2·C, + C with the MLP branch, + I with the down_proj
+    refit's intermediate) per boundary, where the activations arrive (references to the captured
+    tensors; indices boundaries share are kept once).
     """
 
     def __init__(self) -> None:
-        self.rows: dict[Boundary, list[tuple[CalibrationBatch, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        self.rows: dict[Boundary, list[tuple[CalibrationBatch, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                             torch.Tensor | None]]] = {}
         self.branch = False  # the MLP branch was captured
+        self.inner = False  # the down_proj inputs were captured
 
     def add(self, boundary: Boundary, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor,
-            branch: torch.Tensor | None) -> None:
-        self.rows.setdefault(boundary, []).append((batch, x_pre, x_post, branch))
+            branch: torch.Tensor | None, inner: torch.Tensor | None = None) -> None:
+        self.rows.setdefault(boundary, []).append((batch, x_pre, x_post, branch, inner))
 
-    def covers(self, boundaries: Sequence[Boundary], branch: bool) -> bool:
-        """Whether every boundary's rows are here (with the branch where a fit needs it)."""
-        return all(b in self.rows for b in boundaries) and (self.branch or not branch)
+    def covers(self, boundaries: Sequence[Boundary], branch: bool, inner: bool = False) -> bool:
+        """Whether every boundary's rows are here (with the branch and the intermediate where a fit needs them)."""
+        return all(b in self.rows for b in boundaries) and (self.branch or not branch) and (self.inner or not inner)
 
     def nbytes(self) -> int:
         seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -237,18 +242,18 @@ def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batche
     if accumulators is not None:
         accumulators.extend(live)
     if heldout is not None:
-        heldout.branch = needs.branch
+        heldout.branch, heldout.inner = needs.branch, needs.inner
 
-    def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch) -> None:
+    def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch, inner) -> None:
         if batch.heldout:
-            heldout.add(boundaries[k], batch, x_pre, x_post, branch)
+            heldout.add(boundaries[k], batch, x_pre, x_post, branch, inner)
         else:
-            live[k].add(x_pre, x_post, branch, valid_mask(batch))
+            live[k].add(x_pre, x_post, branch, valid_mask(batch), inner)
 
     compute = None if options.compute_device is None else torch.device(options.compute_device)
     passed = fit_batches if heldout is None else list(batches)
     get_pipeline(pipeline_name(options, dense)).run(dense, list(boundaries), needs.branch, passed, consume, compute,
-                                                    options.quiet)
+                                                    options.quiet, needs.inner)
     stats = [acc.freeze() for acc in live]
     for s in stats:
         for note in s.notes:
@@ -263,12 +268,14 @@ def collect_boundary_stats(source: PreTrainedModel, source_start: int, dense: Pr
     and the target X_post from the dense model (the sequential fit; two `full` forwards per batch)."""
     fit_batches = [b for b in batches if not b.heldout]
     acc = BoundaryAccumulator(boundary, options, needs, sum(len(b.input_ids) for b in fit_batches))
-    branches = {source_start - 1} if boundary.start > 0 and needs.branch else set()
+    before = {source_start - 1} if boundary.start > 0 else set()
+    branches = before if needs.branch else set()
+    inners = before if needs.inner and inner_folds(source) else set()
     for batch in tqdm(fit_batches, desc=f"calibrate {boundary} (sequential)", disable=options.quiet, leave=False):
         with capture(dense, {boundary.end}) as target:
             run_forward(dense, batch.input_ids, batch.attention_mask)
-        with capture(source, {source_start}, branches) as seen:
+        with capture(source, {source_start}, branches, inners=inners) as seen:
             run_forward(source, batch.input_ids, batch.attention_mask)
         acc.add(seen[("residual", source_start)], target[("residual", boundary.end)],
-                seen.get(("branch", source_start - 1)), valid_mask(batch))
+                seen.get(("branch", source_start - 1)), valid_mask(batch), seen.get(("inner", source_start - 1)))
     return acc.freeze()

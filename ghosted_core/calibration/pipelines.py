@@ -1,9 +1,10 @@
 """Named calibration pipelines: how boundary activations reach the accumulators.
 
 Both pipelines hand every boundary the same thing, batch after batch in the same order:
-`consume(k, batch, x_pre, x_post, branch)` with the residual entering boundary k's first
+`consume(k, batch, x_pre, x_post, branch, inner)` with the residual entering boundary k's first
 removed block, the residual entering its first surviving block, and (when asked) the MLP
-branch output of the block before it, each (B, T, C) in the model's dtype.
+branch output of the block before it, each (B, T, C) in the model's dtype, and (when asked,
+for the down_proj refit) that block's down_proj input (B, T, I); None where not asked.
 
 - `full`: one forward of the model per batch with capture hooks, stopped after the last block
   needed. Device memory: the weights plus one batch's activations.
@@ -11,7 +12,7 @@ branch output of the block before it, each (B, T, C) in the model's dtype.
   hidden states wait on the CPU; one block at a time is copied to the compute device and every
   batch passes through it. Device memory: one block plus one batch, whatever the
   depth; host memory: the hidden states (tokens·C·dtype bytes) plus, per open boundary, a copy
-  of its x_pre (and m) until its end block is reached.
+  of its x_pre (and m, and a: tokens·I·dtype bytes) until its end block is reached.
 
 Both leave a model that other threads use undisturbed: `full` through `capture`'s per-thread
 hooks; `blocks` because its recorders and hooks act only in the thread that runs it (recording
@@ -34,13 +35,14 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ghosted_core.calibration.capture import StopForward, branch_module, capture, run_forward
+from ghosted_core.calibration.capture import StopForward, branch_module, capture, down_projection, inner_folds, \
+    run_forward
 from ghosted_core.plan import Boundary
 from ghosted_core.registry import add, lookup
 
 log = logging.getLogger(__name__)
 
-Consumer = Callable[[int, "object", torch.Tensor, torch.Tensor, "torch.Tensor | None"], None]
+Consumer = Callable[[int, "object", torch.Tensor, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ CALIBRATION_PIPELINES: dict[str, PipelineSpec] = {}
 
 
 def register_pipeline(name: str, description: str):
-    """Add `fn(model, boundaries, branches, batches, consume, compute_device, quiet)` under `name`."""
+    """Add `fn(model, boundaries, branches, batches, consume, compute_device, quiet, inner)` under `name`."""
 
     def decorator(fn):
         add(CALIBRATION_PIPELINES, name, PipelineSpec(name, fn, description), "calibration pipeline")
@@ -73,16 +75,24 @@ def _needed(boundaries: Sequence[Boundary], branches: bool) -> tuple[set[int], s
     return residuals, branch_blocks
 
 
+def _inner_blocks(model: PreTrainedModel, boundaries: Sequence[Boundary], inner: bool) -> set[int]:
+    """Blocks whose down_proj input is wanted: the block before each cut, where the refit folds."""
+    return {b.start - 1 for b in boundaries if b.start > 0} if inner and inner_folds(model) else set()
+
+
 @register_pipeline("full", "one forward per batch through the whole model, stopped after the last block needed")
 def full_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], branches: bool, batches: Sequence,
-                  consume: Consumer, compute_device: torch.device | None = None, quiet: bool = True) -> None:
-    """Per batch: capture every needed residual and branch in one early-stopped forward."""
+                  consume: Consumer, compute_device: torch.device | None = None, quiet: bool = True,
+                  inner: bool = False) -> None:
+    """Per batch: capture every needed residual, branch and intermediate in one early-stopped forward."""
     residuals, branch_blocks = _needed(boundaries, branches)
+    inner_blocks = _inner_blocks(model, boundaries, inner)
     for batch in tqdm(batches, desc="calibrate", disable=quiet, leave=False):
-        with capture(model, residuals, branch_blocks) as seen:
+        with capture(model, residuals, branch_blocks, inners=inner_blocks) as seen:
             run_forward(model, batch.input_ids, batch.attention_mask)
         for k, b in enumerate(boundaries):
-            consume(k, batch, seen[("residual", b.start)], seen[("residual", b.end)], seen.get(("branch", b.start - 1)))
+            consume(k, batch, seen[("residual", b.start)], seen[("residual", b.end)], seen.get(("branch", b.start - 1)),
+                    seen.get(("inner", b.start - 1)))
 
 
 # ---------------------------------------------------------------- block by block
@@ -219,7 +229,8 @@ def record_block_inputs(model: PreTrainedModel, batch, upto: int) -> tuple[torch
 
 @register_pipeline("blocks", "hidden states on the CPU; one block at a time on the compute device, all batches through it")
 def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], branches: bool, batches: Sequence,
-                    consume: Consumer, compute_device: torch.device | None = None, quiet: bool = True) -> None:
+                    consume: Consumer, compute_device: torch.device | None = None, quiet: bool = True,
+                    inner: bool = False) -> None:
     """Layer-by-layer calibration.
 
     1. For each batch, record the hidden state entering block 0 and every block's call
@@ -234,6 +245,7 @@ def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], bran
     """
     layers = model.model.layers
     residuals, branch_blocks = _needed(boundaries, branches)
+    inner_blocks = _inner_blocks(model, boundaries, inner)
     last = max(residuals)
     device = torch.device(compute_device) if compute_device is not None else _home_device(layers[0])
     hidden, calls = [], []
@@ -245,7 +257,8 @@ def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], bran
 
     def release_unneeded(j: int) -> None:
         pending = [b for b in boundaries if b.end > j]
-        wanted = {("residual", b.start) for b in pending} | {("branch", b.start - 1) for b in pending}
+        wanted = {(kind, b.start - 1) for b in pending for kind in ("branch", "inner")} | \
+            {("residual", b.start) for b in pending}
         for key in [key for key in kept if key not in wanted]:
             del kept[key]
 
@@ -253,18 +266,22 @@ def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], bran
         for k, b in enumerate(boundaries):
             if b.end == j:
                 for n, batch in enumerate(batches):
-                    branch = kept[("branch", b.start - 1)][n] if ("branch", b.start - 1) in kept else None
-                    consume(k, batch, kept[("residual", b.start)][n], hidden[n], branch)
+                    branch, inner_rows = (kept[(kind, b.start - 1)][n] if (kind, b.start - 1) in kept else None
+                                          for kind in ("branch", "inner"))
+                    consume(k, batch, kept[("residual", b.start)][n], hidden[n], branch, inner_rows)
         release_unneeded(j)
         if any(b.start == j for b in boundaries):
             kept[("residual", j)] = list(hidden)  # no copy: block j's outputs replace, never modify, these
         if j == last:
             break
         outputs: list[torch.Tensor] = []
+        inputs: list[torch.Tensor] = []  # block j's down_proj inputs (B, T, I) per batch, on the CPU
         with on_compute_device(layers[j], device, model) as block, torch.no_grad():
-            handle = None
-            if j in branch_blocks:  # on the block that runs (a copy on the compute device, or the shared one)
-                handle = branch_module(block).register_forward_hook(_branch_recorder(outputs))
+            handles = []  # on the block that runs (a copy on the compute device, or the shared one)
+            if j in branch_blocks:
+                handles.append(branch_module(block).register_forward_hook(_recorder(outputs, _output)))
+            if j in inner_blocks:
+                handles.append(down_projection(model, block).register_forward_pre_hook(_recorder(inputs, _input)))
             try:
                 for n in range(len(batches)):
                     kwargs = dict(_to(calls[n][j], device))
@@ -272,17 +289,28 @@ def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], bran
                     out = block(hidden[n].to(device), *args, **kwargs)
                     hidden[n] = (out[0] if isinstance(out, tuple) else out).detach().cpu()
             finally:
-                if handle is not None:
+                for handle in handles:
                     handle.remove()
         if j in branch_blocks:
             kept[("branch", j)] = outputs
+        if j in inner_blocks:
+            kept[("inner", j)] = inputs
 
 
-def _branch_recorder(outputs: list[torch.Tensor]):
-    """A forward hook appending the MLP branch output to `outputs`, only in the thread that registered it."""
+def _output(_args, out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _input(args) -> torch.Tensor:
+    return args[0]
+
+
+def _recorder(tensors: list[torch.Tensor], pick):
+    """A forward (or pre-forward) hook appending `pick(...)` to `tensors` on the CPU, only in the thread that
+    registered it."""
     owner = threading.get_ident()
 
-    def hook(_module, _args, out):
+    def hook(_module, *seen):
         if threading.get_ident() == owner:
-            outputs.append((out[0] if isinstance(out, tuple) else out).detach().cpu())
+            tensors.append(pick(*seen).detach().cpu())
     return hook

@@ -72,13 +72,18 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
                should_stop: StopCheck = None) -> dict[str, float]:
     """exp(mean NLL) over non-overlapping windows (N, T) for every variant, sharing the dense prefix.
 
-    `should_stop` is polled before every batch and variant (`RunStopped` when it says so).
+    Variants are grouped by how many leading blocks they share with the dense model: per batch the
+    dense blocks run once, segment by segment, and each group's suffixes start where its prefix ends
+    (a variant that changes block 0, as magcomp's scaled writers do, starts from the embeddings
+    without costing the others their shared prefix). `should_stop` is polled before every batch and
+    variant (`RunStopped` when it says so).
     """
     if windows.ndim != 2 or windows.shape[1] < 2:
         raise GhostedError("perplexity needs windows of at least 2 tokens")
-    prefix_len = min((shared_prefix(dense, v) for v in variants.values()), default=0)
-    prefix = slice_view(dense, dense, 0, prefix_len, final_norm=False)
-    suffixes = {name: slice_view(model, dense, prefix_len) for name, model in variants.items()}
+    groups = _by_prefix(dense, variants, None)
+    depths = sorted(groups)
+    segments = [slice_view(dense, dense, a, b, final_norm=False) for a, b in zip([0, *depths[:-1]], depths)]
+    suffixes = {name: slice_view(variants[name], dense, d) for d in depths for name in groups[d]}
     nll = dict.fromkeys(variants, 0.0)
     count = 0
     device = input_device(dense)
@@ -86,9 +91,27 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
         for ids in tqdm(windows.split(batch_size), desc=desc, disable=quiet, leave=False):
             check_stop(should_stop, "perplexity")
             ids = ids.to(device)
-            h = prefix.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C) entering block prefix_len
-            count += _add_suffix_nll(nll, suffixes, variants, h, ids, should_stop)
+            h = None
+            for depth, segment in zip(depths, segments):
+                h = (segment.model(input_ids=ids, use_cache=False) if h is None else
+                     segment.model(inputs_embeds=h, use_cache=False)).last_hidden_state  # (B, T, C) entering `depth`
+                tokens = _add_suffix_nll(nll, {n: suffixes[n] for n in groups[depth]}, variants, h, ids, should_stop)
+            count += tokens
     return {name: math.exp(value / count) for name, value in nll.items()}
+
+
+def _by_prefix(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
+               available: Iterable[int] | None) -> dict[int, list[str]]:
+    """Variant names grouped by the dense block index their own computation starts at: their shared prefix
+    (or, with `available`, the largest available index not beyond it; 0 when none is)."""
+    groups: dict[int, list[str]] = {}
+    cached = None if available is None else sorted(available)
+    for name, model in variants.items():
+        prefix = shared_prefix(dense, model)
+        if cached is not None:
+            prefix = max((j for j in cached if j <= prefix), default=0)
+        groups.setdefault(prefix, []).append(name)
+    return groups
 
 
 def _add_suffix_nll(nll: dict[str, float], suffixes: Mapping[str, PreTrainedModel],
@@ -151,19 +174,23 @@ def dense_prefix_states(dense: PreTrainedModel, windows: torch.Tensor, indices: 
 
 def perplexity_from_states(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], cached: PrefixStates,
                            quiet: bool = False, desc: str = "perplexity", should_stop: StopCheck = None) -> dict[str, float]:
-    """`perplexity` of variants that share the dense prefix up to a cached index: only their suffixes run."""
-    prefix_len = min((shared_prefix(dense, v) for v in variants.values()), default=0)
-    start = max((j for j in cached.states if j <= prefix_len), default=None)
-    if start is None:
-        raise ValueError(f"no cached dense state at or before block {prefix_len}")
-    suffixes = {name: slice_view(model, dense, start) for name, model in variants.items()}
+    """`perplexity` of variants that share the dense prefix up to a cached index: only their suffixes run (a
+    variant sharing less than any cached index, e.g. one that changes block 0, runs from the embeddings)."""
+    groups = _by_prefix(dense, variants, cached.states)
+    suffixes = {name: slice_view(variants[name], dense, start) for start, names in groups.items() for name in names}
+    embed = slice_view(dense, dense, 0, 0, final_norm=False)  # the embeddings alone
     nll = dict.fromkeys(variants, 0.0)
     count = 0
     device = input_device(dense)
     with torch.no_grad():
-        batches = zip(cached.windows.split(cached.batch_size), cached.states[start])
-        for ids, h in tqdm(list(batches), desc=desc, disable=quiet, leave=False):  # stop checks: per variant, inside
-            count += _add_suffix_nll(nll, suffixes, variants, h, ids.to(device), should_stop)
+        for k, ids in enumerate(tqdm(list(cached.windows.split(cached.batch_size)), desc=desc, disable=quiet,
+                                     leave=False)):  # stop checks: per variant, inside
+            ids = ids.to(device)
+            for start, names in groups.items():
+                h = cached.states[start][k] if start in cached.states else \
+                    embed.model(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C)
+                tokens = _add_suffix_nll(nll, {n: suffixes[n] for n in names}, variants, h, ids, should_stop)
+            count += tokens
     return {name: math.exp(value / count) for name, value in nll.items()}
 
 

@@ -4,6 +4,5 @@
 - `fold`: a variant's weights as a stock state dict (ReplaceMe folded into down_proj) or as its own tree.
 - `checkpoint`: offload-aware tensor reading, safetensors shards, a clean config.json.
 - `model_card`: the export's README.md and the run facts it states.
-- `archive`: unpack an export's zip handed back to the server, refusing zip bombs and escaping names.
 - `gguf`: a stock export converted to GGUF by llama.cpp's own converter; llama.cpp generation and perplexity.
 """

@@ -59,11 +59,13 @@ class ExportResult:
     files: tuple[str, ...]
     weight_bytes: int
     archive: Path | None = None  # the zip, for archive_export
+    gguf: Path | None = None  # the GGUF file in the folder, for export.gguf.export_gguf
 
     def to_json(self) -> dict:
         return {"folder": str(self.folder), "mode": self.mode, "variant": self.variant, "reason": self.reason,
                 "files": list(self.files), "weight_bytes": self.weight_bytes,
-                "archive": None if self.archive is None else str(self.archive)}
+                "archive": None if self.archive is None else str(self.archive),
+                "gguf": None if self.gguf is None else str(self.gguf)}
 
 
 def _record(model: PreTrainedModel) -> dict:

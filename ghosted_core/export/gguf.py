@@ -8,6 +8,8 @@ and `llama-perplexity`, all from one commit, so the runtime reads what the conve
 - `convert_to_gguf(folder, out, "f16")` runs the converter in a subprocess of this Python (the venv's
   torch, transformers and sentencepiece are the converter's dependencies), and renames the file into
   place only once it is complete. Only stock exports convert: llama.cpp has no remote code.
+- `export_gguf(model, tokenizer, folder, "q8_0")` writes a variant as a stock folder (`export.folder`)
+  with its GGUF beside the safetensors and a GGUF section in its model card (`--export gguf`).
 - `llamacpp_generate` (greedy tokens of a prompt) and `llamacpp_perplexity` (llama-perplexity on a text
   file) are how the tests check a GGUF in llama.cpp itself, not through transformers' GGUF reader.
 
@@ -30,11 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ghosted_core.data.assets import cache_dir
 from ghosted_core.errors import GhostedError
+from ghosted_core.export.folder import ExportResult, export_variant
+from ghosted_core.export.model_card import gguf_section
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +153,8 @@ def check_gguf_exportable(folder: str | Path) -> dict:
     model_type = str(config.get("model_type", ""))
     if model_type.startswith("ghosted_") or "auto_map" in config:
         raise GhostedError(f"{folder.name} is a remote-code export ({model_type or 'auto_map'}), and llama.cpp runs "
-                           "only stock architectures: export the variant as stock (--export stock; plain pruning "
-                           "and the replaceme family fold) and convert that")
+                           "only stock architectures: export the variant as stock (--export stock; the stock "
+                           "operators fold: none, the replaceme family, magcomp and the refits) and convert that")
     if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer.model").exists():
         raise GhostedError(f"{folder.name} has no tokenizer files, and a GGUF must carry its vocabulary: export it "
                            "with its tokenizer")
@@ -284,3 +288,29 @@ def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, context: int = 
         raise RuntimeError(f"llama-perplexity printed no estimate: {output[-500:]}")
     return Perplexity(float(final.group(1)), float(final.group(2)), int(windows.group(1)), int(windows.group(2)),
                       time.perf_counter() - start)
+
+
+GGUF_FORMAT = "gguf"  # the export format (--export gguf): a stock folder with its GGUF
+GGUF_OUTTYPES = ("f16", "q8_0")  # offered in the CLI and the app (the converter also writes bf16 and f32)
+
+
+def gguf_name(folder: Path, outtype: str) -> str:
+    return f"{folder.name}-{outtype}.gguf"
+
+
+def export_gguf(model, tokenizer, folder: str | Path, outtype: str = "f16") -> ExportResult:
+    """`export_variant` as a stock folder, then llama.cpp's converter into `folder/<name>-<outtype>.gguf`.
+
+    Refused (GhostedError, before anything is written) when llama.cpp is not built or the variant does
+    not fold into a stock checkpoint. The model card gains a GGUF section. Time and memory: the stock
+    export's, then the converter's (see `convert_to_gguf`); disk: the folder plus 2 B/param at f16.
+    """
+    if outtype not in OUTTYPES:
+        raise GhostedError(f"unknown GGUF type {outtype!r}; use one of {', '.join(OUTTYPES)}")
+    find_llamacpp()
+    result = export_variant(model, tokenizer, folder, mode="stock")
+    converted = convert_to_gguf(result.folder, result.folder / gguf_name(result.folder, outtype), outtype)
+    card = result.folder / "README.md"
+    card.write_text(card.read_text() + gguf_section(converted.path.name, outtype, LLAMACPP_COMMIT, LLAMACPP_VERSION))
+    files = tuple(sorted(p.name for p in result.folder.iterdir()))
+    return replace(result, files=files, gguf=converted.path)

@@ -141,3 +141,13 @@ def model_card(record: Mapping[str, Any], mode: str, reason: str, architecture: 
               "## What was changed", "", *_changes(record), "", "## Perplexity", "", *_perplexity_table(record), "",
               "## How to load", "", *_loading(mode, reason, architecture), ""]
     return "\n".join(lines)
+
+
+def gguf_section(file_name: str, outtype: str, commit: str, version: str) -> str:
+    """The card's section for the GGUF beside the checkpoint: what wrote it and how llama.cpp runs it."""
+    return "\n".join(["", "## GGUF (llama.cpp)", "",
+                      f"`{file_name}` ({outtype}) was written from this folder by llama.cpp's own "
+                      f"`convert_hf_to_gguf.py` (llama.cpp {commit}, from llama-cpp-python {version}'s source). "
+                      "Run it with llama.cpp:", "", "```bash",
+                      f'llama-cli -m {file_name} -p "The capital of France is" -n 32',
+                      f"llama-server -m {file_name} --port 8080   # an OpenAI-compatible server", "```", ""])

@@ -28,9 +28,9 @@ import torch
 from transformers import PretrainedConfig
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.memory import MemoryPlan
-from ghosted_core.memory_parts import max_boundaries
+from ghosted_core.memory_parts import estimate_parameters, inner_width, max_boundaries
+from ghosted_core.recovery.operators import get_operator, needs_of
 from ghosted_core.run.options import RunOptions, memory_plan, sized
 
 # Share of the measured matmul rate a forward pass reaches. CPU: SmolLM2's forward (8 × 256 tokens) ran at
@@ -127,6 +127,9 @@ class Workload:
     variants: int  # recovered variants per depth
     least_squares: int  # least-squares fits per boundary (ghost family, replaceme)
     batch_tokens: int  # tokens of one calibration forward pass
+    refits: int = 0  # down_proj refits per boundary (each solves one I×I system per candidate)
+    refit_candidates: int = 0  # (λ, sink count) candidates per refit
+    inner: int = 0  # I, when the refit's statistics are collected (0: none)
 
 
 def workload(config: PretrainedConfig, options: RunOptions, depths: Sequence[int] | None = None) -> Workload:
@@ -142,8 +145,12 @@ def workload(config: PretrainedConfig, options: RunOptions, depths: Sequence[int
     boundaries = sum(max_boundaries(options.criterion, layers, n, options.layers) for n in chosen)
     eval_tokens = len(options.eval_corpora) * (options.eval_max_tokens or 100_000)  # uncapped: ~PTB's 82k + margin
     least_squares = sum(1 for v in options.variants if v.operator.startswith("ghost") or v.operator == "replaceme")
+    refits = sum(1 for v in options.variants if get_operator(v.operator).needs.inner)
+    inner = inner_width(config, needs_of(v.operator for v in options.variants))
+    candidates = len(set(options.fit.refit_lambdas)) * len(set(options.fit.refit_sink_directions))
     return Workload(chosen, boundaries, options.train_size * options.seqlen, options.heldout * options.seqlen,
-                    eval_tokens, len(options.variants), least_squares, options.calibrate.batch_size * options.seqlen)
+                    eval_tokens, len(options.variants), least_squares, options.calibrate.batch_size * options.seqlen,
+                    refits, candidates if inner else 0, inner)
 
 
 # ---------------------------------------------------------------- memory
@@ -200,8 +207,12 @@ def estimate_time(config: PretrainedConfig, options: RunOptions, device: DeviceI
     mean_depth = sum(work.depths) / len(work.depths)
     suffix = max(layers - mean_depth, 1) / 2  # a variant's suffix: about half the surviving blocks
     per_depth_eval = work.variants * forward(work.eval_tokens, suffix, head=True)
-    stats = (work.fit_tokens + work.heldout_tokens) * work.boundaries * 8 * c * c / fp64
-    fits = len(work.depths) * work.least_squares * max(1, work.boundaries // len(work.depths)) * FIT_FLOPS_PER_C3 * c**3
+    i = work.inner
+    stats = (work.fit_tokens + work.heldout_tokens) * work.boundaries * (8 * c * c + 2 * i * i + 4 * i * c) / fp64
+    per_depth = max(1, work.boundaries // len(work.depths))
+    fits = len(work.depths) * work.least_squares * per_depth * FIT_FLOPS_PER_C3 * c**3
+    # each refit candidate: a Cholesky factorization (I³/3), its solve and its calibration error (~4·I²·C)
+    fits += len(work.depths) * work.refits * per_depth * work.refit_candidates * (i**3 / 3 + 4 * i * i * c)
     return TimeEstimate(
         load=params * device.dtype_bytes / LOAD_BYTES_PER_SECOND,
         score=forward(work.fit_tokens, layers),

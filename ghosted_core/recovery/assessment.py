@@ -46,24 +46,31 @@ class BoundaryMap:
     """
 
     boundary: Boundary
-    site: str  # "residual" (u = x_pre) or "branch" (u = m)
-    update: torch.Tensor | None  # (C, C) A, float32; None with a scale or for the identity
+    site: str  # "residual" (u = x_pre), "branch" (u = m) or "inner" (u = a, block s−1's down_proj input)
+    update: torch.Tensor | None  # (C, C) A (inner: (I, C) B), float32; None with a scale or for the identity
     scale: torch.Tensor | None = None  # (C,) r in `basis`
     basis: str | None = None  # "channel" or "hadamard"
+    stream_scale: float = 1.0  # an inner fit's upstream scalar s: the stream becomes s·(x + aB)
 
     @classmethod
     def of(cls, fit: Fit) -> BoundaryMap:
         if fit.scale is not None and fit.basis is not None:
             return cls(fit.boundary, fit.site, None, fit.scale, fit.basis)
-        return cls(fit.boundary, fit.site, None if fit.update is None else fit.update.to(torch.float32))
+        update = None if fit.update is None else fit.update.to(torch.float32)
+        return cls(fit.boundary, fit.site, update, stream_scale=fit.upstream_scale or 1.0)
 
-    def error_rows(self, x: torch.Tensor, m: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor | None:
-        """(T, C) u (I + A) − (u + Δ), float64; the identity gives −Δ. None: a branch map with no m here."""
-        u = x if self.site == "residual" else m
+    def error_rows(self, x: torch.Tensor, m: torch.Tensor | None, delta: torch.Tensor,
+                   a: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(T, C) u (I + A) − (u + Δ), float64; the identity gives −Δ (an inner fit: s·(x + aB) − (x + Δ)).
+        None: a branch or inner map whose u was not captured here."""
+        u = {"residual": x, "branch": m, "inner": a}[self.site]
         if self.update is None and self.scale is None:
             return -delta
         if u is None:
             return None
+        if self.site == "inner":
+            s = self.stream_scale
+            return s * (u @ self.update.to(u.device, u.dtype)) + (s - 1) * x - delta
         if self.scale is not None:
             s = self.scale.to(u.device, u.dtype)
             if self.basis == "channel":
@@ -125,6 +132,8 @@ def antisymmetric_fraction(update: torch.Tensor | None) -> float:
     """‖(M − Mᵀ)/2‖_F / ‖M‖_F: the part no symmetric operator (LinearPatch) can represent."""
     if update is None:
         return 0.0
+    if update.shape[0] != update.shape[1]:  # an I×C refit has no symmetric part to speak of
+        return math.nan
     norm = float(torch.linalg.matrix_norm(update))
     return 0.0 if norm == 0 else float(torch.linalg.matrix_norm((update - update.T) / 2)) / norm
 
@@ -138,9 +147,9 @@ def singular_values(update: torch.Tensor | None, max_width: int = 4096) -> tuple
     (round-off of MᵀM), more than a chart on a log axis can show. Memory: one C×C float64 product
     beside M (128 MiB at C = 4096), freed on return; time O(C³).
     """
-    if update is None or update.shape[0] > max_width:
+    if update is None or max(update.shape) > max_width:
         return ()
-    matrix = update.double()
+    matrix = update.double()  # (R, C): MᵀM is C×C, also for an I×C refit
     eigenvalues = torch.linalg.eigvalsh(matrix.T @ matrix)  # ascending
     return tuple(eigenvalues.clamp(min=0).sqrt().flip(0).tolist())
 

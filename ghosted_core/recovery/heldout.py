@@ -4,7 +4,8 @@ The held-out sequences stream through the model once more (through the same cali
 pipeline as the statistics), or their rows come from the calibration pass that kept them
 (`calibration.collect.HeldoutRows`: no pass); at each boundary every fit is applied to the token rows and
 ‖x_pre W − x_post‖² is summed over all tokens and over ordinary (non-sink) tokens. Memory:
-one batch's rows (T·C·8 B) per fit at a time, plus the fits themselves; time O(T·C²) per fit.
+one batch's rows (T·C·8 B, and T·I·8 B of the MLP intermediate for refits) per fit at a time, plus
+the fits themselves; time O(T·C²) per fit (O(T·I·C) per refit).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ class _ErrorSums:
         self.sums = torch.zeros(2, 2, dtype=STATS_DTYPE)  # rows: map error, ‖Δ‖²; columns: all, ordinary
         self.tokens = [0, 0]
 
-    def add(self, x: torch.Tensor, m: torch.Tensor | None, d: torch.Tensor, ordinary: torch.Tensor) -> None:
-        error = self.target.error_rows(x, m, d)  # (T, C)
+    def add(self, x: torch.Tensor, m: torch.Tensor | None, d: torch.Tensor, ordinary: torch.Tensor,
+            a: torch.Tensor | None = None) -> None:
+        error = self.target.error_rows(x, m, d, a)  # (T, C)
         fit_sq = (error * error).sum(-1) if error is not None else torch.full_like(d[:, 0], float("nan"))
         per_token = torch.stack([fit_sq, (d * d).sum(-1)])  # (2, T)
         self.sums[:, 0] += per_token.sum(-1).cpu()
@@ -46,15 +48,16 @@ class _ErrorSums:
 
 
 def _rows(x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None, batch: CalibrationBatch,
-          options: CalibrationOptions, device: torch.device):
-    """float64 (T, C) rows of the valid tokens and their ordinary-token mask, on `device`."""
+          options: CalibrationOptions, device: torch.device, inner: torch.Tensor | None = None):
+    """float64 (T, C) rows of the valid tokens (a: (T, I)) and their ordinary-token mask, on `device`."""
     x_post = x_post.to(x_pre.device)
     valid = valid_mask(batch).to(x_pre.device)
     ordinary = ~sink_mask(x_pre, x_post, valid, options)[valid]  # (T,)
     x = x_pre[valid].to(device, STATS_DTYPE)  # (T, C)
     d = x_post[valid].to(device, STATS_DTYPE) - x  # (T, C)
     m = None if branch is None else branch.to(x_pre.device)[valid].to(device, STATS_DTYPE)
-    return x, m, d, ordinary.to(device)
+    a = None if inner is None else inner.to(x_pre.device)[valid].to(device, STATS_DTYPE)  # (T, I): T·I·8 B
+    return x, m, d, ordinary.to(device), a
 
 
 def measure_errors(dense: PreTrainedModel, fits: Sequence[Fit | BoundaryMap], batches: Sequence[CalibrationBatch],
@@ -73,33 +76,34 @@ def measure_errors(dense: PreTrainedModel, fits: Sequence[Fit | BoundaryMap], ba
         return [None] * len(fits)
     sums = [_ErrorSums(f if isinstance(f, BoundaryMap) else BoundaryMap.of(f)) for f in fits]
     branches = any(f.site == "branch" for f in fits)
+    inners = any(f.site == "inner" for f in fits)
     if source is not None:
         (only,) = sums
         boundary = only.target.boundary
-        wanted = {source_start - 1} if branches and boundary.start > 0 else set()
+        before = {source_start - 1} if boundary.start > 0 else set()
         for batch in held:
             with capture(dense, {boundary.end}) as target:
                 run_forward(dense, batch.input_ids, batch.attention_mask)
-            with capture(source, {source_start}, wanted) as seen:
+            with capture(source, {source_start}, before if branches else (), inners=before if inners else ()) as seen:
                 run_forward(source, batch.input_ids, batch.attention_mask)
             x_pre = seen[("residual", source_start)]
             only.add(*_rows(x_pre, target[("residual", boundary.end)], seen.get(("branch", source_start - 1)), batch,
-                            options, x_pre.device))
+                            options, x_pre.device, seen.get(("inner", source_start - 1))))
         return [only.freeze()]
     boundaries = list(dict.fromkeys(f.boundary for f in fits))
     by_boundary = {b: [s for s in sums if s.target.boundary == b] for b in boundaries}
 
-    def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch) -> None:
+    def consume(k: int, batch: CalibrationBatch, x_pre: torch.Tensor, x_post: torch.Tensor, branch, inner) -> None:
         device = x_pre.device if options.stats_device == "auto" else torch.device(options.stats_device)
-        rows = _rows(x_pre, x_post, branch, batch, options, device)
+        rows = _rows(x_pre, x_post, branch, batch, options, device, inner)
         for s in by_boundary[boundaries[k]]:
             s.add(*rows)
 
-    if kept is not None and kept.covers(boundaries, branches):
+    if kept is not None and kept.covers(boundaries, branches, inners):
         for k, boundary in enumerate(boundaries):
-            for batch, x_pre, x_post, branch in kept.rows[boundary]:
-                consume(k, batch, x_pre, x_post, branch)
+            for batch, x_pre, x_post, branch, inner in kept.rows[boundary]:
+                consume(k, batch, x_pre, x_post, branch, inner)
         return [s.freeze() for s in sums]
     compute = None if options.compute_device is None else torch.device(options.compute_device)
-    get_pipeline(pipeline_name(options, dense)).run(dense, boundaries, branches, held, consume, compute, True)
+    get_pipeline(pipeline_name(options, dense)).run(dense, boundaries, branches, held, consume, compute, True, inners)
     return [s.freeze() for s in sums]

@@ -6,9 +6,11 @@ Operators are float32 modules on the device of the block they feed (the module c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
+from accelerate.utils import align_module_device, has_offloaded_params
 from torch import nn
 
 from ghosted_core.calibration.capture import branch_module
@@ -50,3 +52,24 @@ def branch_replacement(fit: Fit, block: nn.Module) -> dict[str, nn.Module]:
         return {"mlp.down_proj": folded}
     name = next(n for n, m in block.named_children() if m is target)
     return {name: nn.Sequential(target, ResidualLinear(transform).to(module_device(target)))}
+
+
+def refit_replacement(fit: Fit, block: nn.Module) -> dict[str, nn.Module]:
+    """Block s−1's down_proj with the refit's change added: W_down' = W_down + Bᵀ (a new stock Linear).
+
+    Memory: one I×C weight in the model's dtype (the dense one is shared, not changed); an offloaded
+    down_proj is read from its offload once, and the new one lives on its execution device.
+    """
+    down = block.mlp.down_proj
+    offloaded = has_offloaded_params(down)
+    with align_module_device(down, torch.device("cpu")) if offloaded else contextlib.nullcontext():
+        weight = down.weight.detach()  # (C, I)
+        bias = None if down.bias is None else down.bias.detach()
+        device = module_device(down) if offloaded else weight.device
+        changed = weight.to(torch.float64) + fit.update.to(weight.device, torch.float64).T  # (C, I)
+        refit = nn.Linear(down.in_features, down.out_features, bias=bias is not None, device=device,
+                          dtype=weight.dtype)
+        refit.weight = nn.Parameter(changed.to(device, weight.dtype), requires_grad=False)
+        if bias is not None:
+            refit.bias = nn.Parameter(bias.to(device), requires_grad=False)
+    return {"mlp.down_proj": refit}

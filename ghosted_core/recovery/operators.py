@@ -26,7 +26,9 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard_factors, hadamard_transform
 from ghosted_core.memory_parts import OperatorCost
 from ghosted_core.plan import Boundary
+from ghosted_core.recovery.linalg import RIDGE_FALLBACK, principal_directions, projected_normal_equations, solve_ridge
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS, magnitude_scale
+from ghosted_core.recovery.refit import refit_solutions, refit_squared_errors
 from ghosted_core.registry import add, check_signature, lookup
 from ghosted_core.statistics import ALL_NEEDS, BoundaryErrors, BoundaryStats, Moments, StatNeeds, relative
 
@@ -47,12 +49,18 @@ class FitOptions:
     # test is a Cholesky of XᵀX − (λ_max / max_condition)·I, a third of the time, and no number is reported
     condition_number: bool = False
     magcomp_form: str = "global"  # magcomp's scalar: see recovery.magcomp.MAGCOMP_FORMS
+    refit_lambdas: tuple[float, ...] = (0.1, 1.0)  # refit: relative ridges λ, chosen with the sink count by held-out error
+    refit_sink_directions: tuple[int, ...] = (0, 1, 2, 4, 8)  # refit: candidate sink counts k of the intermediate a
 
     def __post_init__(self) -> None:
         if self.ridge not in {"absolute", "relative"}:
             raise GhostedError(f"unknown ridge {self.ridge!r}; use absolute or relative")
         if not self.sink_directions or min(self.sink_directions) < 0:
             raise GhostedError(f"sink direction counts must be ≥ 0 (got {self.sink_directions})")
+        if not self.refit_lambdas or not all(math.isfinite(x) and x > 0 for x in self.refit_lambdas):
+            raise GhostedError(f"refit ridges must be finite numbers above 0 (got {self.refit_lambdas})")
+        if not self.refit_sink_directions or min(self.refit_sink_directions) < 0:
+            raise GhostedError(f"refit sink direction counts must be ≥ 0 (got {self.refit_sink_directions})")
         if not math.isfinite(self.epsilon) or self.epsilon < 0:
             raise GhostedError(f"--epsilon must be a finite number ≥ 0 (got {self.epsilon})")
         if not math.isfinite(self.ridge_lambda) or self.ridge_lambda <= 0:
@@ -67,8 +75,8 @@ class Fit:
 
     operator: str
     boundary: Boundary
-    site: str  # "residual" or "branch"
-    update: torch.Tensor | None  # (C, C) float64 A; None = identity (plain pruning)
+    site: str  # "residual", "branch" or "inner" (the down_proj refit: B (I, C) on block s−1's down_proj input a)
+    update: torch.Tensor | None  # (C, C) float64 A (inner: (I, C) B); None = identity (plain pruning)
     diagonal: bool = False  # A is diagonal: realized as a per-channel scale
     tokens_used: int = 0
     sink_tokens: int = 0  # massive-activation tokens treated specially (see sink_handling)
@@ -83,8 +91,16 @@ class Fit:
     # alternatives of this fit (e.g. each k of replaceme_keepsink); the pipeline keeps the one with the lowest
     # held-out boundary error (`choose_by_heldout`). Memory: one C×C float64 update each, until chosen.
     candidates: tuple[Fit, ...] = ()
-    # the map is the scalar s·I, carried by the writers upstream of the cut (model.scaling), not a patch at the cut
+    # the map is the scalar s·I, carried by the writers upstream of the cut (model.scaling), not a patch at the cut;
+    # with an inner fit, the stream entering the cut is s·(x_pre + aB)
     upstream_scale: float | None = None
+    ridge_lambda: float | None = None  # refit: the relative ridge λ of this candidate
+
+    @property
+    def label(self) -> str:
+        """What tells this fit from the other candidates of its operator ("k 2", "λ 0.1, k 2")."""
+        k = f"k {self.sink_directions}"
+        return k if self.ridge_lambda is None else f"λ {self.ridge_lambda:g}, {k}"
 
 
 @dataclass(frozen=True)
@@ -133,79 +149,7 @@ def needs_of(operators: Iterable[str]) -> StatNeeds:
     return needs
 
 
-# ---------------------------------------------------------------- shared maths
-
-
-def condition_number(gram: torch.Tensor) -> float:
-    """λ_max / λ_min of a symmetric PSD matrix (inf when singular)."""
-    eig = torch.linalg.eigvalsh(gram)
-    low, high = float(eig[0]), float(eig[-1])
-    return math.inf if low <= high * 1e-18 else high / low
-
-
-def largest_eigenvalue(gram: torch.Tensor, iterations: int = 30, tolerance: float = 1e-3) -> float:
-    """λ_max of a symmetric PSD matrix by power iteration, to about `tolerance` (O(C²) per step, each a pass over
-    the matrix: 30 steps take ~0.4 s at C = 4096; a sink-dominated Gram converges in a few). Enough for the
-    conditioning test, whose verdict moves by that share of the limit."""
-    v = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
-    value = 0.0
-    for _ in range(iterations):
-        w = gram @ v  # (C,)
-        norm = float(w.norm())
-        if norm == 0.0:
-            return 0.0
-        v, previous, value = w / norm, value, norm
-        if abs(value - previous) <= tolerance * value:
-            break
-    return value
-
-
-def ill_conditioned(gram: torch.Tensor, limit: float) -> bool:
-    """cond(gram) > limit, without its eigenvalues: gram − (λ_max / limit)·I is not positive definite
-    (one Cholesky, O(C³/3); the same verdict as λ_max/λ_min up to rounding near the limit)."""
-    shifted = gram.clone()  # (C, C)
-    shifted.diagonal().sub_(largest_eigenvalue(gram) / limit)
-    _, info = torch.linalg.cholesky_ex(shifted)
-    return int(info) != 0
-
-
-RIDGE_FALLBACK = "rank-deficient fit"  # how a ridge-fallback note starts (FitReport.ridge_fallback finds it)
-
-
-def solve_ridge(gram: torch.Tensor, cross: torch.Tensor, tokens: int, opts: FitOptions) -> tuple[torch.Tensor, float, float, tuple[str, ...]]:
-    """(A, ε, cond, notes) with (gram + εI) A = cross; falls back to a relative ridge when the
-    fit is rank-deficient (fewer tokens than channels) or ill-conditioned, never NaN.
-
-    cond is NaN unless `opts.condition_number` asks for it. Time: a Cholesky test and a Cholesky
-    solve, O(C³); memory: three C×C float64 matrices beyond gram and cross (the shifted or
-    regularized copy, its factor, A).
-    """
-    width = gram.shape[0]
-    cond = condition_number(gram) if opts.condition_number else math.nan
-    relative = opts.ridge_lambda * float(torch.trace(gram)) / width
-    notes: tuple[str, ...] = ()
-    if opts.ridge == "relative":
-        eps = relative
-    elif tokens < width or (cond > opts.max_condition if opts.condition_number
-                            else ill_conditioned(gram, opts.max_condition)):
-        eps = relative
-        reason = f"{tokens} tokens < {width} channels" if tokens < width else \
-            f"cond(XᵀX) = {cond:.2g}" if opts.condition_number else f"cond(XᵀX) > {opts.max_condition:.0e}"
-        notes = (f"{RIDGE_FALLBACK} ({reason}): used a relative ridge ε = {opts.ridge_lambda:g}·tr(XᵀX)/C "
-                 f"= {eps:.3g} instead of ε = {opts.epsilon:g}",)
-        log.warning(notes[0])
-    else:
-        eps = opts.epsilon
-    if not math.isfinite(eps) or eps <= 0:
-        eps = opts.epsilon
-    regularized = gram.clone()  # (C, C): one copy, the statistics stay as they are
-    regularized.diagonal().add_(eps)
-    factor, info = torch.linalg.cholesky_ex(regularized)
-    update = torch.cholesky_solve(cross, factor) if int(info) == 0 else torch.linalg.solve(regularized, cross)
-    del regularized, factor
-    if not torch.isfinite(update).all():
-        raise GhostedError("the least-squares fit produced non-finite values; use more calibration text or --ridge relative")
-    return update, eps, cond, notes
+# ---------------------------------------------------------------- shared maths (ridge solves: recovery.linalg)
 
 
 def _least_squares_fit(name: str, stats: BoundaryStats, tokens: str, opts: FitOptions, site: str = "residual",
@@ -335,27 +279,6 @@ def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
 
 
-def principal_directions(rows: torch.Tensor | None, extra_gram: torch.Tensor | None, count: int,
-                         width: int) -> torch.Tensor:
-    """(C, k) orthonormal top eigenvectors of rowsᵀrows (+ extra_gram), k ≤ count, only those with weight.
-
-    From the rows alone: an SVD of the (n, C) rows, O(n²·C) time, O(n·C) memory. With a C×C
-    extra Gram matrix (sinks that spilled past the kept rows): one eigendecomposition, O(C³).
-    """
-    if extra_gram is None:
-        if rows is None or rows.shape[0] == 0:
-            return torch.zeros(width, 0, dtype=torch.float64)
-        _, values, vh = torch.linalg.svd(rows, full_matrices=False)  # descending
-        weights, vectors = values * values, vh.T  # (n,), (C, n)
-    else:
-        gram = extra_gram if rows is None else extra_gram + rows.T @ rows  # (C, C)
-        weights, vectors = torch.linalg.eigh(gram)  # ascending
-        weights, vectors = weights.flip(0), vectors.flip(1)
-    top = float(weights[0]) if weights.numel() else 0.0
-    useful = int((weights > top * 1e-9).sum()) if top > 0 else 0
-    return vectors[:, : min(count, useful)]
-
-
 def sink_directions(stats: BoundaryStats, count: int) -> torch.Tensor:
     """(C, k) top directions of the sink tokens' MLP outputs m (kept rows, plus spilled moments)."""
     sinks = stats.sinks
@@ -370,24 +293,37 @@ def solve_keeping(gram: torch.Tensor, cross: torch.Tensor, keep: torch.Tensor, t
     Then T = I + A is the identity on the directions U (u T = u) and the least-squares optimum
     on the rest. In the basis [Q U] with Q spanning range(P), the normal equations are
     (QᵀGQ + εI) B̃ = QᵀR, A = Q B̃: the same solution as (PGP + c·UUᵀ + εI) A = P R (any c > 0
-    makes the U block invertible and its right-hand side is 0, so UᵀA = 0), which needs no Q.
-    Memory: four C×C float64 matrices beyond the statistics (PGP, PR, the regularized copy, A);
+    makes the U block invertible and its right-hand side is 0, so UᵀA = 0), which needs no Q
+    (`linalg.projected_normal_equations`). Memory: four C×C float64 matrices beyond the statistics (PGP, PR, the regularized copy, A);
     time O(C²·k) plus one solve and one condition number, O(C³).
     """
     if keep.shape[1] == 0:
         return solve_ridge(gram, cross, tokens, opts)
-    gu = gram @ keep  # (C, k) G U
-    pgp = gram - keep @ gu.T - gu @ keep.T + keep @ (keep.T @ gu) @ keep.T  # (C, C) P G P
-    pgp += (float(torch.trace(gram)) / gram.shape[0]) * (keep @ keep.T)  # c·UUᵀ: U block invertible
-    rhs = cross - keep @ (keep.T @ cross)  # (C, C) P R
+    pgp, rhs = projected_normal_equations(gram, cross, keep)  # (C, C) each
     update, eps, cond, notes = solve_ridge(pgp, rhs, tokens, opts)
     update -= keep @ (keep.T @ update)  # exactly 0 on U (it already is up to rounding)
     return update, eps, cond, notes
 
 
-def keepsink_note(k: int, errors: dict[int, float | None], where: str) -> str:
-    table = ", ".join(f"{j}: {'-' if e is None else f'{e:.3f}'}" for j, e in errors.items())
-    return f"kept {k} sink direction(s) as identity (boundary error on {where} tokens by count: {table})"
+def candidate_note(best: Fit, errors: dict[str, float | None], where: str) -> str:
+    """Which candidate was kept and every candidate's boundary error (k: sink directions held as identity)."""
+    table = ", ".join(f"{label}: {'-' if e is None else f'{e:.3f}'}" for label, e in errors.items())
+    ridge = "" if best.ridge_lambda is None else f"ridge λ {best.ridge_lambda:g} and "
+    return (f"kept {ridge}{best.sink_directions} sink direction(s) as identity (boundary error on {where} tokens "
+            f"by candidate: {table})")
+
+
+def choose_by_calibration(candidates: list[Fit], stats: BoundaryStats) -> Fit:
+    """The candidate with the lowest calibration boundary error (all tokens), carrying every candidate for the
+    held-out choice (`choose_by_heldout`) and a note of their errors."""
+    errors = {}
+    for candidate in candidates:
+        squared = calibration_errors(candidate, stats)
+        errors[candidate.label] = None if squared is None else relative(squared[0], stats.dd)
+    best = min(candidates, key=lambda f: math.inf if errors[f.label] is None else errors[f.label])
+    note = candidate_note(best, errors, "calibration")
+    log.info("%s at %s: %s", best.operator, stats.boundary, note)
+    return replace(best, notes=(*best.notes, note), candidates=tuple(candidates) if len(candidates) > 1 else ())
 
 
 @register_operator("replaceme_keepsink", paper="ReplaceMe-LS, sink-preserving (this project)",
@@ -410,19 +346,63 @@ def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
         return unrecovered
     ordinary = stats.token_set("ordinary", "branch")
     directions = sink_directions(stats, max(opts.sink_directions))
-    candidates, errors = [], {}
+    candidates = []
     for k in sorted({min(k, directions.shape[1]) for k in opts.sink_directions}):
         update, eps, cond, notes = solve_keeping(ordinary.mtm, ordinary.mtd, directions[:, :k], ordinary.tokens, opts)
-        fit = Fit(name, stats.boundary, "branch", update, tokens_used=ordinary.tokens, sink_tokens=stats.sinks.tokens,
-                  sink_handling="identity", ridge=eps, condition_number=cond, notes=notes,
-                  ridge_fallback=next((n for n in notes if n.startswith(RIDGE_FALLBACK)), None), sink_directions=k)
-        squared = calibration_errors(fit, stats)
-        errors[k] = None if squared is None else relative(squared[0], stats.dd)
-        candidates.append(fit)
-    best = min(candidates, key=lambda f: math.inf if errors[f.sink_directions] is None else errors[f.sink_directions])
-    note = keepsink_note(best.sink_directions, errors, "calibration")
-    log.info("%s at %s: %s", name, stats.boundary, note)
-    return replace(best, notes=(*best.notes, note), candidates=tuple(candidates) if len(candidates) > 1 else ())
+        candidates.append(Fit(name, stats.boundary, "branch", update, tokens_used=ordinary.tokens,
+                              sink_tokens=stats.sinks.tokens, sink_handling="identity", ridge=eps,
+                              condition_number=cond, notes=notes, sink_directions=k,
+                              ridge_fallback=next((n for n in notes if n.startswith(RIDGE_FALLBACK)), None)))
+    return choose_by_calibration(candidates, stats)
+
+
+REFIT_FOLD = ("the change of the block before each cut's down_proj is added to its weight (exact: the projection "
+              "writes only to the residual stream)")
+
+
+def _refit(name: str, stats: BoundaryStats, opts: FitOptions, scale: float | None) -> Fit:
+    """The down_proj refit at one boundary (see recovery.refit), with every (λ, k) candidate for the held-out
+    choice; where it cannot apply (a cut at block 0, a norm after the MLP), only the scale (or nothing)."""
+    if not stats.has_inner:
+        why = "the cut starts at block 0" if stats.boundary.start == 0 else \
+            "the MLP output is normalized before it reaches the stream (Gemma3's post_feedforward_layernorm)"
+        note = f"{name}: no down_proj refit at boundary {stats.boundary}: {why}"
+        log.warning(note)
+        if scale is None:
+            return Fit(name, stats.boundary, "inner", None, tokens_used=stats.tokens, notes=(note,))
+        ones = torch.full((stats.width,), scale, dtype=torch.float64)  # (C,) the scale alone, as magcomp
+        return Fit(name, stats.boundary, "residual", torch.diag(ones - 1.0), diagonal=True, tokens_used=stats.tokens,
+                   notes=(note,), scale=ones, basis="channel", upstream_scale=scale)
+    solutions = refit_solutions(stats, scale, opts.refit_lambdas, opts.refit_sink_directions)
+    note = () if scale is None else (f"magnitude scale s = {scale:.4f} ({opts.magcomp_form})",)
+    candidates = [Fit(name, stats.boundary, "inner", sol.update, tokens_used=stats.ordinary.tokens,
+                      sink_tokens=stats.sinks.tokens, sink_handling="identity", ridge=sol.epsilon, notes=note,
+                      sink_directions=sol.sink_directions, ridge_lambda=sol.ridge_lambda, upstream_scale=scale)
+                  for sol in solutions]
+    return choose_by_calibration(candidates, stats)
+
+
+INNER = StatNeeds(inner=True)
+
+
+@register_operator("refit", paper="down_proj refit, sink-preserving (this project)",
+                   description="the change B of block s−1's down_proj fitted on its intermediate activations (I "
+                               "features), zero on the sink tokens' span, relative ridge; ridge and sink count "
+                               "chosen by held-out error; folded into that down_proj", needs=INNER, stock=True,
+                   fold=REFIT_FOLD, cost=OperatorCost(0, "refit", refit=True))
+def fit_refit(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _refit("refit", stats, opts, None)
+
+
+@register_operator("magcomp_refit", paper="Prune&Comp's magnitude compensation + down_proj refit (this project)",
+                   description="magcomp's scalar upstream of the cut, then the down_proj refit fitted for what it "
+                               "leaves (target X_post/s − X_pre); both folded",
+                   needs=StatNeeds(channel=True, inner=True, inner_stream=True), stock=True,
+                   fold=f"{REFIT_FOLD}, and the magnitude scale into the embeddings and every residual writer "
+                        "before each cut (the final norm's gain divided by it where the head is tied)",
+                   cost=OperatorCost(1, "refit", refit=True))
+def fit_magcomp_refit(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _refit("magcomp_refit", stats, opts, magnitude_scale(stats, opts.magcomp_form))
 
 
 def choose_by_heldout(fit: Fit, errors: list[BoundaryErrors | None]) -> Fit:
@@ -430,9 +410,9 @@ def choose_by_heldout(fit: Fit, errors: list[BoundaryErrors | None]) -> Fit:
     the order of `fit.candidates`; `fit` itself when there are none or nothing was held out."""
     if not fit.candidates or any(e is None or e.relative is None for e in errors):
         return replace(fit, candidates=())
-    by_count = {c.sink_directions: e.relative for c, e in zip(fit.candidates, errors)}
+    by_label = {c.label: e.relative for c, e in zip(fit.candidates, errors)}
     best = min(zip(fit.candidates, errors), key=lambda pair: pair[1].relative)[0]
-    note = keepsink_note(best.sink_directions, by_count, "held-out")
+    note = candidate_note(best, by_label, "held-out")
     log.info("%s at %s: %s", fit.operator, fit.boundary, note)
     return replace(best, notes=(*best.notes, note), candidates=())
 
@@ -458,6 +438,8 @@ def calibration_errors(fit: Fit, stats: BoundaryStats) -> tuple[float, float] | 
     """
     if fit.update is None:
         return stats.dd, stats.ordinary.dd
+    if fit.site == "inner":
+        return refit_squared_errors(stats, fit.update, fit.upstream_scale) if stats.has_inner else None
     if fit.basis is not None and fit.scale is not None:
         sums = stats.channel if fit.basis == "channel" else stats.rotated
         if sums is None:

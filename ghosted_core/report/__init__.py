@@ -3,4 +3,5 @@
 - `tables`: perplexity, task and generation tables, colours and captions.
 - `charts`: plotly figures of a run (scores, boundary errors, drift, structure, tasks).
 - `sweep`: a depth sweep's curve, damage-recovered chart and table; `sweep.html` for the CLI.
+- `compare`: a criteria comparison: the layer-similarity map, each criterion's scores, the criterion × operator table; `compare.html`.
 """

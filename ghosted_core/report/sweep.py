@@ -14,8 +14,8 @@ import plotly.graph_objects as go
 
 from ghosted_core.files import write_text
 from ghosted_core.report.charts import base_figure, empty_figure
-from ghosted_core.report.tables import DENSE_COLOR, blocks_text, corpus_tag, esc, fmt, tokens_text, variant_colors, \
-    worse_boundaries
+from ghosted_core.report.tables import DENSE_COLOR, blocks_text, corpus_tag, esc, fmt, ppl_columns, tokens_text, \
+    variant_colors, worse_boundaries
 
 CORPUS_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 
@@ -109,10 +109,7 @@ def recovered_figure(report: dict) -> go.Figure:
 def sweep_table(report: dict) -> pd.DataFrame:
     """One row per depth and operator: removed blocks, perplexity and damage recovered per corpus, held-out boundary error."""
     corpora = _corpora(report)
-    columns = ["blocks removed", "which", "operator"]
-    for corpus in corpora:
-        columns += [f"{corpus_tag(report, corpus)} ppl", f"{corpus_tag(report, corpus)} recovered"]
-    columns.append("held-out boundary error")
+    columns = ["blocks removed", "which", "operator", *ppl_columns(report, corpora), "held-out boundary error"]
     rows = []
     for result in _depth_results(report):
         which = blocks_text(result["removed_layers"])

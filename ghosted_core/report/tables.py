@@ -11,6 +11,7 @@ import pandas as pd
 from ghosted_core.planning.advice import worse_than_pruning
 from ghosted_core.evaluation.tasks import TASKS
 from ghosted_core.run.options import OPERATOR_CHOICES
+from ghosted_core.selection.criteria import criterion_title
 
 
 PALETTE = ("#dc2626", "#ea580c", "#ca8a04", "#4f46e5", "#0d9488", "#16a34a", "#9333ea", "#db2777", "#0891b2",
@@ -67,6 +68,11 @@ def corpus_tag(report: dict, corpus: str) -> str:
     return f"{corpus} ({'exact' if info.get('real') else 'stand-in'})"
 
 
+def ppl_columns(report: dict, corpora: Sequence[str]) -> list[str]:
+    """'ptb (exact) ppl', 'ptb (exact) recovered', … for every corpus: a sweep's and a comparison's table columns."""
+    return [f"{corpus_tag(report, corpus)} {what}" for corpus in corpora for what in ("ppl", "recovered")]
+
+
 def plural(count: int, noun: str) -> str:
     """'1 block', '7 blocks'."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
@@ -74,9 +80,11 @@ def plural(count: int, noun: str) -> str:
 
 def cut_text(report: dict) -> str:
     """What the run removes: the blocks once chosen, never 'removed 0 blocks: none' before they are scored."""
-    removed, criterion = report.get("removed_layers", []), report.get("criterion", "")
+    removed, criterion = report.get("removed_layers", []), criterion_title(report.get("criterion", ""))
     if "sweep" in report:
         return f"{criterion} sweep over n = **{', '.join(map(str, report['sweep'].get('depths', [])))}** blocks"
+    if "compare" in report:
+        return f"criteria compared at n = **{report['compare'].get('n')}**: {', '.join(report['compare']['criteria'])}"
     if removed:
         return f"{criterion} removed **{plural(len(removed), 'block')}: {blocks_text(removed)}**"
     if criterion == "none":

@@ -4,5 +4,7 @@
 - `result`: `RunResult` and the results.json layout.
 - `fitting`: fit every variant at every boundary, realize its modules, held-out errors.
 - `pipeline`: load → select → calibrate → fit → evaluate, as a stream of stages.
+- `plans`: several plans from one calibration pass: shared statistics, dense states, per-plan fits and perplexity.
 - `sweep`: every depth from one scoring and one calibration pass, streamed depth by depth.
+- `compare`: several criteria at one depth: each one's blocks, every operator on every distinct plan.
 """

@@ -22,7 +22,7 @@ from ghosted_core.model.loading import decoder_blocks, module_device
 from ghosted_core.recovery.assessment import BoundaryMap, Diagnostics, FitReport, assess
 from ghosted_core.recovery.magcomp import cut_index
 from ghosted_core.recovery.operators import Fit, choose_by_heldout, get_operator, needs_of
-from ghosted_core.recovery.modules import branch_replacement, residual_module
+from ghosted_core.recovery.modules import branch_replacement, refit_replacement, residual_module
 from ghosted_core.plan import PruningPlan
 from ghosted_core.model.scaling import scale_before
 from ghosted_core.model.surgery import build_variant, patch_site
@@ -35,17 +35,21 @@ Realized = tuple[dict[int, nn.Module], dict[int, dict[str, nn.Module]], dict[int
 
 
 def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> Realized:
-    """Boundary modules (keyed by the dense index they feed), ReplaceMe replacements (keyed by block) and
-    upstream scales (magcomp; keyed by the boundary's first removed block)."""
+    """Boundary modules (keyed by the dense index they feed), ReplaceMe and refit replacements (keyed by block)
+    and upstream scales (magcomp; keyed by the boundary's first removed block)."""
     blocks = decoder_blocks(dense)
     patches: dict[int, nn.Module] = {}
     replacements: dict[int, dict[str, nn.Module]] = {}
     scales: dict[int, float] = {}
     for fit in fits:
-        if fit.update is None:
-            continue
         if fit.upstream_scale is not None:
             scales[fit.boundary.start] = scales.get(fit.boundary.start, 1.0) * fit.upstream_scale
+        if fit.update is None:
+            continue
+        if fit.site == "inner":
+            replacements[fit.boundary.start - 1] = refit_replacement(fit, blocks[fit.boundary.start - 1])
+        elif fit.upstream_scale is not None:
+            continue  # a scalar map: carried by the scales above
         elif fit.site == "residual":
             site = patch_site(fit.boundary)
             target = blocks[site] if site < len(blocks) else dense.model.norm

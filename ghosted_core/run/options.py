@@ -18,7 +18,7 @@ from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.memory import MemoryPlan, PlanRequest, plan_memory, resident_bytes
-from ghosted_core.memory_parts import max_boundaries, min_calibration_sequences
+from ghosted_core.memory_parts import inner_width, max_boundaries, min_calibration_sequences
 from ghosted_core.model.embedded import DEFAULT_MODEL
 from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_options, model_placement, peek_config, \
     resolve_device, resolve_dtype
@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 
 SEQUENTIAL_SUFFIX = "+seq"
-DEFAULT_VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "replaceme")
+# the paper's baselines, the recommended ghost_capped and the best stock operator beside it (docs/results.md)
+DEFAULT_VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "magcomp_refit")
 
 
 @dataclass(frozen=True)
@@ -190,8 +191,11 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
     per_corpus = options.eval_max_tokens // eval_seqlen * eval_seqlen if options.eval_max_tokens else UNCAPPED_EVAL_TOKENS
     cal = options.calibrate
     scores = get_criterion(options.criterion).needs_similarity
+    needs = needs_of(v.operator for v in options.variants)
     return PlanRequest(
-        needs=needs_of(v.operator for v in options.variants), boundaries=boundaries, sequences=sequences,
+        needs=needs, boundaries=boundaries, sequences=sequences,
+        inner=inner_width(config, needs),
+        refit_candidates=len(set(options.fit.refit_lambdas)) * len(set(options.fit.refit_sink_directions)),
         seqlen=options.seqlen, batch_size=cal.batch_size, sink_capacity=cal.capacity(sequences),
         operators=tuple(get_operator(v.operator).cost for v in options.variants),
         variant_boundaries=max(per_depth) if depths else boundaries, candidates=len(set(options.fit.sink_directions)),
@@ -253,8 +257,10 @@ def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
 OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]
 
 
-def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool = True) -> int:
-    """Bytes one boundary's accumulator allocates for the operators `options` asks for."""
+def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool = True, config=None) -> int:
+    """Bytes one boundary's accumulator allocates for the operators `options` asks for (`config`: the model's,
+    for the down_proj refit's I×I statistics; without it they are not counted)."""
     needs = needs_of(v.operator for v in options.variants)
     sequences = options.train_size or min_calibration_sequences(width, options.seqlen)
-    return statistics_bytes(width, needs, options.calibrate.capacity(sequences), branch)
+    inner = 0 if config is None else inner_width(config, needs)
+    return statistics_bytes(width, needs, options.calibrate.capacity(sequences), branch, inner)

@@ -20,8 +20,8 @@ from ghosted_core.export.model_card import run_record
 from ghosted_core.model.loading import LoadedModel, load_model, max_positions, model_placement, peek_config
 from ghosted_core.oom import guard_stages
 from ghosted_core.recovery.operators import needs_of
-from ghosted_core.selection.criteria import get_criterion, \
-    select_blocks
+from ghosted_core.selection.choose import select_blocks
+from ghosted_core.selection.criteria import get_criterion
 from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.evaluation.tasks import evaluate_tasks
 from ghosted_core.data.user_text import USER_CORPUS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -12,7 +13,7 @@ from ghosted_core.evaluation.perplexity import BlockDrift
 from ghosted_core.memory import MemoryPlan
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.plan import PruningPlan
-from ghosted_core.selection.criteria import SimilarityStats
+from ghosted_core.selection.similarity import SimilarityStats
 from ghosted_core.evaluation.tasks import TaskResults
 from ghosted_core.run.options import RunOptions
 
@@ -106,6 +107,6 @@ def fit_json(reports: Sequence[FitReport]) -> dict:
                             "heldout": r.heldout_error, "heldout_ordinary": r.heldout_error_ordinary,
                             "heldout_worse_than_pruning": r.heldout_worse_than_pruning, "ridge_fallback": r.ridge_fallback}
                            for r in reports],
-        "antisym_fraction": [r.antisym_fraction for r in reports],
+        "antisym_fraction": [r.antisym_fraction if math.isfinite(r.antisym_fraction) else None for r in reports],
         "fits": [r.to_json() for r in reports],
     }

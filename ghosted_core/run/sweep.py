@@ -5,17 +5,15 @@ papers draw it, and streams the curve as it grows:
 
 1. load the model (or take the loaded one);
 2. score the blocks ONCE: one similarity pass feeds an accumulator per depth, so every
-   depth's plan equals that of a single-depth run (`selection.criteria.select_blocks_depths`);
-3. calibrate ONCE: `collect_stats` over the union of every depth's boundaries, with the
-   statistics every requested operator needs. The hooks capture the residual at every index
-   any depth needs; statistics are per boundary, so a boundary two depths share (same start
-   and end) is accumulated once;
+   depth's plan equals that of a single-depth run (`selection.choose.select_blocks_depths`);
+3. calibrate ONCE over the union of every depth's boundaries (`run.plans.calibrate_plans`: a
+   boundary two depths share, same start and end, is accumulated once);
 4. the dense perplexity once per corpus, keeping the dense residual entering each depth's
-   first changed block (`evaluation.perplexity.dense_prefix_states`);
-5. per depth, smallest first: fit every operator (`run.fitting.fit_variants`, which also measures
-   held-out boundary errors with one pass over the held-out sequences, as a single run does),
-   run only the variants' suffixes on the kept dense states; then free that depth's statistics
-   (those no later depth shares), its kept states and its variants, and yield.
+   first changed block (`run.plans.dense_evaluation`);
+5. per depth, smallest first: fit every operator and run only the variants' suffixes on the kept
+   dense states (`run.plans.evaluate_plan`, held-out boundary errors included, as a single run
+   does); then free that depth's statistics (those no later depth shares), its kept states and
+   its variants, and yield.
 
 Memory grows with depths × boundaries × statistics. During the calibration pass every
 distinct boundary's statistics are alive at once: (distinct boundaries) × (statistics of one
@@ -30,35 +28,23 @@ forward over the calibration batches, plus its own held-out pass), counted per d
 from __future__ import annotations
 
 import logging
-import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-import torch
-from transformers import PreTrainedModel
-
-from ghosted_core.data import corpora
-from ghosted_core.statistics import BoundaryStats
-from ghosted_core.calibration.collect import collect_stats
 from ghosted_core.errors import GhostedError
-from ghosted_core.run.options import statistics_bytes_per_boundary
-from ghosted_core.evaluation.perplexity import PrefixStates, dense_prefix_states, perplexity, perplexity_from_states
-from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
-from ghosted_core.recovery.assessment import FitReport
-from ghosted_core.recovery.operators import needs_of
-from ghosted_core.plan import Boundary, PruningPlan, check_block_number
 from ghosted_core.memory import MemoryPlan
+from ghosted_core.model.loading import LoadedModel
 from ghosted_core.oom import guard_stages
-from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, planned, validate
-from ghosted_core.run.pipeline import calibration_batches, corpus_entry, window_counts
-from ghosted_core.run.result import fit_json, run_json
-from ghosted_core.run.fitting import fit_variants
-from ghosted_core.selection.criteria import SelectionRequest, get_criterion, select_blocks_depths
+from ghosted_core.plan import PruningPlan, check_block_number
+from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, validate
+from ghosted_core.run.plans import Clock, PlanResult, calibrate_plans, calibration_for, dense_evaluation, \
+    evaluate_plan, plan_and_load
+from ghosted_core.run.result import run_json
+from ghosted_core.selection.choose import select_blocks_depths
+from ghosted_core.selection.criteria import SelectionRequest, get_criterion
 from ghosted_core.stopping import StopCheck, check_stop
 
 log = logging.getLogger(__name__)
-
 
 
 def parse_depths(text: str) -> tuple[int, ...]:
@@ -111,45 +97,6 @@ class SweepOptions:
 
 
 @dataclass
-class DepthResult:
-    """One depth of a sweep: its plan, every variant's perplexity and boundary errors."""
-
-    n: int
-    plan: PruningPlan
-    fits: dict[str, list[FitReport]] = field(default_factory=dict)  # variant → one report per boundary
-    perplexity: dict[str, dict[str, float]] = field(default_factory=dict)  # corpus → variant → ppl
-    extra_passes: int = 0  # calibration passes beyond the shared one (+seq variants), at this depth
-    timings: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    def recovered(self, corpus: str, variant: str, dense_ppl: float | None) -> float | None:
-        """Share of the pruning damage recovered, (ppl_none − ppl_op) / (ppl_none − ppl_dense); None without "none"."""
-        table = self.perplexity.get(corpus, {})
-        none, op = table.get("none"), table.get(variant)
-        if none is None or op is None or dense_ppl is None or none == dense_ppl:
-            return None
-        return (none - op) / (none - dense_ppl)
-
-    def to_json(self, dense: dict[str, float]) -> dict:
-        variants = {}
-        for name, reports in self.fits.items():
-            ppl = {corpus: table[name] for corpus, table in self.perplexity.items() if name in table}
-            recovered = {corpus: self.recovered(corpus, name, dense.get(corpus)) for corpus in ppl}
-            variants[name] = {"ppl": ppl, "recovered": recovered} | fit_json(reports)
-        return {
-            "n": self.n,
-            "removed_layers": list(self.plan.removed),
-            "boundaries": [[b.start, b.end] for b in self.plan.boundaries],
-            "scores": list(self.plan.scores),
-            "score_label": self.plan.score_label,
-            "variants": variants,
-            "extra_calibration_passes": self.extra_passes,
-            "timings": {k: round(v, 3) for k, v in self.timings.items()},
-            "notes": self.notes,
-        }
-
-
-@dataclass
 class SweepResult:
     """What a sweep found so far; `to_json` is its results.json (a "sweep" entry beside the run's settings)."""
 
@@ -164,7 +111,7 @@ class SweepResult:
     statistics: dict = field(default_factory=dict)  # distinct boundaries, bytes, passes
     dense: dict[str, float] = field(default_factory=dict)  # corpus → dense perplexity
     corpora: dict[str, dict] = field(default_factory=dict)  # corpus → label, real, user, windows, tokens
-    results: list[DepthResult] = field(default_factory=list)  # one per finished depth, in depth order
+    results: list[PlanResult] = field(default_factory=list)  # one per finished depth, in depth order
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None  # planned before loading, for every depth's boundaries at once
@@ -192,20 +139,6 @@ def planned_stages(depths: Sequence[int]) -> list[str]:
     return ["load model", "score blocks", "calibrate", "perplexity dense", *(f"depth {n}" for n in sorted(set(depths)))]
 
 
-class _Clock:
-    """Seconds since the last tick, added under a stage name."""
-
-    def __init__(self, timings: dict[str, float]):
-        self.timings = timings
-        self.last = time.perf_counter()
-
-    def tick(self, stage: str) -> float:
-        now = time.perf_counter()
-        seconds, self.last = now - self.last, now
-        self.timings[stage] = self.timings.get(stage, 0.0) + seconds
-        return seconds
-
-
 def check_sweep(options: RunOptions, depths: Sequence[int], num_layers: int | None = None,
                 max_positions: int | None = None) -> tuple[int, ...]:
     """Refuse a sweep no run could do, before any expensive step; the depths, sorted."""
@@ -223,12 +156,6 @@ def check_sweep(options: RunOptions, depths: Sequence[int], num_layers: int | No
     return chosen
 
 
-def _first_changed_block(plan: PruningPlan) -> int:
-    """The earliest dense block a variant of this plan may change: the block before its first run
-    (ReplaceMe rewrites it), or block 0."""
-    return max(plan.boundaries[0].start - 1, 0)
-
-
 def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel | None = None,
                  sweep: SweepOptions = SweepOptions(), should_stop: StopCheck = None) -> Iterator[tuple[str, SweepResult]]:
     """Run a depth sweep, yielding (stage, result so far) after each stage and after each depth.
@@ -244,125 +171,47 @@ def _sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedMode
                   should_stop: StopCheck) -> Iterator[tuple[str, SweepResult]]:
     chosen = check_sweep(options, depths)
     result = SweepResult(options, chosen)
-    clock = _Clock(result.timings)
+    clock = Clock(result.timings)
 
-    if loaded is None:
-        config = peek_config(options.model, options.load.local_folders)  # refuse bad depths and lengths before loading weights
-        check_sweep(options, chosen, config.num_hidden_layers, max_positions(config))
     # The statistics of every depth live at once: plan for the boundaries of all depths together.
-    options, result.memory_plan = planned(options, loaded, depths=chosen)
-    result.options = options
-    if loaded is None:
-        loaded = load_model(options.model, options.load)
-    check_sweep(options, chosen, loaded.num_layers, max_positions(loaded.model.config))
+    options, loaded = plan_and_load(options, loaded, lambda layers, positions: check_sweep(options, chosen, layers,
+                                                                                           positions), result,
+                                    depths=chosen)
     dense, tokenizer = loaded.model, loaded.tokenizer
-    result.bos = corpora.resolve_bos(tokenizer, options.bos).to_json()
-    result.model_description = loaded.description
-    result.num_layers, result.hidden_size = loaded.num_layers, loaded.hidden_size
     clock.tick("load model")
     yield "load model", result
 
     check_stop(should_stop, "score blocks")
-    batches, result.calibration_tokens = calibration_batches(tokenizer, options)
-    result.corpora[options.calibration] = corpus_entry(options, options.calibration, "calibration")
-    result.calibration_label = result.corpora[options.calibration]["label"]
+    batches = calibration_for(options, tokenizer, result)
     requests = [SelectionRequest(loaded.num_layers, n, (), options.cosine) for n in chosen]
     for n, (plan, _sim) in zip(chosen, select_blocks_depths(dense, options.criterion, requests, batches, options.quiet)):
         result.plans[n] = plan
     clock.tick("score blocks")
     yield "score blocks", result
 
-    # One pass for every depth. Memory: distinct boundaries × one boundary's statistics (O(C²) float64).
-    uses = Counter(b for plan in result.plans.values() for b in plan.boundaries)
-    boundaries = sorted(uses, key=lambda b: (b.end, b.start))
-    estimated = sum(statistics_bytes_per_boundary(result.hidden_size, options, b.start > 0) for b in boundaries)
-    log.info("calibrating %d distinct boundaries for depths %s in one pass: statistics of about %.0f MiB",
-             len(boundaries), list(chosen), estimated / 2**20)
     check_stop(should_stop, "calibrate")
-    needs = needs_of(v.operator for v in options.variants)
-    live: list = []  # the accumulators, to read what they allocated
-    stats: dict[Boundary, BoundaryStats] = dict(zip(boundaries, collect_stats(dense, boundaries, batches,
-                                                                               options.calibrate, needs, live)))
-    result.statistics = {"boundaries": [[b.start, b.end] for b in boundaries], "distinct_boundaries": len(boundaries),
-                         "bytes": sum(acc.nbytes() for acc in live), "estimated_bytes": estimated,
-                         "kept_bytes": sum(s.nbytes() for s in stats.values()), "calibration_passes": 1}
-    del live
+    statistics = calibrate_plans(dense, list(result.plans.values()), batches, options, result.hidden_size)
+    result.statistics = statistics.summary
     clock.tick("calibrate")
     yield "calibrate", result
 
     check_stop(should_stop, "perplexity dense")
-    cached = _dense_evaluation(dense, tokenizer, options, result, sweep)
+    evaluation = dense_evaluation(dense, tokenizer, options, list(result.plans.values()), result.hidden_size,
+                                  sweep.prefix_cache_bytes)
+    evaluation.record(result)
     clock.tick("perplexity dense")
     yield "perplexity dense", result
 
-    starts = Counter(_first_changed_block(result.plans[n]) for n in chosen)
     for n in chosen:
         check_stop(should_stop, f"depth {n}")
-        depth = _run_depth(dense, options, result.plans[n], stats, batches, cached, should_stop)
-        for b in depth.plan.boundaries:  # free what no later depth needs
-            uses[b] -= 1
-            if uses[b] == 0:
-                del stats[b]
-        start = _first_changed_block(depth.plan)
-        starts[start] -= 1
-        if starts[start] == 0:
-            for states in cached.values():
-                states.drop(start)
+        plan = result.plans[n]
+        depth = evaluate_plan(dense, options, plan, statistics.for_plan(plan), batches, evaluation.cached, should_stop)
+        statistics.release(plan)  # free what no later depth needs
+        evaluation.release(plan)
         result.results.append(depth)
         result.notes += [f"n = {n}: {note}" for note in depth.notes]
         clock.tick(f"depth {n}")
         yield f"depth {n}", result
-
-
-def _dense_evaluation(dense: PreTrainedModel, tokenizer, options: RunOptions, result: SweepResult,
-                      sweep: SweepOptions) -> dict[str, PrefixStates]:
-    """Dense perplexity per corpus from one pass each, with the dense states kept (none when over the cap)."""
-    seqlen = options.eval_seqlen or options.seqlen
-    windows = {corpus: corpora.evaluation_windows(tokenizer, options.corpus(corpus, "evaluation"), seqlen,
-                                                  options.eval_max_tokens, options.bos) for corpus in options.eval_corpora}
-    starts = sorted({_first_changed_block(plan) for plan in result.plans.values()})
-    element = torch.tensor([], dtype=dense.dtype).element_size()
-    # memory: evaluation tokens × C × dtype bytes per distinct first changed block
-    needed = sum(w.numel() for w in windows.values()) * result.hidden_size * element * len(starts)
-    keep = needed <= sweep.prefix_cache_bytes
-    if not keep:
-        note = (f"kept dense states would take {needed / 2**30:.1f} GiB (cap {sweep.prefix_cache_bytes / 2**30:.1f} "
-                "GiB): each depth recomputes its dense prefix instead")
-        log.warning(note)
-        result.notes.append(note)
-    cached: dict[str, PrefixStates] = {}
-    for corpus, win in windows.items():
-        states = dense_prefix_states(dense, win, starts if keep else [], options.eval_batch_size, options.quiet,
-                                     desc=f"perplexity {corpus} dense")
-        result.dense[corpus] = states.dense_perplexity
-        result.corpora[corpus] = corpus_entry(options, corpus, "evaluation") | window_counts(win)
-        cached[corpus] = states
-    return cached
-
-
-def _run_depth(dense: PreTrainedModel, options: RunOptions, plan: PruningPlan, stats: dict[Boundary, BoundaryStats],
-               batches, cached: dict[str, PrefixStates], should_stop: StopCheck = None) -> DepthResult:
-    """Fit every operator at one depth, evaluate the variants on the kept dense states, drop them."""
-    depth = DepthResult(len(plan.removed), plan)
-    clock = _Clock(depth.timings)
-    # fit_variants drops each entry of this list once its fits exist; `stats` keeps what later depths share
-    depth.fits, models = fit_variants(dense, plan, options.variants, [stats[b] for b in plan.boundaries], batches,
-                                      options)
-    for variant in options.variants:
-        reports = depth.fits[variant.name]
-        depth.notes += [f"{variant.name}, boundary {r.boundary}: {note}" for r in reports for note in r.notes]
-        if variant.sequential:
-            depth.extra_passes += len(plan.boundaries) - 1
-    clock.tick("fit operators")
-    for corpus, states in cached.items():
-        desc = f"perplexity {corpus}, n = {depth.n}"
-        if _first_changed_block(plan) in states.states:
-            depth.perplexity[corpus] = perplexity_from_states(dense, models, states, options.quiet, desc, should_stop)
-        else:  # over the cache cap: the prefix runs again
-            depth.perplexity[corpus] = perplexity(dense, models, states.windows, states.batch_size, options.quiet, desc,
-                                                  should_stop)
-    clock.tick("perplexity")
-    return depth
 
 
 def run_sweep(options: RunOptions, depths: Sequence[int], loaded: LoadedModel | None = None,

@@ -1,4 +1,18 @@
-"""Which blocks to remove: the criteria registry and the similarity pass that feeds it.
+"""Which blocks to remove: criteria registered by name, the passes that score them, and the entry points.
 
-- `criteria`: streamline, shortgpt, angular, manual and none, registered by name; the similarity pass.
+- `criteria`: the registry (`register_criterion`, `Scoring`, `SelectionRequest`) and the simple criteria:
+  streamline, shortgpt, angular, manual, none.
+- `similarity`: the shared similarity pass (run and block cosines, the (L+1)×(L+1) layer-similarity map).
+- `suffixes`: run many candidate models from cached residual states, batched slot by slot; the work counter.
+- `next_token`: candidates' summed NLL, its vocabulary-subset lower bound, and KL to the dense model.
+- `sleb`: SLEB's greedy NLL rounds, exact with shared prefixes and bound-screened heads.
+- `kl`: output-grounded removal of a run by KL to the dense next-token distribution.
+- `swap`: No Free Swap's replacement and interchange probes, and the removals they guide (swap_kl, swap_kl_repl).
+- `weights`: forward-free selection from the weights (ours, inspired by WRP's abstract).
+- `prunecomp`: Prune&Comp's iterative Block Influence on the magnitude-compensated model.
+- `choose`: select_blocks (a run), select_blocks_depths (a sweep), score_criteria (a comparison).
+
+Importing the package registers every criterion (the modules below register themselves).
 """
+
+from ghosted_core.selection import kl, prunecomp, sleb, swap, weights  # noqa: F401  (registration)

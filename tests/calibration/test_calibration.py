@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_WIDTH, random_tokens
+from conftest import TINY_INNER, TINY_WIDTH, random_tokens
 from ghosted_core.calibration.collect import BoundaryAccumulator, CalibrationBatch, CalibrationOptions, \
     collect_boundary_stats, collect_stats, make_batches, sink_mask
 from ghosted_core.calibration.capture import branch_module, capture, run_forward
@@ -124,8 +124,9 @@ def test_memory_does_not_grow_with_tokens(tiny_llama):
         handle.remove()
     gc.collect()
     assert large.tokens == 64 * small.tokens
-    assert small.nbytes() - small.sinks.kept * (3 * TINY_WIDTH + 1) * 8 == \
-        large.nbytes() - large.sinks.kept * (3 * TINY_WIDTH + 1) * 8  # only the kept sink rows differ
+    row = (3 * TINY_WIDTH + TINY_INNER + 1) * 8  # x_pre, Δ, m (C each), a (I), the cap
+    assert small.nbytes() - small.sinks.kept * row == \
+        large.nbytes() - large.sinks.kept * row  # only the kept sink rows differ
     assert large.sinks.kept == 16 and large.sinks.tokens == 16  # one sink per sequence, within the capacity
     assert seen and all(ref() is None for ref in seen)
 
@@ -278,7 +279,7 @@ def test_sinks_past_the_capacity_spill_into_moments_with_a_note(tiny_llama, capl
 
 
 @pytest.mark.parametrize("operators", [("none",), ("diag", "rotate"), ("none", "diag", "rotate", "ghost", "ghost_capped"),
-                                       ("replaceme",), ("ghost", "replaceme")])
+                                       ("replaceme",), ("ghost", "replaceme"), ("refit",), ("magcomp", "magcomp_refit")])
 def test_allocated_statistics_equal_the_formula(tiny_llama, operators):
     """What the accumulators allocate is what `statistics_bytes` (the memory plan) counts."""
     needs = needs_of(operators)
@@ -287,7 +288,7 @@ def test_allocated_statistics_equal_the_formula(tiny_llama, operators):
     boundaries = [Boundary(0, 1), Boundary(2, 4)]
     collect_stats(tiny_llama, boundaries, make_batches(random_tokens(4, 12), None, 2), options, needs, live)
     for acc, boundary in zip(live, boundaries):
-        assert acc.nbytes() == statistics_bytes(TINY_WIDTH, needs, 32, branch=boundary.start > 0)
+        assert acc.nbytes() == statistics_bytes(TINY_WIDTH, needs, 32, branch=boundary.start > 0, inner_width=TINY_INNER)
     if operators == ("none", "diag", "rotate", "ghost", "ghost_capped"):  # the issue's target: 2·C²·8 + O(C·rows)
         assert live[1].nbytes() <= 2 * TINY_WIDTH**2 * 8 + 32 * (2 * TINY_WIDTH + 1) * 8 + 20 * TINY_WIDTH * 8 + 16
 
@@ -339,7 +340,7 @@ def test_blocks_pipeline_gives_the_same_fits_as_full(tiny_model, sink_rule):
                            CalibrationOptions(quiet=True, sink_rule=sink_rule, pipeline="blocks"))
     for a, b in zip(full, blocks):
         assert a.boundary == b.boundary and a.tokens == b.tokens and a.sinks.tokens == b.sinks.tokens
-        for name in ("ghost", "ghost_capped", "replaceme", "diag", "rotate"):
+        for name in ("ghost", "ghost_capped", "replaceme", "diag", "rotate", "refit", "magcomp_refit"):
             fa, fb = get_operator(name).fit(a, FitOptions()), get_operator(name).fit(b, FitOptions())
             if fa.update is not None:
                 assert float((fa.update - fb.update).norm() / fa.update.norm()) <= 1e-8, (name, a.boundary)

@@ -12,7 +12,7 @@ from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, 
 from ghosted_core.plan import Boundary
 from ghosted_core.recovery.heldout import measure_errors
 from ghosted_core.recovery.operators import FitOptions, get_operator
-from ghosted_core.selection.criteria import measure_similarity
+from ghosted_core.selection.similarity import measure_similarity
 
 BLOCKS = CalibrationOptions(quiet=True, pipeline="blocks")
 BOUNDARIES = [Boundary(1, 3), Boundary(4, 5)]

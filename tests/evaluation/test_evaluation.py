@@ -40,6 +40,20 @@ def test_perplexity_with_shared_prefix_equals_plain(tiny_model):
         assert got[name] == pytest.approx(plain_perplexity(model, windows), rel=1e-5), name
 
 
+def test_cached_dense_states_serve_variants_that_share_less_than_any_of_them(tiny_llama):
+    """magcomp changes block 0 (its writers are scaled): it runs from the embeddings, the others from the cache."""
+    from ghosted_core.evaluation.perplexity import dense_prefix_states, perplexity_from_states
+
+    _plan, variants = recovered_variants(tiny_llama, (3, 4))
+    models = {name: variants[name] for name in ("none", "magcomp", "replaceme", "ghost")}
+    assert shared_prefix(tiny_llama, models["magcomp"]) == 0 and shared_prefix(tiny_llama, models["none"]) == 3
+    windows = random_tokens(4, 12, seed=6)
+    cached = dense_prefix_states(tiny_llama, windows, [3], batch_size=2, quiet=True)
+    got = perplexity_from_states(tiny_llama, models, cached, quiet=True)
+    for name, model in models.items():
+        assert got[name] == pytest.approx(plain_perplexity(model, windows), rel=1e-5), name
+
+
 def test_shared_prefix_counts_identical_leading_blocks(tiny_llama):
     assert shared_prefix(tiny_llama, tiny_llama) == TINY_LAYERS
     assert shared_prefix(tiny_llama, build_variant(tiny_llama, (3, 4))) == 3

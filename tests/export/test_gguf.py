@@ -284,3 +284,91 @@ def test_pruned_gemma3_270m_gguf_greedy_tokens_equal_transformers(llamacpp, tmp_
     assert expected["class"] == "Gemma3ForCausalLM"
     assert list(generated.prompt_tokens) == expected["prompt"]
     assert list(generated.tokens) == expected["tokens"], (generated.text, expected["tokens"])
+
+
+# ---------------------------------------------------------------- export_gguf and --export gguf
+
+
+@pytest.mark.parametrize("family, operator", [("llama", "magcomp_refit"), ("llama", "refit"), ("gemma3", "magcomp")])
+def test_exported_stock_folds_run_in_llamacpp_as_in_transformers(family, operator, llamacpp, smollm2_tokenizer,
+                                                                 tmp_path):
+    """The folds of this issue through llama.cpp: magcomp's scale moved into the tied final norm (and on Gemma-3
+    into the post-norm gains), the refit's new down_proj; the card names the GGUF."""
+    from ghosted_core.export.gguf import export_gguf
+
+    extra = {"query_pre_attn_scalar": 6} if family == "gemma3" else {}
+    model = make_tiny_model(family, vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                            tie_word_embeddings=True, **extra)
+    plan = PruningPlan(TINY_LAYERS, (2, 3), "manual")
+    generator = torch.Generator().manual_seed(2)
+    stats = collect_stats(model, plan.boundaries, make_batches(torch.randint(0, 1000, (8, 16), generator=generator),
+                                                               None, 4), CalibrationOptions(quiet=True))
+    fits = [get_operator(operator).fit(s, FitOptions()) for s in stats]
+    assert fits[0].update is not None
+    variant = build_recovered(model, plan, VariantSpec(operator, operator), fits)
+    result = export_gguf(variant, smollm2_tokenizer, tmp_path / operator, "f16")
+    assert result.mode == "stock" and result.gguf == result.folder / f"{operator}-f16.gguf" and result.gguf.exists()
+    assert result.gguf.name in result.files and result.gguf.name in (result.folder / "README.md").read_text()
+    generated = llamacpp_generate(result.gguf, PROMPT, max_new_tokens=NEW_TOKENS)
+    prompt_ids, expected = greedy_in_process(result.folder)
+    assert list(generated.prompt_tokens) == prompt_ids
+    assert list(generated.tokens) == expected
+
+
+def test_export_gguf_refuses_what_does_not_fold_before_writing(tiny_llama, tmp_path, monkeypatch):
+    from conftest import recovered_variants
+    from ghosted_core.export.gguf import export_gguf
+
+    _plan, variants = recovered_variants(tiny_llama, (2, 3))
+    monkeypatch.setattr("ghosted_core.export.gguf.find_llamacpp", lambda: None)  # refused before llama.cpp is needed
+    with pytest.raises(GhostedError, match="cannot be exported as a stock checkpoint"):
+        export_gguf(variants["ghost_capped"], None, tmp_path / "ghost_capped")
+    with pytest.raises(GhostedError, match="unknown GGUF type"):
+        export_gguf(variants["none"], None, tmp_path / "none", "q4_k_m")
+    assert not (tmp_path / "ghost_capped").exists() and not (tmp_path / "none").exists()
+
+
+def test_cli_export_gguf_writes_the_folder_and_its_gguf(llamacpp, tiny_model_folder, tmp_path, capsys):
+    from ghosted_core.cli import main
+
+    code = main(["--model", str(tiny_model_folder), "--device", "cpu", "--pruning_method", "manual", "--layers", "2,3",
+                 "--insert_type", "none,magcomp_refit", "--train_size", "4", "--seqlen", "32", "--eval_ppl", "none",
+                 "--outdir", str(tmp_path / "out"), "--save_model", str(tmp_path / "saved"), "--export", "gguf",
+                 "--gguf_type", "q8_0", "--quiet"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "saved magcomp_refit as stock and magcomp_refit-q8_0.gguf" in printed
+    exports = json.loads((tmp_path / "out" / "results.json").read_text())["exports"]
+    assert Path(exports["magcomp_refit"]["gguf"]).stat().st_size > 0
+    assert llamacpp_generate(exports["none"]["gguf"], PROMPT, max_new_tokens=4).tokens  # llama.cpp reads it
+
+
+def test_cli_export_gguf_is_refused_up_front_for_remote_code_operators(tiny_model_folder, tmp_path, capsys):
+    from ghosted_core.cli import main
+
+    code = main(["--model", str(tiny_model_folder), "--device", "cpu", "--insert_type", "none,ghost_capped",
+                 "--save_model", str(tmp_path / "saved"), "--export", "gguf", "--quiet"])
+    assert code == 2 and "ghost_capped cannot fold" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_smollm2_magcomp_refit_gguf_greedy_tokens_equal_transformers(llamacpp, smollm2, tmp_path):
+    """The recommended stock operator on the real SmolLM2 (tied head: magcomp's scale ends in the final norm)."""
+    from ghosted_core.data.corpora import calibration_windows
+    from ghosted_core.export.gguf import export_gguf
+
+    torch.set_num_threads(2)
+    try:
+        fit_ids, _ = calibration_windows(smollm2.tokenizer, "mix", 16, 128, 0, 0)
+        plan = PruningPlan(30, (12, 13, 14, 15), "manual")
+        stats = collect_stats(smollm2.model, plan.boundaries, make_batches(fit_ids, None, 4),
+                              CalibrationOptions(quiet=True), get_operator("magcomp_refit").needs)
+        fits = [get_operator("magcomp_refit").fit(s, FitOptions()) for s in stats]
+        variant = build_recovered(smollm2.model, plan, VariantSpec("magcomp_refit", "magcomp_refit"), fits)
+        result = export_gguf(variant, smollm2.tokenizer, tmp_path / "magcomp_refit", "f16")
+    finally:
+        torch.set_num_threads(1)
+    generated = llamacpp_generate(result.gguf, PROMPT, max_new_tokens=NEW_TOKENS)
+    expected = fresh_greedy(result.folder, tmp_path / "fresh")
+    assert list(generated.prompt_tokens) == expected["prompt"]
+    assert list(generated.tokens) == expected["tokens"], (generated.text, expected["tokens"])

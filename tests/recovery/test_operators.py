@@ -199,7 +199,7 @@ def _gram_with_condition(cond: float, width: int = 64, seed: int = 0) -> torch.T
 
 @pytest.mark.parametrize("cond", [1e4, 1e9, 1e11, 1e13, 1e15])
 def test_the_cholesky_test_gives_the_eigenvalues_verdict(cond):
-    from ghosted_core.recovery.operators import condition_number, ill_conditioned, largest_eigenvalue
+    from ghosted_core.recovery.linalg import condition_number, ill_conditioned, largest_eigenvalue
 
     gram = _gram_with_condition(cond)
     assert largest_eigenvalue(gram) == pytest.approx(1e3, rel=1e-2)  # to about its tolerance: the verdict needs no more
@@ -211,7 +211,7 @@ def test_an_ill_conditioned_fit_falls_back_with_or_without_its_condition_number(
     gram = stats.ordinary.xtx.clone()
     gram[:, 0] = gram[:, 1] * (1 + 1e-15)  # two channels the same: singular up to rounding
     gram[0, :] = gram[1, :] * (1 + 1e-15)
-    from ghosted_core.recovery.operators import solve_ridge
+    from ghosted_core.recovery.linalg import solve_ridge
 
     cheap = solve_ridge(gram, stats.ordinary.xtd, 400, FitOptions())
     exact = solve_ridge(gram, stats.ordinary.xtd, 400, FitOptions(condition_number=True))

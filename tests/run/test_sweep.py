@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from ghosted_core.run import sweep as sweep_module
+from ghosted_core.run import plans as plans_module
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.errors import GhostedError
@@ -77,8 +77,8 @@ class ForwardCounter:
 def test_sweep_scores_once_and_calibrates_in_one_pass(loaded, tiny_model_folder, monkeypatch):
     options = options_for(tiny_model_folder, variants="none,diag,ghost,ghost_capped,replaceme")
     calls = []
-    real_collect = sweep_module.collect_stats
-    monkeypatch.setattr(sweep_module, "collect_stats", lambda *a, **k: calls.append(a[1]) or real_collect(*a, **k))
+    real_collect = plans_module.collect_stats
+    monkeypatch.setattr(plans_module, "collect_stats", lambda *a, **k: calls.append(a[1]) or real_collect(*a, **k))
     counter = ForwardCounter(loaded.model)
     fit_batches, heldout_batches = 2, 1  # 4 fit sequences and 2 held-out, 2 per forward pass
     eval_batches = 2 * 2  # 96 tokens of 32 = 3 windows per corpus → 2 batches of 2, two corpora
@@ -126,14 +126,14 @@ def test_boundaries_shared_by_depths_are_accumulated_once_and_freed_after_their_
         loaded, tiny_model_folder, monkeypatch):
     options = options_for(tiny_model_folder, variants="none,ghost")
     alive = {}
-    real_collect = sweep_module.collect_stats
+    real_collect = plans_module.collect_stats
 
     def tracking(*args, **kwargs):
         stats = real_collect(*args, **kwargs)
         alive.update({s.boundary: weakref.ref(s) for s in stats})
         return stats
 
-    monkeypatch.setattr(sweep_module, "collect_stats", tracking)
+    monkeypatch.setattr(plans_module, "collect_stats", tracking)
     stages = sweep_stages(options, (1, 2, 3, 4), loaded)
     for stage, result in stages:
         if stage == "calibrate":

@@ -12,8 +12,9 @@ from conftest import TINY_LAYERS, random_tokens
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.calibration.collect import make_batches
 from ghosted_core.errors import GhostedError
-from ghosted_core.selection.criteria import CRITERIA, SelectionRequest, check_request, measure_similarity, \
-    parse_layers, select_blocks
+from ghosted_core.selection.choose import select_blocks
+from ghosted_core.selection.criteria import CRITERIA, SelectionRequest, check_request, parse_layers
+from ghosted_core.selection.similarity import measure_similarity
 
 
 def residuals(model, ids: torch.Tensor) -> list[np.ndarray]:

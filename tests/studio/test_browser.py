@@ -4,9 +4,9 @@ A newcomer's paths, each saving a screenshot to tests/artifacts/ (gitignored) fo
 switching to Gemma-3 and back (the depth slider follows within seconds, nothing converts), bad
 input (a message in the page, the app keeps serving), Stop during perplexity (the status says
 where the run stopped; the next run completes and fills every panel), a run on a 390 px phone
-screen (nothing wider than the screen, the status in view after Run, no overlapping titles), and
+screen (nothing wider than the screen, the status in view after Run, no overlapping titles),
 a small depth sweep whose curve chart has data and whose row in the session history, clicked,
-puts its settings back.
+puts its settings back, and a criteria comparison whose map, score chart and table are filled.
 """
 
 from __future__ import annotations
@@ -278,4 +278,30 @@ def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_ur
     depths.wait_for(state="visible", timeout=10_000)
     assert page.locator("#mode input[value='sweep']").is_checked() and depths.input_value() == "2:4:2"
     page.screenshot(path=str(ARTIFACTS / "app-history-restored.png"), full_page=True)
+    page.close()
+
+
+def test_compare_criteria_fills_the_map_the_score_chart_and_the_table(server_url, browser):
+    page = open_page(browser, server_url, DESKTOP)
+    page.locator("#mode").get_by_text("compare criteria", exact=True).click()
+    page.locator("#compare-criteria").wait_for(state="visible", timeout=10_000)
+    assert not page.locator("#criterion").is_visible()  # the list replaces the single criterion
+    press_run(page)
+    wait_for_status(page, "Run complete")
+    page.wait_for_timeout(2000)  # let plotly finish drawing
+    assert {"plot-map", "plot-criterion-scores"} <= set(page.evaluate(PLOTS_WITH_DATA))
+    heat = page.evaluate("() => document.querySelector('#plot-map .js-plotly-plot').data[0]")
+    assert heat["type"] == "heatmap" and len(heat["z"]) == 31
+    outlines = page.evaluate("() => (document.querySelector('#plot-map .js-plotly-plot').layout.shapes || []).length")
+    assert outlines >= 4  # every criterion's removed runs outlined on the map
+    panels = page.evaluate("() => document.querySelector('#plot-criterion-scores .js-plotly-plot').data.map(t => t.name)")
+    assert panels == ["streamline", "shortgpt", "kl", "weights"]
+    table = page.locator("#compare-table")
+    for text in ("ghost_capped", "replaceme", "ptb (exact) ppl", "criterion cost"):
+        assert table.get_by_text(text).count() >= 1, text
+    assert "blocks chosen (and operators fitted) on mix" in page.locator("#compare-caption").inner_text()
+    assert page.locator("#rerun-your-text").is_visible()
+    assert page.evaluate(OVERLAPS) == []
+    page.locator("#plot-map").screenshot(path=str(ARTIFACTS / "app-compare-map.png"))
+    page.screenshot(path=str(ARTIFACTS / "app-compare.png"), full_page=True)
     page.close()

@@ -92,7 +92,7 @@ def test_every_endpoint_answers_every_hostile_value_and_the_server_keeps_serving
     from gradio_client import Client
 
     api = Client(tiny_server.url, verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"]
-    assert {"/run", "/stop", "/model_info", "/check", "/upload"} <= set(api)
+    assert {"/run", "/stop", "/model_info", "/check", "/push"} <= set(api)
     values = {"string": hostile_strings(outside), "number": NUMBERS, "boolean": BOOLEANS, "array": ARRAYS,
               "file": hostile_files(tiny_server, outside, tmp_path)}
     base = tiny_server.run_kwargs(criterion="none", eval_corpora=[], operators=["none"])  # accepted runs are short

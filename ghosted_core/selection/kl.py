@@ -1,0 +1,61 @@
+"""`kl`: output-grounded removal. The run of n blocks whose removal moves the next-token distribution least.
+
+For every run start s, the mean over calibration positions of KL(p_dense ‖ p_pruned) with
+blocks s … s+n−1 removed, and the run with the smallest one. It is the quantity the cosine
+criteria (streamline, angular) stand in for: they compare the residual entering and leaving
+the run, this compares what the model then predicts.
+
+Cost per calibration window: one dense pass that keeps the residual entering every block
+(memory: L+1 states of B × T × C per batch), then each candidate runs only the blocks after its
+run from the cached h_s, all candidates batched slot by slot: (L−n+1)(L−n)/2 block runs and
+L−n+2 heads, against L−n+1 full passes naively. Memory: the candidates' states (under
+`suffixes.STATE_BUDGET`) and one chunk of logits (three copies, under `memory_parts.LOGITS_BUDGET`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ghosted_core.plan import PruningPlan
+from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
+from ghosted_core.selection.next_token import count_targets, kl_sums
+from ghosted_core.selection.suffixes import Candidate, CandidateRunner, chunks
+
+COST = ("one dense pass per window, then every run start's suffix from the cached state: (L−n+1)(L−n)/2 block runs "
+        "and L−n+2 heads per window (naive: L−n+1 full passes); memory: L+1 residual states per batch")
+
+
+def mean_kl(scoring: Scoring, runner: CandidateRunner, variants: Sequence[tuple[int, tuple]]) -> list[float]:
+    """Per variant (entry slot, steps from it): mean KL(p_dense ‖ p_variant) per calibration position, each variant
+    run from the dense state entering its entry slot (one dense pass per batch keeps them all)."""
+    num_layers = len(runner.blocks)
+    totals = [0.0] * len(variants)
+    positions = 0
+    for batch in scoring.fit_batches:
+        states = runner.dense_states(batch.input_ids, batch.attention_mask)  # h_0 … h_L
+        candidates = [Candidate(states[entry], steps) for entry, steps in variants]
+        sums: list[float] = []
+        for group in chunks(candidates):
+            sums += kl_sums(scoring.model, runner.run(group, batch.attention_mask), states[num_layers],
+                            batch.attention_mask, scoring.work)
+        totals = [t + x for t, x in zip(totals, sums)]
+        positions += count_targets(batch.input_ids, batch.attention_mask, targets=False)
+    return [t / max(positions, 1) for t in totals]
+
+
+def run_kl(scoring: Scoring, n: int) -> list[float]:
+    """Mean KL(p_dense ‖ p_without s…s+n−1) per position, for s = 0 … L−n."""
+    runner = CandidateRunner(scoring.model, scoring.work)
+    num_layers = len(runner.blocks)
+    return mean_kl(scoring, runner, [(s, tuple((j, runner.blocks[j]) for j in range(s + n, num_layers)))
+                                     for s in range(num_layers - n + 1)])
+
+
+@register_criterion("kl", paper="output-grounded removal (the measure the cosine criteria approximate)", needs="forward",
+                    contiguous=True, cost=COST, label="KL to the dense next-token distribution")
+def select_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
+    """The run start s with the lowest mean KL(p_dense ‖ p_pruned); ties to the lowest s."""
+    scores = run_kl(scoring, request.n)
+    start = min(range(len(scores)), key=lambda s: (scores[s], s))
+    return PruningPlan(request.num_layers, tuple(range(start, start + request.n)), "kl", tuple(scores),
+                       f"mean KL(p_dense ‖ p_pruned) per token with blocks s…s+{request.n - 1} removed, per run start s")

@@ -1,0 +1,65 @@
+"""swap_kl's probes against hand-built swapped models (weights copied with load_state_dict), and Table 14's rule."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import TINY_LAYERS, make_tiny_model, random_tokens
+from ghosted_core.calibration.collect import make_batches
+from ghosted_core.errors import GhostedError
+from ghosted_core.selection.criteria import CRITERIA, Scoring, SelectionRequest
+from ghosted_core.selection.swap import guided_removal, layer_scores, pairs, swap_distances
+
+
+def swapped(model, moves: dict[int, int]):
+    """A deep copy in which slot i holds block moves[i]'s weights (slot attributes, e.g. Gemma's sliding window, stay)."""
+    copied = copy.deepcopy(model)
+    for slot, source in moves.items():
+        copied.model.layers[slot].load_state_dict(model.model.layers[source].state_dict())
+    return copied
+
+
+def mean_kl(dense, other, ids) -> float:
+    with torch.no_grad():
+        logp = torch.log_softmax(dense(ids).logits.double(), -1)
+        logq = torch.log_softmax(other(ids).logits.double(), -1)
+    return float((logp.exp() * (logp - logq)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: slots 0,1 sliding, 2 full: pairs of mixed kinds
+def test_replacement_and_interchange_equal_hand_swapped_models(family):
+    model = make_tiny_model(family).double()
+    ids = random_tokens(3, 12, seed=4)
+    found = swap_distances(Scoring(model, make_batches(ids, None, 2)))
+    assert list(found["interchange"]) == pairs(TINY_LAYERS) and len(found["interchange"]) == 5 + 4 + 3
+    for i, j in [(0, 1), (1, 2), (2, 5), (3, 4)] if family == "gemma3" else [(0, 1), (2, 4), (1, 4)]:
+        forward = mean_kl(model, swapped(model, {i: j}), ids)
+        backward = mean_kl(model, swapped(model, {j: i}), ids)
+        assert found["directions"][i, j] == pytest.approx((forward, backward), rel=1e-9)
+        assert found["replacement"][i, j] == pytest.approx(max(forward, backward), rel=1e-9)
+        assert found["interchange"][i, j] == pytest.approx(mean_kl(model, swapped(model, {i: j, j: i}), ids), rel=1e-9)
+
+
+def test_guided_removal_takes_ascending_scores_and_no_neighbours():
+    scores = [0.5, 0.1, 0.1, 0.3, 0.2, 0.9]
+    assert guided_removal(scores, 2) == (1, 4)  # 2 ties with 1 but is adjacent; 4 next
+    assert guided_removal([0.3, 0.2, 0.2, 0.9, 0.1, 0.8, 0.5], 3) == (4, 1, 6)  # 2 next to 1; 0 next to 1; 6 free
+    assert layer_scores({(0, 1): 0.4, (1, 2): 0.2, (0, 2): 0.1}, 3) == [0.1, 0.2, 0.1]
+    with pytest.raises(GhostedError, match="at most 2 of 6 blocks, not 3"):
+        guided_removal(scores, 3)  # 1 and 4 taken, every other block is next to one of them
+
+
+def test_both_probes_come_from_one_measurement():
+    model = make_tiny_model("llama")
+    scoring_shared: dict = {}
+    batches = make_batches(random_tokens(2, 12, seed=5), None, 2)
+    first = Scoring(model, batches, shared=scoring_shared)
+    CRITERIA["swap_kl"].select(SelectionRequest(TINY_LAYERS, 2), first)
+    runs = first.work.block_runs
+    second = Scoring(model, batches, shared=scoring_shared)
+    plan = CRITERIA["swap_kl_repl"].select(SelectionRequest(TINY_LAYERS, 2), second)
+    assert second.work.block_runs == runs and second.details["swap_kl_repl"]["shared_with"] == "swap_kl"
+    assert len(plan.removed) == 2 and abs(plan.removed[0] - plan.removed[1]) > 1
