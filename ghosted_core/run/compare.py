@@ -26,12 +26,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory import MemoryPlan
 from ghosted_core.memory_parts import max_boundaries
 from ghosted_core.model.loading import LoadedModel
 from ghosted_core.run.options import RunOptions, selection_request, validate
-from ghosted_core.run.plans import Clock, PlanResult, calibrate_plans, calibration_for, dense_evaluation, evaluate_plan, \
-    plan_and_load
+from ghosted_core.run.plans import Clock, ManyPlansResult, PlanResult, calibrate_plans, calibration_for, \
+    dense_evaluation, evaluate_plan, plan_and_load
 from ghosted_core.run.result import run_json
 from ghosted_core.selection.choose import Selection, iter_criteria
 from ghosted_core.selection.criteria import get_criterion
@@ -75,31 +74,14 @@ def planned_stages(criteria: Sequence[str]) -> list[str]:
 
 
 @dataclass
-class CompareResult:
+class CompareResult(ManyPlansResult):
     """What a comparison found so far; `to_json` is its results.json (a "compare" entry beside the run's settings)."""
 
-    options: RunOptions
     criteria: tuple[str, ...]
-    model_description: str = ""
-    num_layers: int = 0
-    hidden_size: int = 0
     selections: dict[str, Selection] = field(default_factory=dict)  # criterion → its plan, cost, details
     similarity_map: SimilarityMap | None = None
-    calibration_label: str = ""
-    calibration_tokens: int = 0
-    statistics: dict = field(default_factory=dict)  # distinct boundaries, bytes, calibration passes
-    dense: dict[str, float] = field(default_factory=dict)  # corpus → dense perplexity
-    corpora: dict[str, dict] = field(default_factory=dict)
     plans: list[PlanResult] = field(default_factory=list)  # distinct plans evaluated so far, first chooser's order
     evaluated: dict[str, int] = field(default_factory=dict)  # criterion → index into `plans`
-    timings: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    memory_plan: MemoryPlan | None = None
-    bos: dict = field(default_factory=dict)  # the BOS rule and what it gave (corpora.BosRule.to_json)
-
-    @property
-    def variant_names(self) -> list[str]:
-        return [v.name for v in self.options.variants]
 
     def calibration_note(self) -> str:
         """Which text chose the blocks (and fitted the operators)."""
@@ -154,7 +136,7 @@ def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedM
     """
     chosen = check_compare(options, criteria)
     options = dataclasses.replace(options, criterion=chosen[0])
-    result = CompareResult(options, chosen)
+    result = CompareResult(chosen, options=options)
     clock = Clock(result.timings)
     options, loaded = plan_and_load(
         options, loaded, lambda layers, positions: check_compare(options, chosen, layers, positions), result,

@@ -28,6 +28,7 @@ from ghosted_core.calibration.collect import collect_stats
 from ghosted_core.data import corpora
 from ghosted_core.evaluation.perplexity import PrefixStates, dense_prefix_states, perplexity, perplexity_from_states, \
     shared_prefix
+from ghosted_core.memory import MemoryPlan
 from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.recovery.operators import needs_of
@@ -44,7 +45,31 @@ log = logging.getLogger(__name__)
 
 
 
-def plan_and_load(options: RunOptions, loaded: LoadedModel | None, check: Callable[[int, int | None], None], result,
+@dataclass(kw_only=True)
+class ManyPlansResult:
+    """What a run over several plans from one calibration pass records beside its plans (a depth sweep's and a
+    criteria comparison's results share these; `run.result.run_json` writes them)."""
+
+    options: RunOptions
+    model_description: str = ""
+    num_layers: int = 0
+    hidden_size: int = 0
+    calibration_label: str = ""
+    calibration_tokens: int = 0
+    statistics: dict = field(default_factory=dict)  # distinct boundaries, bytes, calibration passes
+    dense: dict[str, float] = field(default_factory=dict)  # corpus → dense perplexity
+    corpora: dict[str, dict] = field(default_factory=dict)  # corpus → label, real, user, windows, tokens
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    memory_plan: MemoryPlan | None = None  # planned before loading, for every plan's boundaries at once
+    bos: dict = field(default_factory=dict)  # the BOS rule and what it gave (corpora.BosRule.to_json)
+
+    @property
+    def variant_names(self) -> list[str]:
+        return [v.name for v in self.options.variants]
+
+
+def plan_and_load(options: RunOptions, loaded: LoadedModel | None, check: Callable[[int, int | None], None], result: ManyPlansResult,
                   boundaries: Callable[[int], int] | None = None,
                   depths: Sequence[int] | None = None) -> tuple[RunOptions, LoadedModel]:
     """Refuse what `check(num_layers, max_positions)` refuses before any weight loads, plan the memory

@@ -32,13 +32,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory import MemoryPlan
 from ghosted_core.model.loading import LoadedModel
 from ghosted_core.oom import guard_stages
 from ghosted_core.plan import PruningPlan, check_block_number
 from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, validate
-from ghosted_core.run.plans import Clock, PlanResult, calibrate_plans, calibration_for, dense_evaluation, \
-    evaluate_plan, plan_and_load
+from ghosted_core.run.plans import Clock, ManyPlansResult, PlanResult, calibrate_plans, calibration_for, \
+    dense_evaluation, evaluate_plan, plan_and_load
 from ghosted_core.run.result import run_json
 from ghosted_core.selection.choose import select_blocks_depths
 from ghosted_core.selection.criteria import SelectionRequest, get_criterion
@@ -97,29 +96,12 @@ class SweepOptions:
 
 
 @dataclass
-class SweepResult:
+class SweepResult(ManyPlansResult):
     """What a sweep found so far; `to_json` is its results.json (a "sweep" entry beside the run's settings)."""
 
-    options: RunOptions
     depths: tuple[int, ...]
-    model_description: str = ""
-    num_layers: int = 0
-    hidden_size: int = 0
     plans: dict[int, PruningPlan] = field(default_factory=dict)  # depth → plan, all known after "score blocks"
-    calibration_label: str = ""
-    calibration_tokens: int = 0
-    statistics: dict = field(default_factory=dict)  # distinct boundaries, bytes, passes
-    dense: dict[str, float] = field(default_factory=dict)  # corpus → dense perplexity
-    corpora: dict[str, dict] = field(default_factory=dict)  # corpus → label, real, user, windows, tokens
     results: list[PlanResult] = field(default_factory=list)  # one per finished depth, in depth order
-    timings: dict[str, float] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    memory_plan: MemoryPlan | None = None  # planned before loading, for every depth's boundaries at once
-    bos: dict = field(default_factory=dict)  # the BOS rule and what it gave (corpora.BosRule.to_json)
-
-    @property
-    def variant_names(self) -> list[str]:
-        return [v.name for v in self.options.variants]
 
     def to_json(self) -> dict:
         return run_json(self) | {
@@ -170,7 +152,7 @@ def sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel
 def _sweep_stages(options: RunOptions, depths: Sequence[int], loaded: LoadedModel | None, sweep: SweepOptions,
                   should_stop: StopCheck) -> Iterator[tuple[str, SweepResult]]:
     chosen = check_sweep(options, depths)
-    result = SweepResult(options, chosen)
+    result = SweepResult(chosen, options=options)
     clock = Clock(result.timings)
 
     # The statistics of every depth live at once: plan for the boundaries of all depths together.
