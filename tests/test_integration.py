@@ -7,6 +7,7 @@ import torch
 
 from ghosted_core.model.loading import LoadOptions, load_model
 from ghosted_core.model.modeling_ghosted import PatchedBlock
+from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run
 
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.slow
 def test_smollm2_streamline_ghost_beats_plain_pruning_and_diag(smollm2, all_threads):
     options = RunOptions(model="smollm2-135m", criterion="streamline", num_prune=7,
                          variants=parse_variants("none,diag,ghost,ghost_capped"), calibration="ptb", train_size=16,
-                         seqlen=256, eval_corpora=("ptb",), eval_max_tokens=4096, quiet=True)
+                         seqlen=256, eval_corpora=("ptb",), eval_max_tokens=4096, quiet=True,
+                         diagnostics=Diagnostics(fit_errors=True, singular_values=False))  # calibration errors too
     result = run(options, smollm2)
     ppl = result.perplexity["ptb"]
     assert ppl["dense"] < ppl["ghost"] < ppl["none"]

@@ -297,7 +297,7 @@ def test_compare_criteria_fills_the_map_the_score_chart_and_the_table(server_url
     panels = page.evaluate("() => document.querySelector('#plot-criterion-scores .js-plotly-plot').data.map(t => t.name)")
     assert panels == ["streamline", "shortgpt", "kl", "weights"]
     table = page.locator("#compare-table")
-    for text in ("ghost_capped", "replaceme", "ptb (exact) ppl", "criterion cost"):
+    for text in ("ghost_capped", "magcomp_refit", "ptb (exact) ppl", "criterion cost"):
         assert table.get_by_text(text).count() >= 1, text
     assert "blocks chosen (and operators fitted) on mix" in page.locator("#compare-caption").inner_text()
     assert page.locator("#rerun-your-text").is_visible()
