@@ -10,7 +10,7 @@ identity, so that ShortGPT removes them), fp32 on the CPU. Each case is one run
 through `run.pipeline.run` (or `run.sweep.run_sweep`) with the model already loaded, in a fresh
 process: 16 × 256 `wiki` calibration tokens (stand-in corpus) in batches of 4, 2 held-out
 sequences, perplexity on 1024 `wiki` tokens in 256-token windows, drift on 2 windows. Cases:
-ghost_capped, replaceme_keepsink and rotate at a streamline boundary (n = 2), ShortGPT with
+ghost_capped, replaceme_keepsink, rotate and magcomp_refit at a streamline boundary (n = 2), ShortGPT with
 three boundaries (ghost_capped, replaceme), and a streamline sweep over n = 1, 2, 3 (ghost_capped).
 
 Measured extra: the peak resident size (VmHWM, reset once the model is built, the corpora
@@ -43,6 +43,7 @@ CASES = {  # name → (criterion, depth or depths, operators)
     "ghost_capped": ("streamline", 2, "ghost_capped"),
     "replaceme_keepsink": ("streamline", 2, "replaceme_keepsink"),
     "rotate": ("streamline", 2, "rotate"),
+    "magcomp_refit": ("streamline", 2, "magcomp_refit"),  # the down_proj refit's I×I statistics and candidates
     "shortgpt, 3 boundaries": ("shortgpt", 3, "ghost_capped,replaceme"),
     "sweep n = 1, 2, 3": ("streamline", (1, 2, 3), "ghost_capped"),
 }
@@ -168,6 +169,7 @@ def plan_table() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="ghost_capped only")
+    parser.add_argument("--cases", default=None, help="comma list of case names (default: all)")
     parser.add_argument("--out", default=None, help=out_help("memory_plan"))
     parser.add_argument("--table", action="store_true", help="only print the plans of Llama-3-8B and 70B on GPUs")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -179,7 +181,8 @@ def main() -> None:
         print("\n".join(plan_table()))
         return
     rows = []
-    for case in QUICK if args.quick else CASES:
+    chosen = QUICK if args.quick else tuple(c.strip() for c in args.cases.split(",")) if args.cases else CASES
+    for case in chosen:
         rows.append(run_case(case))
         r = rows[-1]
         print(f"{case}: measured {r['measured_extra'] / MIB:.0f} MiB, planned {r['planned_extra'] / MIB:.0f} MiB "
