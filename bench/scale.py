@@ -56,7 +56,9 @@ SHAPES = {  # published configs (Llama-3.2-1B, Llama-3-8B); num_hidden_layers se
 OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped")
 # "ours-ghost" is the like-for-like row against store-all: ghost alone as a run computes it by default (its
 # fit report as the CLI summary shows it, and the held-out pass, which store-all does not compute)
-METHOD_OPERATORS = {"ours": OPERATORS, "ours-ghost": ("ghost",)}
+METHOD_OPERATORS = {"ours": OPERATORS, "ours-ghost": ("ghost",), "ours-refit": ("magcomp_refit",)}
+# the down_proj refit folds into the block before the cut: its boundaries start at block 1, not 0
+FIRST_BLOCK = {"ours-refit": 1}
 SEQLEN = 512
 GIB = 2**30
 
@@ -117,11 +119,11 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
     maps = [m for build in builds for m in build.maps]
     errors = measure_errors(model, maps, batches, options, kept=kept)
     heldout = time.perf_counter() - clock - calibrate - fit
-    ghost = next(b for b in builds if b.spec.name == "ghost")
+    ghost = next((b for b in builds if b.spec.name == "ghost"), None)
     return {"stats_bytes": stats_bytes, "seconds": {"calibrate": calibrate, "fit": fit, "heldout": heldout},
             "heldout_error": {b.spec.name: [e.relative for e in errors[i * len(boundaries):(i + 1) * len(boundaries)]]
                               for i, b in enumerate(builds)},
-            "ghost_update_norm": [float(m.update.norm()) for m in ghost.maps]}
+            "ghost_update_norm": [float(m.update.norm()) for m in ghost.maps] if ghost else None}
 
 
 def fit_store_all(model, boundaries, batches) -> dict:
@@ -196,11 +198,13 @@ def worker(args) -> None:
 
     from ghosted_core.calibration.collect import CalibrationOptions
     from ghosted_core.memory import PlanRequest, plan_memory
-    from ghosted_core.recovery.operators import needs_of
+    from ghosted_core.memory_parts import inner_width
+    from ghosted_core.recovery.operators import FitOptions, needs_of
     from ghosted_core.plan import Boundary
 
     model = build_model(args.shape, 4)
-    boundaries = [Boundary(j, j + 1) for j in range(args.boundaries)]
+    first = FIRST_BLOCK.get(args.method, 0)
+    boundaries = [Boundary(first + j, first + j + 1) for j in range(args.boundaries)]
     batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
     options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full")
     gc.collect()
@@ -219,7 +223,8 @@ def worker(args) -> None:
     sequences = sum(len(b.input_ids) for b in batches if not b.heldout)
     plan = plan_memory(model.config, args.shape, "cpu", torch.float32,
                        PlanRequest(needs_of(operators), len(boundaries), sequences, SEQLEN, args.batch_size,
-                                   options.capacity(sequences)))
+                                   options.capacity(sequences), inner=inner_width(model.config, needs_of(operators)),
+                                   refit_candidates=len(FitOptions().refit_lambdas) * len(FitOptions().refit_sink_directions)))
     print(json.dumps({"shape": args.shape, "width": model.config.hidden_size, "boundaries": args.boundaries,
                       "method": args.method, "tokens": sequences * SEQLEN, "batch_size": args.batch_size,
                       "model_rss_gib": base / GIB, "peak_extra_gib": (peak - base) / GIB, "wall_s": wall,
@@ -298,6 +303,22 @@ def like_for_like_only(args) -> None:
     report["like_for_like"] = result
     out.write_text(json.dumps(report, indent=2))
     print("\n".join(like_for_like_lines(result)))
+    print(f"written: {out}")
+
+
+def refit_only(args) -> None:
+    """magcomp_refit alone at one C = 4096 boundary: the I×I statistics allocated against the plan, peak, time."""
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / "scale.json"
+    report = json.loads(out.read_text()) if out.exists() else {"mode": "cpu", "rows": []}
+    row = run_one("llama-3-8b", 1, "ours-refit", args.tokens, args.batch_size)
+    row["stats_equal_plan"] = all(b == row["plan_stats_bytes_per_boundary"] for b in row["stats_bytes"])
+    row["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
+    row["load_average"] = os.getloadavg()
+    report["refit"] = row
+    out.write_text(json.dumps(report, indent=2))
+    print(f"magcomp_refit at C = 4096 (I = 14336), one boundary: peak extra {row['peak_extra_gib']:.2f} GiB, statistics "
+          f"{row['stats_bytes'][0] / 2**20:.0f} MiB (plan {row['plan_stats_bytes_per_boundary'] / 2**20:.0f} MiB), "
+          f"{row['wall_s']:.0f} s {row['seconds']}")
     print(f"written: {out}")
 
 
@@ -411,6 +432,8 @@ def main() -> None:
     parser.add_argument("--dry_run", action="store_true", help="--device cuda's steps on the CPU with a small shape")
     parser.add_argument("--smollm2_products", action="store_true",
                         help="only: fp32 vs float64 products on the real SmolLM2 (scale_products.json)")
+    parser.add_argument("--refit_only", action="store_true",
+                        help="only: magcomp_refit at one C = 4096 boundary (I = 14336) into the existing scale.json")
     parser.add_argument("--like_for_like_only", action="store_true",
                         help="rerun only the like-for-like comparison (C = 4096) into the existing scale.json")
     parser.add_argument("--out", default=None)
@@ -428,6 +451,8 @@ def main() -> None:
         smollm2_products(args)
     elif args.like_for_like_only:
         like_for_like_only(args)
+    elif args.refit_only:
+        refit_only(args)
     elif args.device == "cuda":
         cuda_main(args)
     else:
