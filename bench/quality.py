@@ -298,12 +298,15 @@ def main() -> None:
     parser.add_argument("--sweep_n", type=int, default=11)
     parser.add_argument("--sweep_max", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--models", default="smollm2-135m,gemma3-270m",
+                        help="comma list, in the order to run (each setting is saved as it ends)")
     parser.add_argument("--out", default=None, help=out_help("quality"))
     args = parser.parse_args()
     args.out = str(result_path("quality", args.quick, args.out))
     torch.set_grad_enabled(False)
-    settings = {"smollm2-135m": [(c, n) for n in (7, 11) for c in ("streamline", "shortgpt")],
-                "gemma3-270m": [(c, n) for n in (4, 6) for c in ("streamline", "shortgpt")]}
+    every = {"smollm2-135m": [(c, n) for n in (7, 11) for c in ("streamline", "shortgpt")],
+             "gemma3-270m": [(c, n) for n in (4, 6) for c in ("streamline", "shortgpt")]}
+    settings = {name: every[name] for name in args.models.split(",")}
     if args.quick:
         settings = {"smollm2-135m": [("streamline", 7)]}
         args.tasks, args.sweep_max = False, 32
