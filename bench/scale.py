@@ -224,7 +224,7 @@ def worker(args) -> None:
     plan = plan_memory(model.config, args.shape, "cpu", torch.float32,
                        PlanRequest(needs_of(operators), len(boundaries), sequences, SEQLEN, args.batch_size,
                                    options.capacity(sequences), inner=inner_width(model.config, needs_of(operators)),
-                                   refit_candidates=len(FitOptions().refit_lambdas) * len(FitOptions().refit_sink_directions)))
+                                   refit_candidates=FitOptions().refit_candidates))
     print(json.dumps({"shape": args.shape, "width": model.config.hidden_size, "boundaries": args.boundaries,
                       "method": args.method, "tokens": sequences * SEQLEN, "batch_size": args.batch_size,
                       "model_rss_gib": base / GIB, "peak_extra_gib": (peak - base) / GIB, "wall_s": wall,
@@ -290,36 +290,35 @@ def like_for_like(args, shape: str) -> dict:
             "peak_extra_gib": {m: max(r["peak_extra_gib"] for r in rs) for m, rs in runs.items()}}
 
 
-def like_for_like_only(args) -> None:
-    """The like-for-like comparison alone, written into the existing report (its table keeps the command and the
-    commit it was measured with; this comparison records its own)."""
+def write_entry(args, key: str, entry: dict) -> None:
+    """`entry` (stamped with its own command, commit and load average) under `key` of the existing report, whose
+    table keeps the command and the commit it was measured with."""
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / "scale.json"
     report = json.loads(out.read_text()) if out.exists() else {"mode": "cpu", "rows": []}
-    result = like_for_like(args, "llama-3-8b")
-    result["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
-    result["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                      text=True).stdout.strip()
-    result["load_average"] = os.getloadavg()
-    report["like_for_like"] = result
+    entry["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
+    entry["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                     text=True).stdout.strip()
+    entry["load_average"] = os.getloadavg()
+    report[key] = entry
     out.write_text(json.dumps(report, indent=2))
-    print("\n".join(like_for_like_lines(result)))
     print(f"written: {out}")
+
+
+def like_for_like_only(args) -> None:
+    """The like-for-like comparison alone, written into the existing report."""
+    result = like_for_like(args, "llama-3-8b")
+    print("\n".join(like_for_like_lines(result)))
+    write_entry(args, "like_for_like", result)
 
 
 def refit_only(args) -> None:
     """magcomp_refit alone at one C = 4096 boundary: the I×I statistics allocated against the plan, peak, time."""
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / "scale.json"
-    report = json.loads(out.read_text()) if out.exists() else {"mode": "cpu", "rows": []}
     row = run_one("llama-3-8b", 1, "ours-refit", args.tokens, args.batch_size)
     row["stats_equal_plan"] = all(b == row["plan_stats_bytes_per_boundary"] for b in row["stats_bytes"])
-    row["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
-    row["load_average"] = os.getloadavg()
-    report["refit"] = row
-    out.write_text(json.dumps(report, indent=2))
     print(f"magcomp_refit at C = 4096 (I = 14336), one boundary: peak extra {row['peak_extra_gib']:.2f} GiB, statistics "
           f"{row['stats_bytes'][0] / 2**20:.0f} MiB (plan {row['plan_stats_bytes_per_boundary'] / 2**20:.0f} MiB), "
           f"{row['wall_s']:.0f} s {row['seconds']}")
-    print(f"written: {out}")
+    write_entry(args, "refit", row)
 
 
 def like_for_like_lines(result: dict) -> list[str]:

@@ -147,7 +147,7 @@ def workload(config: PretrainedConfig, options: RunOptions, depths: Sequence[int
     least_squares = sum(1 for v in options.variants if v.operator.startswith("ghost") or v.operator == "replaceme")
     refits = sum(1 for v in options.variants if get_operator(v.operator).needs.inner)
     inner = inner_width(config, needs_of(v.operator for v in options.variants))
-    candidates = len(set(options.fit.refit_lambdas)) * len(set(options.fit.refit_sink_directions))
+    candidates = options.fit.refit_candidates
     return Workload(chosen, boundaries, options.train_size * options.seqlen, options.heldout * options.seqlen,
                     eval_tokens, len(options.variants), least_squares, options.calibrate.batch_size * options.seqlen,
                     refits, candidates if inner else 0, inner)

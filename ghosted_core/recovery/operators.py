@@ -68,6 +68,11 @@ class FitOptions:
         if self.magcomp_form not in MAGCOMP_FORMS:
             raise GhostedError(f"unknown magcomp form {self.magcomp_form!r}; use one of {', '.join(MAGCOMP_FORMS)}")
 
+    @property
+    def refit_candidates(self) -> int:
+        """The down_proj refit's (λ, sink count) candidates, chosen among by held-out error."""
+        return len(set(self.refit_lambdas)) * len(set(self.refit_sink_directions))
+
 
 @dataclass(frozen=True)
 class Fit:

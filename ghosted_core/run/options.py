@@ -195,7 +195,7 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
     return PlanRequest(
         needs=needs, boundaries=boundaries, sequences=sequences,
         inner=inner_width(config, needs),
-        refit_candidates=len(set(options.fit.refit_lambdas)) * len(set(options.fit.refit_sink_directions)),
+        refit_candidates=options.fit.refit_candidates,
         seqlen=options.seqlen, batch_size=cal.batch_size, sink_capacity=cal.capacity(sequences),
         operators=tuple(get_operator(v.operator).cost for v in options.variants),
         variant_boundaries=max(per_depth) if depths else boundaries, candidates=len(set(options.fit.sink_directions)),
