@@ -21,7 +21,8 @@ fresh subprocess so peaks do not mask each other:
   compacted; statistics freed boundary by boundary, as the pipeline does), then the held-out
   errors from the kept rows;
 - store-all (the official code's way): keep every x_pre and x_post in fp32, concatenate, float64
-  normal equations, ghost only, at the same tokens.
+  normal equations, ghost only, at the same tokens; the held-out sequences' activations are kept
+  too and give ghost's held-out error (ours computes it, so the baseline does as well).
 Peak extra memory is the peak resident size (VmHWM, reset after the model is built) minus the
 resident size before calibration. "stats" is what the accumulators allocated; "plan" is
 `memory.plan_memory`'s count from the config. A float32-products line gives ghost's relative
@@ -55,7 +56,7 @@ SHAPES = {  # published configs (Llama-3.2-1B, Llama-3-8B); num_hidden_layers se
 }
 OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped")
 # "ours-ghost" is the like-for-like row against store-all: ghost alone as a run computes it by default (its
-# fit report as the CLI summary shows it, and the held-out pass, which store-all does not compute)
+# fit report as the CLI summary shows it, and its held-out error, which store-all computes as well)
 METHOD_OPERATORS = {"ours": OPERATORS, "ours-ghost": ("ghost",), "ours-refit": ("magcomp_refit",)}
 # the down_proj refit folds into the block before the cut: its boundaries start at block 1, not 0
 FIRST_BLOCK = {"ours-refit": 1}
@@ -127,29 +128,37 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
 
 
 def fit_store_all(model, boundaries, batches) -> dict:
-    """Keep every activation (fp32, CPU), concatenate, float64 normal equations: ghost per boundary."""
+    """Keep every activation (fp32, CPU), concatenate, float64 normal equations: ghost per boundary, and its
+    held-out error from the kept held-out activations (the same outputs as ours, the straightforward way)."""
     import torch
 
     from ghosted_core.calibration.capture import capture, run_forward
 
-    kept = {b: ([], []) for b in boundaries}
+    kept = {(b, held): ([], []) for b in boundaries for held in (False, True)}
     clock = time.perf_counter()
     residuals = {j for b in boundaries for j in (b.start, b.end)}
-    for batch in [b for b in batches if not b.heldout]:
+    for batch in batches:  # the held-out sequences too: their activations give the held-out errors
         with capture(model, residuals) as seen:
             run_forward(model, batch.input_ids)
         for b in boundaries:
-            kept[b][0].append(seen[("residual", b.start)].float().cpu().reshape(-1, seen[("residual", b.start)].shape[-1]))
-            kept[b][1].append(seen[("residual", b.end)].float().cpu().reshape(-1, seen[("residual", b.end)].shape[-1]))
+            for site, rows in zip((b.start, b.end), kept[b, batch.heldout]):
+                rows.append(seen[("residual", site)].float().cpu().reshape(-1, seen[("residual", site)].shape[-1]))
     calibrate = time.perf_counter() - clock
+    updates = []
     for b in boundaries:
-        x_pre = torch.cat(kept[b][0]).double()  # (T, C)
-        x_post = torch.cat(kept[b][1]).double()  # (T, C)
+        x_pre = torch.cat(kept[b, False][0]).double()  # (T, C)
+        x_post = torch.cat(kept[b, False][1]).double()  # (T, C)
         delta = x_post - x_pre
         eye = torch.eye(x_pre.shape[1], dtype=torch.float64)
-        torch.linalg.solve(x_pre.T @ x_pre + 1e-6 * eye, x_pre.T @ delta)
+        updates.append(torch.linalg.solve(x_pre.T @ x_pre + 1e-6 * eye, x_pre.T @ delta))
         del x_pre, x_post, delta
-    return {"seconds": {"calibrate": calibrate, "fit": time.perf_counter() - clock - calibrate}}
+    fit = time.perf_counter() - clock - calibrate
+    errors = []
+    for b, update in zip(boundaries, updates):
+        x_pre, x_post = (torch.cat(rows).double() for rows in kept[b, True])  # (T_held, C)
+        errors.append(float((x_pre + x_pre @ update - x_post).norm() / (x_post - x_pre).norm()))
+    heldout = time.perf_counter() - clock - calibrate - fit
+    return {"seconds": {"calibrate": calibrate, "fit": fit, "heldout": heldout}, "heldout_error": {"ghost": errors}}
 
 
 def products_difference(model, boundaries, batches, options) -> dict:
@@ -281,11 +290,15 @@ def like_for_like(args, shape: str) -> dict:
                                                       ("store-all", "ours-ghost"))]
     for method in order:
         row = run_one(shape, 1, method, args.tokens, args.batch_size)
-        runs[method].append({"wall_s": row["wall_s"], "peak_extra_gib": row["peak_extra_gib"], "seconds": row["seconds"]})
+        runs[method].append({"wall_s": row["wall_s"], "peak_extra_gib": row["peak_extra_gib"], "seconds": row["seconds"],
+                             "heldout_error": row["heldout_error"]["ghost"][0]})
         print(f"like-for-like {shape} {method}: {row['wall_s']:.1f} s, peak extra {row['peak_extra_gib']:.2f} GiB",
               flush=True)
     mean = {m: sum(r["wall_s"] for r in rs) / len(rs) for m, rs in runs.items()}
-    return {"shape": shape, "order": order, "runs": runs, "mean_wall_s": mean,
+    stages = {m: {k: sum(r["seconds"][k] for r in rs) / len(rs) for k in rs[0]["seconds"]} for m, rs in runs.items()}
+    errors = [r["heldout_error"] for rs in runs.values() for r in rs]
+    return {"shape": shape, "order": order, "runs": runs, "mean_wall_s": mean, "mean_stage_s": stages,
+            "heldout_error_spread": (max(errors) - min(errors)) / max(errors),  # the two sides fit the same M
             "ratio": mean["ours-ghost"] / mean["store-all"],
             "peak_extra_gib": {m: max(r["peak_extra_gib"] for r in rs) for m, rs in runs.items()}}
 
@@ -323,9 +336,14 @@ def refit_only(args) -> None:
 
 def like_for_like_lines(result: dict) -> list[str]:
     mean, peak = result["mean_wall_s"], result["peak_extra_gib"]
-    return ["", f"like-for-like ({result['shape']}, one boundary, ghost alone, order {' '.join(result['order'])}): "
-            f"ours {mean['ours-ghost']:.1f} s, store-all {mean['store-all']:.1f} s (ratio {result['ratio']:.2f}); "
-            f"peak extra {peak['ours-ghost']:.2f} GiB against {peak['store-all']:.2f} GiB"]
+
+    def stages(method: str) -> str:
+        return ", ".join(f"{k} {v:.1f}" for k, v in result.get("mean_stage_s", {}).get(method, {}).items())
+    return ["", f"like-for-like ({result['shape']}, one boundary, ghost alone and its held-out error, order "
+            f"{' '.join(result['order'])}): ours {mean['ours-ghost']:.1f} s ({stages('ours-ghost')}), store-all "
+            f"{mean['store-all']:.1f} s ({stages('store-all')}), ratio {result['ratio']:.2f}; peak extra "
+            f"{peak['ours-ghost']:.2f} GiB against {peak['store-all']:.2f} GiB; held-out errors agree to "
+            f"{result.get('heldout_error_spread', float('nan')):.1e} (relative spread)"]
 
 
 def cuda_main(args) -> None:

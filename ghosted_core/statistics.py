@@ -29,6 +29,7 @@ import torch
 
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard_factors, hadamard_transform
+from ghosted_core.products import add_gram, add_product, symmetrize
 from ghosted_core.plan import Boundary
 
 STATS_DTYPE = torch.float64  # every statistic is summed in float64, whatever the model's dtype
@@ -314,14 +315,6 @@ class _ChannelSum:
         return ChannelSums(**self.sums)
 
 
-def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """total += leftᵀ right: in place when the dtypes agree (no C×C temporary), else through one."""
-    if left.dtype == total.dtype:
-        total.addmm_(left.T, right)
-    else:
-        total += left.T @ right
-
-
 class _InnerSum:
     """Running refit sums over block s−1's down_proj input a (I features), allocated at the first batch
     that brings a: ordinary aᵀa (I, I), aᵀΔ (I, C), optionally aᵀX_pre (I, C), and the sink rows of a
@@ -343,10 +336,10 @@ class _InnerSum:
     def add_ordinary(self, a: torch.Tensor, x: torch.Tensor, d: torch.Tensor) -> None:
         """a (T, I), x, d (T, C): O(T·I²) time per batch."""
         ap = a.to(self.product)  # (T, I)
-        _accumulate(self.ata, ap, ap)
-        _accumulate(self.atd, ap, d.to(self.product))
+        add_gram(self.ata, ap)  # the upper block triangle: mirrored by `BoundarySums.freeze`
+        add_product(self.atd, ap, d.to(self.product))
         if self.atx is not None:
-            _accumulate(self.atx, ap, x.to(self.product))
+            add_product(self.atx, ap, x.to(self.product))
 
     def add_spill(self, a: torch.Tensor) -> None:
         gram = a.T @ a  # (I, I)
@@ -357,7 +350,8 @@ class BoundarySums:
     """The mutable float64 accumulator of one boundary; `freeze` gives its `BoundaryStats`.
 
     Allocates everything up front (`statistics_bytes` says how much): memory does not grow with
-    the token count. Per batch, time is O(T·C²) per C×C pair and O(T·C·log C) for the sums.
+    the token count. Per batch, time is O(T·C²) per C×C pair (the Gram's half of it: `products.add_gram`)
+    and O(T·C·log C) for the sums.
     """
 
     def __init__(self, boundary: Boundary, width: int, device: torch.device, needs: StatNeeds,
@@ -407,12 +401,12 @@ class BoundarySums:
         """Ordinary-token C×C products, computed in the product dtype and summed in float64."""
         xp, dp = x.to(self.product), d.to(self.product)  # (T, C)
         if self.xtx is not None:
-            _accumulate(self.xtx, xp, xp)
-            _accumulate(self.xtd, xp, dp)
+            add_gram(self.xtx, xp)  # Grams: the upper block triangle, mirrored by `freeze`
+            add_product(self.xtd, xp, dp)
         if self.mtm is not None and m is not None:
             mp = m.to(self.product)  # (T, C)
-            _accumulate(self.mtm, mp, mp)
-            _accumulate(self.mtd, mp, dp)
+            add_gram(self.mtm, mp)
+            add_product(self.mtd, mp, dp)
 
     def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None,
             sinks: torch.Tensor, cap: torch.Tensor, inner: torch.Tensor | None = None) -> None:
@@ -432,8 +426,9 @@ class BoundarySums:
             self.tokens[group] += count
             if count == 0:
                 continue
-            xg, dg = x[mask], d[mask]
-            self.dd[group] += (dg * dg).sum()
+            xg, dg = (x, d) if count == len(mask) else (x[mask], d[mask])  # (n, C): a copy only for a split
+            flat = dg.reshape(-1)
+            self.dd[group] += torch.dot(flat, flat)
             for sums in (self.channel, self.rotated):
                 if sums is not None:
                     sums.add(xg, xg + dg, group)
@@ -474,6 +469,9 @@ class BoundarySums:
             self.spill_capped = capped if self.spill_capped is None else self.spill_capped + capped
 
     def freeze(self, sink_rule: str) -> BoundaryStats:
+        for gram in (self.xtx, self.mtm, None if self.inner is None else self.inner.ata):
+            if gram is not None:
+                symmetrize(gram)
         k = self.kept
         spilled = self.tokens[1] - k if self.needs.sink_rows else 0
         notes = ()

@@ -88,6 +88,15 @@ def random_tokens(n: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, TINY_VOCAB, (n, length), generator=generator)
 
 
+@pytest.fixture(params=["one block", "blocks of 5"])
+def gram_block(request, monkeypatch):
+    """Grams summed whole (tiny widths are one block) or as their upper triangle of 5-wide blocks, mirrored
+    when read (`products.add_gram`: the path every C ≥ 2048 model takes)."""
+    if request.param == "blocks of 5":
+        monkeypatch.setattr("ghosted_core.products.GRAM_BLOCK", 5)
+    return request.param
+
+
 @pytest.fixture
 def all_threads():
     """Real models: use every core for the duration of the test."""

@@ -24,10 +24,11 @@ log = logging.getLogger(__name__)
 
 def residual_module(fit: Fit, device: torch.device) -> nn.Module:
     """The boundary module realizing a residual-site fit."""
-    eye = torch.eye(fit.update.shape[0], dtype=fit.update.dtype, device=fit.update.device)
     if fit.diagonal:
         return ResidualScale(torch.diagonal(fit.update) + 1.0).to(device)
-    return ResidualLinear(eye + fit.update).to(device)
+    weight = fit.update.to(torch.float32, copy=True)  # (C, C): I + M rounded once, as float32 of the float64 sum
+    weight.diagonal().copy_(1.0 + torch.diagonal(fit.update))
+    return ResidualLinear(weight).to(device)
 
 
 def branch_replacement(fit: Fit, block: nn.Module) -> dict[str, nn.Module]:

@@ -30,7 +30,7 @@ def hidden_states(model, ids: torch.Tensor) -> list[np.ndarray]:
     return [h.double().numpy().reshape(-1, h.shape[-1]) for h in out.hidden_states[:-1]]
 
 
-def test_moments_equal_numpy_on_activations(tiny_model):
+def test_moments_equal_numpy_on_activations(tiny_model, gram_block):
     ids = random_tokens(6, 12)
     boundary = Boundary(2, 4)
     stats = collect_stats(tiny_model, [boundary], make_batches(ids, None, 4), QUIET)[0]
@@ -243,7 +243,7 @@ def _relative(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def test_fits_from_sink_rows_equal_numpy_on_concatenated_activations(tiny_model):
+def test_fits_from_sink_rows_equal_numpy_on_concatenated_activations(tiny_model, gram_block):
     """All-token, capped and ReplaceMe fits rebuilt from ordinary moments + sink rows."""
     ids = random_tokens(8, 16)
     boundary = Boundary(2, 4)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from ghosted_core.cli import main
-from ghosted_core.recovery.assessment import SHOWN, Diagnostics, assess
+from ghosted_core.recovery.assessment import SHOWN, Diagnostics, antisymmetric_fraction, assess
 from ghosted_core.recovery.operators import FitOptions, get_operator
 from test_operators import synthetic_stats
 
@@ -37,3 +39,12 @@ def test_the_cli_computes_diagnostics_only_when_asked(tiny_model_folder, tmp_pat
     assert (fit["fit_error"] is not None) == computed
     assert bool(fit["singular_values"]) == computed
     assert (fit["condition_number"] is not None) == computed
+
+
+@pytest.mark.parametrize("width", [7, 1100])  # 1100: blocks of 512 and a ragged last one
+def test_antisymmetric_fraction_equals_numpy(width):
+    m = np.random.default_rng(width).standard_normal((width, width))
+    expected = np.linalg.norm((m - m.T) / 2) / np.linalg.norm(m)
+    assert antisymmetric_fraction(torch.from_numpy(m)) == pytest.approx(expected, rel=1e-12)
+    symmetric = torch.from_numpy(m + m.T)
+    assert antisymmetric_fraction(symmetric) == 0.0

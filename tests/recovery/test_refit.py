@@ -53,7 +53,7 @@ def numpy_refit(a, target, sinks: int, k: int, lam: float):
 
 
 @pytest.mark.parametrize("scaled", [False, True])
-def test_every_candidate_equals_the_constrained_least_squares(scaled):
+def test_every_candidate_equals_the_constrained_least_squares(scaled, gram_block):
     stats, x_pre, x_post, a = synthetic()
     name = "magcomp_refit" if scaled else "refit"
     fit = get_operator(name).fit(stats, FitOptions())
