@@ -42,3 +42,12 @@ def test_product_equals_numpy() -> None:
     add_product(total, torch.from_numpy(left), torch.from_numpy(right))
     add_product(total, torch.from_numpy(left).float(), torch.from_numpy(right).float())
     np.testing.assert_allclose(total.numpy(), 1 + 2 * left.T @ right, rtol=1e-5)
+
+
+def test_gram_at_c_4096_in_the_default_blocks_equals_numpy() -> None:
+    """The width a Llama-3-8B boundary has: 4 blocks of 1,024, the path the C = 4096 bench takes."""
+    assert len(gram_blocks(4096)) == 4
+    rows = np.random.default_rng(2).standard_normal((24, 4096))
+    total = torch.zeros(4096, 4096, dtype=torch.float64)
+    add_gram(total, torch.from_numpy(rows))
+    np.testing.assert_allclose(symmetrize(total).numpy(), rows.T @ rows, rtol=1e-12, atol=1e-12)
