@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_paths import out_help, result_path  # noqa: E402  (bench/ is the script's folder)
+from bench_paths import out_help, rerun_stamp, result_path  # noqa: E402  (bench/ is the script's folder)
 
 import ghosted_core  # noqa: E402,F401  first: sets OMP_WAIT_POLICY before torch loads
 import torch  # noqa: E402
@@ -193,6 +192,12 @@ def run_setting(loaded, criterion: str, n: int, args) -> dict:
     return result
 
 
+def run_sizes(args) -> dict:
+    """The sizes a report is measured with (printed with its tables; a partial rerun must match them)."""
+    return {"seqlen": args.seqlen, "calibration_sequences": args.train_size, "selection_sequences": args.select_size,
+            "eval_tokens_per_corpus": args.eval_tokens, "task_limit": args.task_limit, "seed": args.seed}
+
+
 TASK_SETTING = ("smollm2-135m", "streamline", 7)  # the one setting whose variants also run the zero-shot tasks
 
 
@@ -201,8 +206,7 @@ def tasks_only(args) -> None:
     task scores into the existing report, stamped with the commit; its perplexities are compared with the
     report's, so the scores are known to belong to the variants the report's tables show."""
     report = json.loads(Path(args.out).read_text())
-    sizes = {"seqlen": args.seqlen, "calibration_sequences": args.train_size, "selection_sequences": args.select_size,
-             "eval_tokens_per_corpus": args.eval_tokens, "task_limit": args.task_limit, "seed": args.seed}
+    sizes = run_sizes(args)
     if report["sizes"] != sizes:
         sys.exit(f"the report was measured with {report['sizes']}, not {sizes}: rerun the whole bench instead")
     model, criterion, n = TASK_SETTING
@@ -210,12 +214,9 @@ def tasks_only(args) -> None:
     fresh = run_setting(load_model(model), criterion, n, args)
     spread = max(abs(fresh["perplexity"][c][v] / stored["perplexity"][c][v] - 1)
                  for c in stored["perplexity"] for v in stored["perplexity"][c] if v in fresh["perplexity"][c])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-                            capture_output=True, text=True).stdout.strip()
     stored["tasks"] = fresh["tasks"]
-    stored["tasks_run"] = {"command": "python bench/quality.py " + " ".join(sys.argv[1:]), "commit": commit,
-                           "seconds": fresh["seconds"], "load_average": os.getloadavg(),
-                           "perplexity_max_relative_difference": spread}
+    stored["tasks_run"] = rerun_stamp("quality.py") | {"seconds": fresh["seconds"],
+                                                       "perplexity_max_relative_difference": spread}
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"tasks of {model} {criterion} n = {n} written into {args.out}; its perplexities differ from the "
           f"report's by at most {spread:.1e} (relative)")
@@ -349,9 +350,7 @@ def main() -> None:
         return tasks_only(args)
 
     clock = time.perf_counter()
-    report = {"sizes": {"seqlen": args.seqlen, "calibration_sequences": args.train_size,
-                        "selection_sequences": args.select_size,
-                        "eval_tokens_per_corpus": args.eval_tokens, "task_limit": args.task_limit, "seed": args.seed},
+    report = {"sizes": run_sizes(args),
               "corpora": corpora.describe(EVAL_CORPORA),
               "calibration_corpora": corpora.describe(CALIBRATIONS, "calibration"), "settings": []}
     for model_name, combos in settings.items():

@@ -46,7 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from process_memory import reset_peak, status_bytes  # noqa: E402  (bench/ is the script's folder)
+from bench_paths import rerun_stamp  # noqa: E402  (bench/ is the script's folder)
+from process_memory import reset_peak, status_bytes  # noqa: E402
 
 SHAPES = {  # published configs (Llama-3.2-1B, Llama-3-8B); num_hidden_layers set per mode
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
@@ -308,11 +309,7 @@ def write_entry(args, key: str, entry: dict) -> None:
     table keeps the command and the commit it was measured with."""
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / "scale.json"
     report = json.loads(out.read_text()) if out.exists() else {"mode": "cpu", "rows": []}
-    entry["command"] = "python bench/scale.py " + " ".join(sys.argv[1:])
-    entry["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                     text=True).stdout.strip()
-    entry["load_average"] = os.getloadavg()
-    report[key] = entry
+    report[key] = entry | rerun_stamp("scale.py")
     out.write_text(json.dumps(report, indent=2))
     print(f"written: {out}")
 
