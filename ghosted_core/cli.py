@@ -17,6 +17,7 @@ from pathlib import Path
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES
+from ghosted_core.cli_distill import add_distill_arguments, distill_lines, distill_options, insert_types
 from ghosted_core.errors import GhostedError
 from ghosted_core.files import check_new_folder, check_writable_folder, write_text
 from ghosted_core.evaluation.generation import GenerationOptions
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --device map: folder for weights that must be re-saved to be offloaded to disk "
                         "(default: the cache folder's offload/<model>)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_distill_arguments(p)
     return p
 
 
@@ -184,7 +186,8 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         num_prune=parse_depths(args.total_num_prune)[0] if is_sweep(args) else _depth(args.total_num_prune),
         layers=parse_layers(args.layers),
         cosine=args.cosine,
-        variants=parse_variants(args.insert_type),
+        variants=parse_variants(insert_types(args)),
+        distill=distill_options(args),
         calibration=calibration,
         user_text=user_text,
         train_size=args.train_size,
@@ -298,6 +301,7 @@ def summary(result: RunResult) -> str:
     lines += _table(header, rows)
     if flagged:
         lines.append(f"  ! = {HELDOUT_FLAG} (held-out boundary error above 1)")
+    lines += distill_lines(report)
     if result.tasks:
         lines += _task_table(result)
     lines += [f"note: {note}" for note in report["notes"]]

@@ -120,6 +120,12 @@ class PlanRequest:
     keep_heldout: bool = False  # the run may keep the held-out rows from the calibration pass (a single run does)
     pipeline: str = "auto"
     stats_device: str = "auto"
+    # the distill phase (`distill.budget.distill_plan`): on the compute device (training state, backward activations,
+    # prefix states, distilled modules) and the host (the teacher cache); `distill_kept`: the distilled variants'
+    # modules, alive in every later phase
+    distill_device: int = 0
+    distill_host: int = 0
+    distill_kept: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,7 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     kept_parts = [kept_bytes(op, config, item, r.inner) for op in r.operators]  # (map, module) per variant
     maps = depth_boundaries * sum(m for m, _ in kept_parts)
     modules = depth_boundaries * sum(m for _, m in kept_parts)
+    later = modules + r.distill_kept  # what every phase after the distillation keeps
     acts = activation_bytes(config, tokens, r.seqlen, dtype, 2 * r.boundaries, r.boundaries * r.needs.branch,
                             r.boundaries * bool(r.inner))
     rows = tokens * (4 * c + r.inner) * STATS_ITEM  # the held-out pass: x, m, Δ, a refit's a and one error, float64
@@ -286,8 +293,10 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
             "held-out": {"model": modules + kept + (held_rows if held_rows else acts),
                          "host": held_hidden if blocks and not held_rows else 0,
                          "stats": maps + rows + (stats + choice if choice else stats_after)},
-            "evaluate": {"model": modules + kept + evaluate, "stats": stats_after},
-            "drift": {"model": modules + drift},
+            **({"distill": {"model": modules + r.distill_device, "host": r.distill_host}}
+               if r.distill_device or r.distill_host else {}),
+            "evaluate": {"model": later + kept + evaluate, "stats": stats_after},
+            "drift": {"model": later + drift},
         }
         out = {}
         for phase, use in table.items():

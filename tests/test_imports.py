@@ -21,11 +21,12 @@ LAYERS = (
     ("ghosted_core.calibration",),
     ("ghosted_core.selection", "ghosted_core.recovery"),
     ("ghosted_core.evaluation",),
+    ("ghosted_core.distill",),
     ("ghosted_core.export",),
     ("ghosted_core.run",),
     ("ghosted_core.planning",),
     ("ghosted_core.report",),
-    ("ghosted_core.cli", "ghosted_core.__main__"),
+    ("ghosted_core.cli_distill", "ghosted_core.cli", "ghosted_core.__main__"),
     ("studio",),
 )
 

@@ -387,6 +387,33 @@ def get_corpus(source: str | Corpus, split: str) -> Corpus:
     return load_corpus(source, split)
 
 
+@dataclass(frozen=True)
+class _Seeded:
+    """A calibration split cut into windows (W, seqlen), and the seeded order every draw takes them in."""
+
+    corpus: Corpus
+    tokens: int
+    windows: torch.Tensor
+    order: torch.Tensor
+    seqlen: int
+    text: int  # text tokens per window (a BOS takes one)
+
+    def too_few(self, wanted: str, count: int) -> GhostedError:
+        return GhostedError(
+            f"{self.corpus.label} has {self.tokens:,} calibration tokens ({len(self.windows)} windows of "
+            f"{self.seqlen}); {wanted} need {count * self.text:,}: lower the number of samples, the held-out count "
+            "or the sequence length, or give more text")
+
+
+def _seeded_windows(tokenizer, name: str | Corpus, seqlen: int, seed: int, bos: str) -> _Seeded:
+    corpus = get_corpus(name, "calibration")
+    tokens = tokenize_corpus(tokenizer, corpus)
+    rule = resolve_bos(tokenizer, bos)
+    windows = _windows(tokens, seqlen, rule)  # (W, seqlen)
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))
+    return _Seeded(corpus, int(tokens.numel()), windows, order, seqlen, seqlen - (rule.token_id is not None))
+
+
 def calibration_windows(
     tokenizer, name: str | Corpus, n: int, seqlen: int, seed: int, heldout: int = 0, bos: str = "auto"
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
@@ -396,19 +423,33 @@ def calibration_windows(
     so the same seed gives the same windows in every run and process. `bos`: the BOS rule
     (`resolve_bos`); by default a window starts with BOS when the tokenizer adds one.
     """
-    corpus = get_corpus(name, "calibration")
-    tokens = tokenize_corpus(tokenizer, corpus)
-    rule = resolve_bos(tokenizer, bos)
-    windows = _windows(tokens, seqlen, rule)  # (W, seqlen)
+    drawn = _seeded_windows(tokenizer, name, seqlen, seed, bos)
+    windows, order = drawn.windows, drawn.order
     if n < 1 or heldout < 0 or n + heldout > len(windows):
-        text = seqlen - (rule.token_id is not None)  # text tokens per window
-        raise GhostedError(
-            f"{corpus.label} has {tokens.numel():,} calibration tokens ({len(windows)} windows of {seqlen}); "
-            f"{n} fit + {heldout} held-out windows need {(n + heldout) * text:,}: lower the number of samples, "
-            "the held-out count or the sequence length, or give more text"
-        )
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))
+        raise drawn.too_few(f"{n} fit + {heldout} held-out windows", n + heldout)
     return windows[order[:n]], windows[order[n : n + heldout]]  # (n, seqlen), (heldout, seqlen)
+
+
+def distillation_windows(
+    tokenizer, name: str | Corpus, train: int, val: int, seqlen: int, seed: int, fit: int, heldout: int,
+    bos: str = "auto"
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """`train` and `val` windows for distillation from the calibration split, disjoint, never evaluation text.
+
+    In the order of `calibration_windows` with the same seed: training takes the `fit` calibration
+    windows first, then windows no calibration used; validation takes the `heldout` calibration windows
+    first (which nothing was fitted on), then unused ones after those training took.
+    """
+    drawn = _seeded_windows(tokenizer, name, seqlen, seed, bos)
+    windows, order = drawn.windows, drawn.order
+    fit, heldout = min(fit, len(order)), min(heldout, max(len(order) - fit, 0))
+    rest = order[fit + heldout:]
+    extra = max(train - fit, 0)
+    train_order = torch.cat([order[:fit], rest[:extra]])[:train]
+    val_order = torch.cat([order[fit:fit + heldout], rest[extra:]])[:val]
+    if train < 1 or val < 1 or len(train_order) < train or len(val_order) < val:
+        raise drawn.too_few(f"{train} distillation + {val} validation windows", train + val)
+    return windows[train_order], windows[val_order]  # (train, seqlen), (val, seqlen)
 
 
 def evaluation_windows(tokenizer, name: str | Corpus, seqlen: int, max_tokens: int | None = None,

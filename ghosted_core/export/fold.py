@@ -26,6 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.export.checkpoint import module_tensors
+from ghosted_core.model.low_rank import LowRankLinear
 from ghosted_core.model.modeling_ghosted import OPERATOR_TYPES, PatchedBlock
 from ghosted_core.model.scaling import ScaledOutput, StreamScale, stream_scale
 from ghosted_core.architectures import architecture_of
@@ -79,7 +80,7 @@ def fold_scales(module: nn.Module, chunk: Chunk, offset: float) -> tuple[Chunk, 
         if not isinstance(sub, ScaledOutput):
             continue
         inner, outer = (f"{path}.inner.", f"{path}.") if path else ("inner.", "")
-        linear = isinstance(sub.inner, nn.Linear)
+        linear = isinstance(sub.inner, (nn.Linear, LowRankLinear))
         for key in [k for k in chunk if k.startswith(inner)]:
             value = chunk.pop(key)
             v = value.double()
@@ -91,11 +92,28 @@ def fold_scales(module: nn.Module, chunk: Chunk, offset: float) -> tuple[Chunk, 
     return chunk, scale
 
 
+def fold_low_rank(module: nn.Module, chunk: Chunk) -> Chunk:
+    """`chunk` (module_tensors of `module`, keys relative to it) with every `LowRankLinear` under `module` merged
+    into a stock linear's keys: `p.base.weight` + the change becomes `p.weight`, `p.lora_a`/`p.lora_b` go.
+    Memory: one new weight per merged layer, in float64 while computed."""
+    for path, sub in module.named_modules():
+        if not isinstance(sub, LowRankLinear):
+            continue
+        outer = f"{path}." if path else ""
+        for name in ("lora_a", "lora_b"):
+            chunk.pop(outer + name, None)
+        for key in [k for k in chunk if k.startswith(f"{outer}base.")]:
+            value = chunk.pop(key)
+            stock = outer + key[len(f"{outer}base."):]
+            chunk[stock] = sub.merged_weight(value) if stock == f"{outer}weight" else value
+    return chunk
+
+
 def _folds_into_down_proj(model: PreTrainedModel, path: str) -> bool:
     down = getattr(model.get_submodule(path)[0], "down_proj", None)
     down = down.inner if isinstance(down, ScaledOutput) else down
     return architecture_of(model.config).branch_folds_into_down_proj and path.rpartition(".")[2] == "mlp" \
-        and isinstance(down, nn.Linear)
+        and isinstance(down, (nn.Linear, LowRankLinear))
 
 
 def stock_blockers(model: PreTrainedModel) -> list[str]:
@@ -157,7 +175,7 @@ def _block_chunks(model: PreTrainedModel, fold_after: bool) -> Iterator[Chunk]:
     embed_scale = 1.0
     for i, block in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
-        chunk, scale = fold_scales(block, dict(module_tensors(block)), offset)
+        chunk, scale = fold_scales(block, fold_low_rank(block, dict(module_tensors(block))), offset)
         embed_scale *= scale
         for path in sorted(p[len(prefix):] for p in after if p.startswith(prefix)):
             chunk = _fold_after_mlp(chunk, path)

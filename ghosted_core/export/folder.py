@@ -91,9 +91,13 @@ def choose_mode(model: PreTrainedModel, mode: str = "auto") -> tuple[str, str]:
         return "remote_code", blockers[0]
     if mode == "remote_code":
         return "remote_code", "remote code was asked for (this variant would also fold into a stock checkpoint)"
-    operator = _record(model).get("operator", "none")
+    record = _record(model)
+    operator = record.get("operator", "none")
     fold = get_operator(operator).fold if operator in OPERATORS else ""
-    return "stock", fold or f"{operator}'s variant folds into stock weights"
+    reason = fold or f"{operator}'s variant folds into stock weights"
+    if record.get("distill"):
+        reason += f"; distillation then trained {record['distill']['description']}, weights a stock checkpoint has"
+    return "stock", reason
 
 
 def check_export(operators: Sequence[str], mode: str) -> None:

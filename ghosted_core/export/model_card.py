@@ -80,7 +80,25 @@ def _changes(record: Mapping[str, Any]) -> list[str]:
                          f"{err['heldout']:.3f} all tokens" + ("" if err.get("heldout_ordinary") is None
                                                                   else f", {err['heldout_ordinary']:.3f} ordinary tokens"))
     lines += [f"- Note from the fit: {note}" for note in record.get("fit_notes", [])]
+    lines += _distilled(record.get("distill"))
     return lines
+
+
+def _distilled(distill: Mapping[str, Any] | None) -> list[str]:
+    """The card's line on a distillation after the fit: what trained, on what, how far, and whether it stays stock."""
+    if not distill:
+        return []
+    loss = f"the dense model's top-{distill['top_k']}" if distill["top_k"] < distill["vocabulary"] else \
+        "the dense model's full"
+    start, best = distill.get("start_val"), distill.get("best_val")
+    moved = "" if start is None or best is None else f"; validation KL {start:.4f} → {best:.4f}"
+    stock = "only weights a stock checkpoint has, so the model stays stock" if distill.get("stock") else \
+        "the recovery operator's own weights, so the model needs the remote code below"
+    return [f"- **Distilled after the fit**: trained `{distill['target']}` ({distill['description']}; "
+            f"{distill['parameters']:,} parameters), the KL to {loss} next-token distribution on "
+            f"{distill['tokens']:,} tokens of {distill['corpus']} ({distill['steps']} AdamW steps, lr "
+            f"{distill['schedule']['lr']:g} on a cosine schedule, the best of the validations on held-out calibration "
+            f"windows kept{moved}): {stock}"]
 
 
 def _perplexity_table(record: Mapping[str, Any]) -> list[str]:
@@ -129,12 +147,14 @@ def model_card(record: Mapping[str, Any], mode: str, reason: str, architecture: 
     operator = record.get("operator", "none")
     tags = ["ghosted-layers", "layer-pruning", "depth-pruning", operator.replace("_", "-")]
     tags += ["custom_code"] if mode == "remote_code" else []
+    tags += ["knowledge-distillation"] if record.get("distill") else []
     meta = ["---", f"base_model: {base['hub_id']}" if base.get("hub_id") else None, "library_name: transformers",
             "pipeline_tag: text-generation", "tags:", _yaml_list(tags), "---"]
     removed = record.get("removed_layers", [])
     title = base.get("hub_id") or base.get("name") or "a causal LM"
     lines = [line for line in meta if line is not None]
-    lines += ["", f"# {title}, {len(removed)} blocks removed, recovered with `{operator}`", "",
+    distilled = ", then distilled" if record.get("distill") else ""
+    lines += ["", f"# {title}, {len(removed)} blocks removed, recovered with `{operator}`{distilled}", "",
               f"Made with Ghosted Layers Studio from {base.get('description', 'a causal LM')}: decoder blocks removed "
               "and a training-free recovery operator fitted at each cut. Export format: "
               f"**{'remote code' if mode == 'remote_code' else 'stock checkpoint'}**.", "",

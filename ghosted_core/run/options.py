@@ -13,12 +13,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.memory import MemoryPlan, PlanRequest, plan_memory, resident_bytes
-from ghosted_core.memory_parts import inner_width, max_boundaries, min_calibration_sequences
+from ghosted_core.memory_parts import dtype_bytes, inner_width, max_boundaries, min_calibration_sequences
 from ghosted_core.model.embedded import DEFAULT_MODEL
 from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_options, model_placement, peek_config, \
     resolve_device, resolve_dtype
@@ -27,6 +29,9 @@ from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
 from ghosted_core.selection.criteria import SelectionRequest, check_request, get_criterion
 from ghosted_core.evaluation.tasks import parse_tasks
 from ghosted_core.data.user_text import USER_CORPUS, UserText
+from ghosted_core.distill.budget import distill_plan
+from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions, kd_name, split_kd_name
+from ghosted_core.distill.targets import TRAINABLES, get_trainable
 from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.statistics import statistics_bytes
 
@@ -40,24 +45,76 @@ DEFAULT_VARIANTS = ("none", "diag", "rotate", "ghost", "ghost_capped", "magcomp_
 
 @dataclass(frozen=True)
 class VariantSpec:
-    """One recovered variant: an operator, fitted independently (paper) or sequentially."""
+    """One recovered variant: an operator, fitted independently (paper) or sequentially, and maybe distilled."""
 
-    name: str  # as shown in results, e.g. "ghost" or "ghost+seq"
+    name: str  # as shown in results, e.g. "ghost", "ghost+seq" or "ghost+kd"
     operator: str
     sequential: bool = False
+    distill: str | None = None  # what distillation trains (`distill.targets`), starting from the variant `base`
+
+    @property
+    def base(self) -> str:
+        """The variant it starts from: itself, or for a distilled one the fitted variant it is distilled from."""
+        return split_kd_name(self.name)[0]
 
 
 def parse_variants(names: str | Sequence[str]) -> tuple[VariantSpec, ...]:
-    """'none,ghost,ghost+seq' → specs; unknown operators are refused with the known names."""
+    """'none,ghost,ghost+seq,ghost+kd' → specs; unknown operators and targets are refused with the known names.
+
+    A distilled variant brings the variant it starts from (listed before it, once), so that every run shows
+    each distilled variant beside its closed-form start.
+    """
     items = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
     if not items:
         raise GhostedError("no recovery operator given; e.g. --insert_type none,diag,rotate,ghost,replaceme")
-    specs = []
-    for item in dict.fromkeys(items):
-        operator = item.removesuffix(SEQUENTIAL_SUFFIX)
+    specs: dict[str, VariantSpec] = {}
+    for item in items:
+        base, target = split_kd_name(item)
+        operator = base.removesuffix(SEQUENTIAL_SUFFIX)
         get_operator(operator)
-        specs.append(VariantSpec(item, operator, item.endswith(SEQUENTIAL_SUFFIX)))
-    return tuple(specs)
+        if target is not None:
+            check_target(operator, target)
+        specs.setdefault(base, VariantSpec(base, operator, base.endswith(SEQUENTIAL_SUFFIX)))
+        specs.setdefault(item, VariantSpec(item, operator, base.endswith(SEQUENTIAL_SUFFIX), target))
+    return tuple(specs.values())
+
+
+def check_target(operator: str, target: str) -> None:
+    """Refuse, before any work, a distillation target that does not exist or has nothing to train."""
+    get_trainable(target)
+    if target == OPERATOR_TARGET and not has_own_weights(operator):
+        raise GhostedError(f"{operator}+kd: {operator} has no weights of its own to distill (a scalar or no map); "
+                           f"distill a stock weight instead: {', '.join(kd_name(operator, t) for t in TRAINABLES if t != OPERATOR_TARGET)}")
+
+
+def single_run_only(options: RunOptions, what: str) -> None:
+    """Refuse distilled variants where only a single run trains them (a sweep, a comparison), before any work."""
+    wanted = [v.name for v in options.variants if v.distill]
+    if wanted:
+        raise GhostedError(f"{what} fits the training-free operators only; distill ({', '.join(wanted)}) in a single "
+                           "run at one depth and one criterion")
+
+
+def has_own_weights(operator: str) -> bool:
+    """The operator's variant holds weights of its own (a boundary map, a folded or refitted down_proj), not only a
+    scalar carried by the dense weights (magcomp) or nothing (none)."""
+    spec = get_operator(operator)
+    return not (spec.cost.kept == "none" or spec.cost.kept == "scale" and spec.stock)
+
+
+def distilled(names: str | Sequence[str], variants: Sequence[str]) -> list[str]:
+    """The variant names `--distill` adds: each name as given if it names a target (`ghost+kd_lora`), else the
+    default for it: `+kd` (the operator) where the operator has weights of its own, `+kd_mlp` where it has none."""
+    items = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    if items == ["all"]:
+        items = list(variants)
+    out = []
+    for item in items:
+        base, target = split_kd_name(item)
+        if target is None:
+            target = OPERATOR_TARGET if has_own_weights(base.removesuffix(SEQUENTIAL_SUFFIX)) else "mlp"
+        out.append(kd_name(base, target))
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,6 +145,7 @@ class RunOptions:
     prompt: str | None = None  # generation prompt (None: no generation)
     generation: GenerationOptions = GenerationOptions()
     fit: FitOptions = FitOptions()
+    distill: DistillOptions = DistillOptions()  # the budget and schedule of the distilled (`+kd`) variants
     calibrate: CalibrationOptions = CalibrationOptions()
     diagnostics: Diagnostics = SHOWN  # O(C³) fit-report parts beyond the summary's (--diagnostics: all)
     user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
@@ -174,12 +232,15 @@ UNCAPPED_EVAL_TOKENS = 100_000  # perplexity tokens assumed per corpus without a
 
 
 def plan_request(options: RunOptions, config, boundaries: int | None = None,
-                 depths: Sequence[int] | None = None, kept_cap: int = PREFIX_CACHE_BYTES) -> PlanRequest:
+                 depths: Sequence[int] | None = None, kept_cap: int = PREFIX_CACHE_BYTES,
+                 dtype: torch.dtype = torch.float32, train_blocks: int | None = None) -> PlanRequest:
     """What `options` asks for, in the counts the memory plan multiplies out (the one place that spells
     `RunOptions` out for `memory.plan_memory`).
 
     `boundaries`: statistics alive at once (None: the most the criterion can make, summed over a
     sweep's `depths`). A sweep (`depths` given) keeps one dense state per depth, under `kept_cap`.
+    `dtype`: the model's (distillation's activations); `train_blocks`: the blocks from the earliest one a
+    distillation trains to the end, once the plan is known (None: every kept block, the worst case).
     """
     layers = config.num_hidden_layers
     chosen = tuple(sorted(set(depths))) if depths else (options.num_prune,)
@@ -192,6 +253,9 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
     cal = options.calibrate
     scores = get_criterion(options.criterion).needs_similarity
     needs = needs_of(v.operator for v in options.variants)
+    distill = distill_plan(config, dtype_bytes(dtype), options.seqlen, max(per_depth), options.distill,
+                           [(v.distill, get_operator(v.operator).cost.kept) for v in options.variants if v.distill],
+                           max(1, options.distill.val_sequences or options.heldout), train_blocks)
     return PlanRequest(
         needs=needs, boundaries=boundaries, sequences=sequences,
         inner=inner_width(config, needs),
@@ -204,18 +268,20 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
         kept_indices=len(chosen) if depths else 0, kept_cap=kept_cap,
         drift=not depths and options.drift_windows > 0 and bool(options.eval_corpora),
         sequential=any(v.sequential for v in options.variants), keep_heldout=not depths and options.heldout > 0,
-        pipeline=cal.pipeline, stats_device=cal.stats_device)
+        pipeline=cal.pipeline, stats_device=cal.stats_device,
+        distill_device=distill.device, distill_host=distill.host, distill_kept=distill.kept)
 
 
 def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None, boundaries: int | None = None,
                 depths: Sequence[int] | None = None, resident: tuple[int, int] = (0, 0),
-                device_available: int | None = None, host_available: int | None = None) -> MemoryPlan:
+                device_available: int | None = None, host_available: int | None = None,
+                train_blocks: int | None = None) -> MemoryPlan:
     """The run's memory plan from the config (before loading: device and dtype as the load options say;
     once loaded: its placement, and `resident` = `memory.resident_bytes` of the loaded model)."""
     device = device or resolve_device(options.load.device)
     dtype = dtype or resolve_dtype(options.load.dtype, device)
-    return plan_memory(config, options.model, device, dtype, plan_request(options, config, boundaries, depths),
-                       device_available, host_available, resident)
+    request = plan_request(options, config, boundaries, depths, dtype=dtype, train_blocks=train_blocks)
+    return plan_memory(config, options.model, device, dtype, request, device_available, host_available, resident)
 
 
 def planned(options: RunOptions, loaded: LoadedModel | None = None, boundaries: int | None = None,

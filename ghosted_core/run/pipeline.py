@@ -25,6 +25,7 @@ from ghosted_core.selection.criteria import get_criterion
 from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.evaluation.tasks import evaluate_tasks
 from ghosted_core.data.user_text import USER_CORPUS
+from ghosted_core.run.distilling import distill_stage, distilled_variants, train_blocks
 from ghosted_core.run.fitting import fit_variants
 from ghosted_core.memory import resident_bytes
 from ghosted_core.run.options import RunOptions, memory_plan, planned, selection_request, validate
@@ -91,20 +92,27 @@ def _stages(options: RunOptions, loaded: LoadedModel | None,
     if plan.removed:
         check_stop(should_stop, "calibrate")
         result.memory_plan = memory_plan(options, dense.config, *model_placement(dense), len(plan.boundaries),
-                                         resident=resident_bytes(dense))  # the boundaries it made, as placed
+                                         resident=resident_bytes(dense),  # the boundaries it made, as placed
+                                         train_blocks=train_blocks(plan, options))
         needs = needs_of(v.operator for v in options.variants)
         kept = HeldoutRows() if options.calibrate.keep_heldout else None  # the held-out rows, from this same pass
         stats = collect_stats(dense, plan.boundaries, batches, options.calibrate, needs, heldout=kept)
         yield done("calibrate")
         check_stop(should_stop, "fit operators")
-        reports, models = fit_variants(dense, plan, options.variants, stats, batches, options, kept)
+        fitted = [v for v in options.variants if v.distill is None]  # a distilled variant starts from one of these
+        reports, models = fit_variants(dense, plan, fitted, stats, batches, options, kept)
         del stats, kept  # every statistic was released as soon as its fits existed; the rows once measured
-        for variant in options.variants:
+        for variant in fitted:
             result.fits[variant.name] = reports[variant.name]
             result.notes += [f"{variant.name}, boundary {r.boundary}: {note}"
                              for r in reports[variant.name] for note in r.notes]
             result.models[variant.name] = models[variant.name]
         yield done("fit operators")
+        if distilled_variants(options):
+            check_stop(should_stop, "distill")
+            for _note in distill_stage(dense, tokenizer, plan, options, result.models, result.distill,
+                                       result.calibration_label, should_stop):
+                yield done("distill")
 
     eval_seqlen = options.eval_seqlen or options.seqlen
     first_windows = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
 
+from ghosted_core.distill.train import DistillReport
 from ghosted_core.evaluation.perplexity import BlockDrift
 from ghosted_core.memory import MemoryPlan
 from ghosted_core.recovery.assessment import FitReport
@@ -38,6 +39,7 @@ class RunResult:
     drift: dict[str, BlockDrift] = field(default_factory=dict)
     generations: dict[str, str] = field(default_factory=dict)
     tasks: dict[str, TaskResults] = field(default_factory=dict)  # variant → zero-shot task scores
+    distill: dict[str, DistillReport] = field(default_factory=dict)  # distilled variant → what its training did
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None
@@ -62,6 +64,8 @@ class RunResult:
                 entry["generation"] = self.generations[name]
             if name in self.tasks:
                 entry["tasks"] = self.tasks[name].to_json()
+            if name in self.distill:
+                entry["distill"] = self.distill[name].to_json()
             variants[name] = entry
         plan = self.plan.to_json() if self.plan else {}
         return run_json(self) | {

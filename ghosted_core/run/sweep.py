@@ -35,7 +35,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.model.loading import LoadedModel
 from ghosted_core.oom import guard_stages
 from ghosted_core.plan import PruningPlan, check_block_number
-from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, validate
+from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, single_run_only, validate
 from ghosted_core.run.plans import Clock, ManyPlansResult, PlanResult, calibrate_plans, calibration_for, \
     dense_evaluation, evaluate_plan, plan_and_load
 from ghosted_core.run.result import run_json
@@ -132,6 +132,7 @@ def check_sweep(options: RunOptions, depths: Sequence[int], num_layers: int | No
     if options.tasks or options.prompt:
         raise GhostedError("a depth sweep reports perplexity and boundary errors only; zero-shot tasks and "
                            "generations run on a single depth")
+    single_run_only(options, "a depth sweep")
     if num_layers is not None:
         for n in chosen:
             validate(replace(options, num_prune=n), num_layers, max_positions)

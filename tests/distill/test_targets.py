@@ -1,0 +1,78 @@
+"""What each distillation target trains: only copies or low-rank changes, never the dense weights; declared sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_tokens
+from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
+from ghosted_core.distill.targets import TRAINABLES, CutSites, RotatedScale, finalize, get_trainable, lora_blocks, \
+    make_student
+from ghosted_core.errors import GhostedError
+from ghosted_core.recovery.operators import get_operator
+from students import PLAN, fitted, peaked  # noqa: F401 (a fixture)
+
+OPERATORS_TRIED = ["ghost", "diag", "rotate", "magcomp_refit", "replaceme", "none", "magcomp"]
+
+
+def _shares(tensor: torch.Tensor, dense) -> bool:
+    return any(tensor.data_ptr() == p.data_ptr() for p in dense.parameters())
+
+
+@pytest.mark.parametrize("target", list(TRAINABLES))
+@pytest.mark.parametrize("operator", OPERATORS_TRIED)
+def test_students_start_where_their_variant_is_and_train_no_dense_tensor(peaked, operator, target):
+    variant = fitted(peaked, operator)
+    opts = DistillOptions()
+    try:
+        student = make_student(variant, peaked, PLAN, target, opts, {"operator": operator})
+    except GhostedError as err:
+        assert target == OPERATOR_TARGET and operator in ("none", "magcomp") or \
+            operator == "magcomp_refit" and peaked.config.model_type == "gemma3_text", err  # no refit on Gemma-3
+        return
+    assert student.parameters and all(p.requires_grad for p in student.parameters)
+    assert not any(_shares(p, peaked) for p in student.parameters)
+    trainable = {id(p) for p in student.parameters}
+    assert all(not p.requires_grad for p in student.model.parameters() if id(p) not in trainable)
+    ids = random_tokens(2, 12, seed=5)
+    with torch.no_grad():
+        assert torch.allclose(student.model(ids).logits, variant(ids).logits, atol=1e-4, rtol=1e-4)
+    declared = get_trainable(target).parameters(peaked.config, len(PLAN.boundaries), opts,
+                                                get_operator(operator).cost.kept)
+    assert declared >= student.count  # the memory plan never counts fewer than what trains
+    if target in ("mlp", "down") or target == OPERATOR_TARGET and operator in ("ghost", "diag", "rotate"):
+        assert declared == student.count
+
+
+def test_rotate_trains_its_scale_in_the_hadamard_basis(peaked):
+    """LinearPatch-R's structure is kept: D trains, W = H D Hᵀ stays symmetric with Hᵀ W H diagonal."""
+    variant = fitted(peaked, "rotate")
+    student = make_student(variant, peaked, PLAN, OPERATOR_TARGET, DistillOptions(), {})
+    (module,) = [m for m in student.model.modules() if isinstance(m, RotatedScale)]
+    assert student.count == peaked.config.hidden_size
+    with torch.no_grad():
+        module.scale.mul_(torch.linspace(0.5, 1.5, module.scale.numel()))
+    model = finalize(student, torch.float32)
+    (weight,) = [m.weight for name, m in model.named_modules() if type(m).__name__ == "ResidualLinear"]
+    h = module.rotation.double()
+    inner = h.T @ weight.double() @ h
+    assert torch.allclose(weight, weight.T, atol=1e-5)
+    assert torch.allclose(inner - torch.diag(torch.diagonal(inner)), torch.zeros_like(inner), atol=1e-5)
+    assert torch.allclose(torch.diagonal(inner), module.scale.double(), atol=1e-5)
+
+
+def test_lora_blocks_sit_on_both_sides_of_each_cut():
+    sites = CutSites((3, None, 9), (4, 0, None), 12)
+    assert lora_blocks(sites, 2) == [0, 1, 2, 3, 4, 5, 8, 9]
+    assert lora_blocks(sites, 0) == list(range(12))
+
+
+def test_a_cut_at_block_zero_has_no_block_before_it(tiny_llama):
+    from ghosted_core.plan import PruningPlan
+
+    plan = PruningPlan(6, (0, 1), "manual")
+    variant = fitted(tiny_llama, "none", plan)
+    with pytest.raises(GhostedError, match="block s−1"):
+        make_student(variant, tiny_llama, plan, "mlp", DistillOptions(), {})
+    assert make_student(variant, tiny_llama, plan, "lora", DistillOptions(), {}).first_block == 0
