@@ -26,6 +26,7 @@ from ghosted_core.export.gguf import GGUF_OUTTYPES
 from ghosted_core.hub import hub_reachable
 from ghosted_core.oom import guard_stages
 from ghosted_core.stopping import RunStopped
+from ghosted_core.run.pipeline import LIVE_STAGES
 from ghosted_core.run.sweep import check_sweep, parse_depths
 from studio.cache import model_shape, num_blocks
 from studio.history import add_run, settings_of
@@ -56,7 +57,9 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
            new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
            export_format: str = "auto", gguf_type: str = "f16", mode: str = "single depth", depths: str = "2:10:2",
            your_text: str | None = None, your_file: str | None = None, text_use: str = "evaluation",
-           compare_criteria: list[str] | None = None, submitted: float | None = None, shown: dict | None = None,
+           compare_criteria: list[str] | None = None, distill_on: bool = DEFAULTS.distill_on,
+           distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train,
+           submitted: float | None = None, shown: dict | None = None,
            history: list[dict] | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
     """Run button: stream a single-depth run, a sweep or a comparison into the page, with the session's state;
@@ -71,7 +74,8 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         if text is not None:
             cal, evals = corpora_with_text(text_use, cal, evals)
         options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
-                                        evals, eval_tokens, prompt, new_tokens), user_text=text)
+                                        evals, eval_tokens, prompt, new_tokens, distill_on, distill_steps,
+                                        distill_train), user_text=text)
         quick = QuickTasks(guard.flag(tasks_on, "Score every variant on quick tasks"), guard.names(task_names, "Tasks"),
                            guard.whole(task_examples, "Examples per task", 1, TASK_EXAMPLES[1]))
         job = build_request(options, quick, save_variant, export_format, mode, depths,
@@ -101,7 +105,10 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                                   job.gguf_type, keep)
                 draw = render
             updates = guard_stages(updates, stages[0])  # out of memory: one message
-            for done, (stage, report) in enumerate(updates, start=1):
+            done, last = 0, None
+            for stage, report in updates:
+                done += not (stage == last and stage in LIVE_STAGES)  # a live stage's updates are one planned stage
+                last = stage
                 run.done, run.report = done, report
                 elapsed = time.perf_counter() - start
                 following = stages[done] if done < len(stages) else None

@@ -21,9 +21,9 @@ from studio.push import on_push, on_space, push_available
 from studio.saved import SAVED
 from studio.history import history_table
 from studio.presets_view import model_choices
-from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, MODES, NEW_TOKENS, NO_SAVE, \
-    QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS, TASK_EXAMPLES
-from ghosted_core.run.options import OPERATOR_CHOICES
+from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, DISTILL_STEPS, DISTILL_TRAIN, EVAL_TOKENS, MAX_SAMPLES, \
+    MODES, NEW_TOKENS, NO_SAVE, QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS, TASK_EXAMPLES
+from ghosted_core.run.options import DISTILL_CHOICES, OPERATOR_CHOICES
 from studio.user_input import USES
 from studio.session_files import DELETE_CACHE, SESSION_FILES
 from ghosted_core.data.user_text import MAX_BYTES
@@ -111,6 +111,17 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     operators = gr.Dropdown(OPERATOR_CHOICES, value=list(DEFAULTS.operators), multiselect=True,
                                             label="Operators",
                                             info=f"{SEQUENTIAL_SUFFIX}: fit each boundary on the already recovered model")
+                with gr.Accordion("Distillation (trains after the fit)", open=False, elem_id="distill-box"):
+                    distill_on = gr.Checkbox(DEFAULTS.distill_on, label="Distill after the fit (slow: minutes)",
+                                             elem_id="distill-on",
+                                             info="KL to the dense model's top-50 next-token distribution on the "
+                                                  "calibration corpus; each distilled variant is shown beside its start")
+                    distill_steps = gr.Slider(*DISTILL_STEPS, value=DEFAULTS.distill_steps, step=1,
+                                              label="Steps per distilled variant", elem_id="distill-steps",
+                                              info="2 calibration windows per step; stops early when the held-out KL "
+                                                   "stops improving, and keeps its best state")
+                    distill_train = gr.Radio([(label, name) for name, label in DISTILL_TRAIN.items()],
+                                             value=DEFAULTS.distill_train, label="What trains", elem_id="distill-train")
                 with gr.Accordion("Your text", open=False, elem_id="your-text-box"):
                     your_text = gr.Textbox(label="Paste text", lines=4, max_lines=12, elem_id="your-text",
                                            placeholder="or upload a file below; left empty, the built-in corpora apply")
@@ -142,7 +153,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     task_examples = gr.Slider(*TASK_EXAMPLES, value=DEFAULTS.task_examples, step=5,
                                               label="Examples per task (seeded subset)")
                 with gr.Accordion("Save a recovered model", open=False, elem_id="save-box"):
-                    save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES, value=DEFAULTS.save_variant,
+                    save_variant = gr.Dropdown([NO_SAVE] + OPERATOR_CHOICES + DISTILL_CHOICES, value=DEFAULTS.save_variant,
                                                label="Variant to download", elem_id="save-variant",
                                                info="must be one of the operators above (SmolLM2: about 0.4 GB)")
                     export_format = gr.Radio([*EXPORT_MODES, GGUF_FORMAT], value=DEFAULTS.export_format,
@@ -184,6 +195,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
                     drift_plot = gr.Plot(label="Per-block drift", elem_id="plot-drift", show_label=False)
                     structure_plot = gr.Plot(label="Operator structure", elem_id="plot-structure", show_label=False)
+                    distill_plot = gr.Plot(label="Distillation", elem_id="plot-distill", show_label=False)
                     with gr.Column(visible=False) as tasks_box:
                         gr.Markdown("### Quick tasks", elem_classes="section-title")
                         tasks_caption_md = gr.Markdown("Quick tasks run after the other stages when enabled.",
@@ -226,7 +238,8 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                    "task_examples": task_examples, "save_variant": save_variant, "export_format": export_format,
                    "gguf_type": gguf_type,
                    "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use,
-                   "compare_criteria": compare_criteria}
+                   "compare_criteria": compare_criteria, "distill_on": distill_on, "distill_steps": distill_steps,
+                   "distill_train": distill_train}
         components = {"status": status, "generations": generations, "ppl_caption": ppl_caption, "ppl_table": ppl_table,
                       "scores": scores_plot, "errors": errors_plot, "drift": drift_plot, "structure": structure_plot,
                       "tasks_caption": tasks_caption_md, "tasks_table": tasks_table_df, "tasks_plot": tasks_plot,
@@ -235,6 +248,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                       "sweep_table": sweep_table_df, "history_table": history_df, "history_file": history_file,
                       "compare_caption": compare_caption_md, "similarity_map": map_plot,
                       "criterion_scores": criterion_scores_plot, "compare_table": compare_table_df,
+                      "distill_plot": distill_plot,
                       "shown": shown, "history": history}
         inputs = [widgets[name] for name in INPUT_NAMES]
         outputs = [components[name] for name in (*OUTPUT_NAMES, *STATE_NAMES)]

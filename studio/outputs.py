@@ -10,8 +10,8 @@ from pathlib import Path
 import gradio as gr
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.report.charts import boundary_error_figure, drift_figure, empty_figure, scores_figure, \
-    structure_figure, tasks_figure
+from ghosted_core.report.charts import boundary_error_figure, distill_figure, drift_figure, empty_figure, \
+    scores_figure, structure_figure, tasks_figure
 from studio.history import history_csv, history_table
 from ghosted_core.report.compare import compare_caption, compare_table, criterion_scores_figure, \
     similarity_map_figure
@@ -28,13 +28,13 @@ TOAST_SECONDS = 12  # the error pop-up goes after this; the status panel keeps t
 OUTPUT_NAMES = ("status", "generations", "ppl_caption", "ppl_table", "scores", "errors", "drift", "structure",
                 "tasks_caption", "tasks_table", "tasks_plot", "results_file", "model_file", "save_note",
                 "sweep_caption", "curve", "recovered", "sweep_table", "history_table", "history_file",
-                "compare_caption", "similarity_map", "criterion_scores", "compare_table")
+                "compare_caption", "similarity_map", "criterion_scores", "compare_table", "distill_plot")
 STATE_NAMES = ("shown", "history")  # per-session state, after the components (hidden from the API)
 # The Run inputs, in order (the /run endpoint's parameters). History restores all but your text.
 INPUT_NAMES = ("model", "criterion", "depth", "manual_blocks", "operators", "calibration", "samples", "seqlen", "seed",
                "eval_corpora", "eval_tokens", "prompt", "new_tokens", "tasks_on", "task_names", "task_examples",
                "save_variant", "export_format", "gguf_type", "mode", "depths", "your_text", "your_file", "text_use",
-               "compare_criteria")
+               "compare_criteria", "distill_on", "distill_steps", "distill_train")
 SETTING_NAMES = tuple(name for name in INPUT_NAMES if name not in ("your_text", "your_file"))  # never kept
 
 
@@ -48,6 +48,7 @@ def render(report: dict, status: str, results_path: str | None) -> dict:
     variants = report.get("variants", {})
     has_fits = any("boundary_error" in e for e in variants.values())
     has_drift = any("drift" in e for e in variants.values())
+    has_distill = any("distill" in e for e in variants.values())
     app = report.get("app", {})
     return {
         "status": status,
@@ -65,6 +66,7 @@ def render(report: dict, status: str, results_path: str | None) -> dict:
         "results_file": results_path,
         "model_file": app.get("saved_model"),
         "save_note": save_note(app) if app.get("saved_model") else gr.skip(),
+        "distill_plot": distill_figure(report) if has_distill else empty_figure(DISTILL_HINT),
     }
 
 
@@ -91,7 +93,11 @@ def blank_outputs(status: str) -> dict:
             "tasks_plot": None, "results_file": None, "model_file": None, "save_note": SAVE_HINT,
             "sweep_caption": "A sweep's curve and table appear here depth by depth.", "curve": waiting,
             "recovered": waiting, "sweep_table": sweep_table({}), "compare_caption": COMPARE_HINT,
-            "similarity_map": waiting, "criterion_scores": waiting, "compare_table": compare_table({})}
+            "similarity_map": waiting, "criterion_scores": waiting, "compare_table": compare_table({}),
+            "distill_plot": empty_figure(DISTILL_HINT)}
+
+
+DISTILL_HINT = "distillation curves appear here while it trains (switch it on under 'Distillation')"
 
 
 COMPARE_HINT = "A comparison's map, scores and table appear here criterion by criterion."

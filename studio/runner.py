@@ -20,7 +20,8 @@ from ghosted_core.model.loading import LoadedModel, LoadOptions
 from ghosted_core.plan import MAX_BLOCKS
 from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.recovery.assessment import Diagnostics
-from ghosted_core.run.options import SEED_LIMIT, SEQUENTIAL_SUFFIX, RunOptions, parse_variants, validate
+from ghosted_core.distill.options import DistillOptions
+from ghosted_core.run.options import SEED_LIMIT, RunOptions, distilled, parse_variants, validate
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run_stages
 from ghosted_core.planning.presets import check_preset, gpu_seconds
@@ -33,8 +34,8 @@ from studio.presets_view import device, find_preset
 from ghosted_core.run.compare import check_compare, compare_stages
 from ghosted_core.run.compare import planned_stages as compare_planned
 from studio import guard
-from studio.settings import COMPARE, DEFAULTS, EVAL_TOKENS, MAX_SAMPLES, NEW_TOKENS, NO_SAVE, SEQLENS, SWEEP, \
-    gpu_compare, gpu_run, gpu_sweep
+from studio.settings import COMPARE, DEFAULTS, DISTILL_STEPS, DISTILL_TRAIN, EVAL_TOKENS, MAX_SAMPLES, NEW_TOKENS, \
+    NO_SAVE, SEQLENS, SWEEP, gpu_compare, gpu_run, gpu_sweep
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,22 @@ class QuickTasks:
     limit: int = DEFAULTS.task_examples  # examples per task, a seeded subset (the run's seed)
 
 
+def distill_variants(operators: Sequence[str], on: bool, train: str) -> list[str]:
+    """The variants the Distillation widgets add to the chosen operators (none when off)."""
+    if not guard.flag(on, "Distill after the fit"):
+        return []
+    train = guard.choice(train, "What trains", tuple(DISTILL_TRAIN))
+    names = [name for name in operators if "+kd" not in name]
+    chosen = distilled(names, names) if train in ("operator", "both") else []
+    if train in ("stock", "both"):
+        chosen += [f"{name}+kd_mlp" for name in names]
+    return list(dict.fromkeys(chosen))
+
+
 def build_options(model: str, criterion: str, depth: float, manual_blocks: str, operators: Sequence[str],
                   calibration: str, samples: float, seqlen: float | str, seed: float, eval_corpora: Sequence[str],
-                  eval_tokens: float, prompt: str, new_tokens: float) -> RunOptions:
+                  eval_tokens: float, prompt: str, new_tokens: float, distill_on: bool = False,
+                  distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train) -> RunOptions:
     """The library's options from the widgets' values; GhostedError on input no run could use.
 
     Every value is held to the type and the largest value its widget offers (`studio.guard`): the API takes any
@@ -69,7 +83,8 @@ def build_options(model: str, criterion: str, depth: float, manual_blocks: str, 
         criterion=criterion,
         num_prune=guard.whole(depth, "Blocks to remove", 1, MAX_BLOCKS - 1),
         layers=layers,
-        variants=parse_variants(list(operators)),
+        variants=parse_variants([*operators, *distill_variants(operators, distill_on, distill_train)]),
+        distill=DistillOptions(steps=guard.whole(distill_steps, "Distillation steps", *DISTILL_STEPS)),
         calibration=calibration,
         train_size=guard.whole(samples, "Sequences", 1, MAX_SAMPLES),
         seqlen=guard.whole(seqlen, "Sequence length", 2, max(SEQLENS)),
@@ -97,7 +112,8 @@ def check_save(options: RunOptions, save_variant: str, export_format: str = "aut
     if save_variant not in built:
         raise GhostedError(f"cannot save {save_variant!r}: it is not among this run's variants "
                            f"({', '.join(built) or 'none: nothing is pruned'}); add it to 'Operators' or choose {NO_SAVE!r}")
-    check_export([save_variant.removesuffix(SEQUENTIAL_SUFFIX)], "stock" if export_format == GGUF_FORMAT else export_format)
+    operator = next(v.operator for v in options.variants if v.name == save_variant)
+    check_export([operator], "stock" if export_format == GGUF_FORMAT else export_format)
     if export_format == GGUF_FORMAT:
         find_llamacpp()  # a missing build is refused before the run, not after it
     return save_variant
@@ -114,6 +130,7 @@ def planned_stages(options: RunOptions, quick: QuickTasks, save_variant: str | N
     prunes = options.criterion != "none"
     stages = conversion_stage(options.model) + ["load model", "score blocks"]
     stages += ["calibrate", "fit operators"] if prunes else []
+    stages += ["distill"] if prunes and any(v.distill for v in options.variants) else []
     stages += ["perplexity"] * len(options.eval_corpora)
     stages += ["drift"] if prunes and options.eval_corpora and options.drift_windows else []
     stages += ["generate"] if options.prompt else []
@@ -171,14 +188,14 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
     """A checked request from the options and the mode widgets; GhostedError for anything no run could do."""
     if mode == COMPARE:
         notes = _set_aside(options, quick, save_variant, "a comparison")
-        options = replace(options, prompt=None, tasks=(), layers=())
+        options = replace(without_distillation(options), prompt=None, tasks=(), layers=())
         chosen = check_compare(options, [c for c in criteria or () if c not in ("manual", "none")],
                                num_blocks(options.model))
         request = RunRequest(options, notes=tuple(notes), criteria=chosen)
     elif mode == SWEEP:
         depths = parse_depths(guard.text(depths_text, "Depths to sweep", guard.FIELD_CHARS))
         notes = _set_aside(options, quick, save_variant, "a sweep")
-        options = replace(options, prompt=None, tasks=())
+        options = replace(without_distillation(options), prompt=None, tasks=())
         layers = num_blocks(options.model)
         request = RunRequest(options, depths=check_sweep(options, depths, layers), notes=tuple(notes))
     else:
@@ -202,7 +219,13 @@ def _set_aside(options: RunOptions, quick: QuickTasks, save_variant: str, what: 
                      "single-depth runs")
     if save_variant and save_variant != NO_SAVE:
         notes.append(f"{what} saves no model: save one from a single-depth run")
+    if any(v.distill for v in options.variants):
+        notes.append(f"{what} fits the training-free operators only: distillation runs in single-depth runs")
     return notes
+
+
+def without_distillation(options: RunOptions) -> RunOptions:
+    return replace(options, variants=tuple(v for v in options.variants if v.distill is None))
 
 
 # ---------------------------------------------------------------- the run (the @spaces.GPU unit)

@@ -47,6 +47,9 @@ class Defaults:
     text_use: str = "evaluation"  # what "your text" is used for, when given
     # criteria compared by default: the quick ones (sleb, swap_kl and prunecomp cost many passes: add them at will)
     compare_criteria: tuple[str, ...] = ("streamline", "shortgpt", "kl", "weights")
+    distill_on: bool = False  # distillation trains: minutes on a CPU (bench/distill.py)
+    distill_steps: int = 12  # optimizer steps per distilled variant, 2 × seqlen tokens each
+    distill_train: str = "operator"  # see DISTILL_TRAIN
 
 
 DEFAULTS = Defaults()
@@ -55,6 +58,13 @@ MAX_SAMPLES = 128  # calibration sequences (the paper's count)
 EVAL_TOKENS = (256, 16384)  # perplexity tokens per corpus, lowest and highest
 NEW_TOKENS = (4, 128)  # generated tokens per variant, lowest and highest
 TASK_EXAMPLES = (5, 200)  # quick-task examples per task, lowest and highest
+DISTILL_STEPS = (1, 200)  # optimizer steps per distilled variant, lowest and highest
+# what distillation trains for each chosen operator (`ghosted_core.run.options.distilled` names the variants)
+DISTILL_TRAIN = {
+    "operator": "the operator's own weights (LinearPatch's KD; block s−1's MLP where it has none)",
+    "stock": "block s−1's MLP before each cut: stays a stock model",
+    "both": "both, side by side",
+}
 # A closed tab or a dropped client is noticed within one heartbeat (Gradio's default: 15 s); its run then stops
 # at its next batch (studio.runs.client_gone), freeing its slot for the next user.
 os.environ.setdefault("GRADIO_HEARTBEAT_INTERVAL", "2")

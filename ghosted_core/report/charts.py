@@ -187,6 +187,30 @@ def tasks_figure(report: dict) -> go.Figure:
     return fig
 
 
+def distill_figure(report: dict) -> go.Figure:
+    """Each distillation's KL to the dense model: the training loss per step (thin) and the validation KL (markers),
+    live while it trains; the best validation is the state kept."""
+    runs = {name: e["distill"] for name, e in report.get("variants", {}).items() if "distill" in e}
+    first = next(iter(runs.values()), {})
+    k = first.get("top_k")
+    loss = "full vocabulary" if k and k == first.get("vocabulary") else f"teacher top-{k}" if k else "teacher top-K"
+    fig = base_figure("Distillation: KL to the dense model",
+                      [*short_context(report), f"KL on the {loss}", "training windows (line), held-out calibration "
+                       "windows (markers)", "best validation kept"])
+    colors = variant_colors(list(runs))
+    for name, d in runs.items():
+        fig.add_scatter(x=list(range(1, len(d["loss_curve"]) + 1)), y=d["loss_curve"], mode="lines", name=f"{name} train",
+                        line=dict(color=colors[name], width=1), opacity=0.6, legendgroup=name,
+                        hovertemplate=f"{esc(name)} step %{{x}}: training KL %{{y:.4f}}<extra></extra>")
+        steps, values = zip(*d["val_curve"]) if d["val_curve"] else ((), ())
+        fig.add_scatter(x=list(steps), y=list(values), mode="lines+markers", name=f"{name} validation",
+                        line=dict(color=colors[name], width=2), legendgroup=name,
+                        hovertemplate=f"{esc(name)} after %{{x}} steps: validation KL %{{y:.4f}}<extra></extra>")
+    fig.update_xaxes(title_text="optimizer step")
+    fig.update_yaxes(title_text="KL (nats per token)")
+    return fig
+
+
 def empty_figure(message: str) -> go.Figure:
     """A placeholder figure saying what will appear."""
     fig = go.Figure()

@@ -321,6 +321,9 @@ def _placed(plan: MemoryPlan, options: RunOptions) -> RunOptions:
 
 
 OPERATOR_CHOICES = list(OPERATORS) + [f"{name}{SEQUENTIAL_SUFFIX}" for name in OPERATORS if name != "none"]
+# the distilled variants a front end offers: each operator's own weights where it has some, and block s−1's MLP
+DISTILL_CHOICES = [kd_name(name, OPERATOR_TARGET) for name in OPERATORS if has_own_weights(name)] + \
+    [kd_name(name, "mlp") for name in OPERATORS]
 
 
 def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool = True, config=None) -> int:

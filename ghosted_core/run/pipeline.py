@@ -33,6 +33,10 @@ from ghosted_core.run.result import RunResult
 
 log = logging.getLogger(__name__)
 
+# stages that yield several times while they run (distillation: after the teacher pass and every validation), so
+# that a front end can draw them live; every other stage yields once
+LIVE_STAGES = ("distill",)
+
 
 def run_stages(options: RunOptions, loaded: LoadedModel | None = None,
                should_stop: StopCheck = None) -> Iterator[tuple[str, RunResult]]:
