@@ -147,6 +147,20 @@ def tiny_folder(tmp_path_factory, smollm2_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def peaked_model_folder(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama with the real SmolLM2 tokenizer and a sharpened, untied LM head, saved as a local model
+    folder: its next-token distributions are far from uniform, so distillation has a KL to lower."""
+    model = make_tiny_model("llama", vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                            tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    folder = tmp_path_factory.mktemp("tiny-peaked")
+    model.save_pretrained(folder)
+    smollm2_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_model_folder(tiny_folder):
     """A tiny random Llama with the real SmolLM2 tokenizer, saved as a local model folder."""
     return tiny_folder("llama")
