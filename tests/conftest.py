@@ -148,12 +148,16 @@ def tiny_folder(tmp_path_factory, smollm2_tokenizer):
 
 @pytest.fixture(scope="session")
 def peaked_model_folder(tmp_path_factory, smollm2_tokenizer):
-    """A tiny random Llama with the real SmolLM2 tokenizer and a sharpened, untied LM head, saved as a local model
-    folder: its next-token distributions are far from uniform, so distillation has a KL to lower."""
+    """A tiny random Llama with the real SmolLM2 tokenizer, a sharpened untied LM head and blocks that write strongly
+    to the residual stream, saved as a local model folder: removing blocks changes its next-token distributions
+    (KL ≈ 0.1 for two of six), so distillation has something to recover."""
     model = make_tiny_model("llama", vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
                             tie_word_embeddings=False)
     with torch.no_grad():
-        model.lm_head.weight.mul_(8)
+        model.lm_head.weight.mul_(16)
+        for block in model.model.layers:
+            block.self_attn.o_proj.weight.mul_(10)
+            block.mlp.down_proj.weight.mul_(10)
     folder = tmp_path_factory.mktemp("tiny-peaked")
     model.save_pretrained(folder)
     smollm2_tokenizer.save_pretrained(folder)
