@@ -258,10 +258,16 @@ print(json.dumps(scale_child(json.loads(sys.argv[1]))))
 """
 
 
+WIDTHS = {  # a random Llama of these widths: C, I, heads, KV heads, vocabulary (tied)
+    "llama-3-8b": (4096, 14336, 32, 8, 128256),
+    "llama-3.2-1b": (2048, 8192, 32, 8, 128256),
+}
+
+
 def scale_child(job: dict) -> dict:
-    """In a fresh process: a random Llama of Llama-3-8B widths (C = 4096, I = 14,336, GQA 32/8, its 128,256-entry
-    vocabulary, tied), `blocks` blocks, one removed; ghost fitted, then distilled with `job["target"]`; peak memory
-    of the distillation against the plan's distill phase, and the time per step."""
+    """In a fresh process: a random Llama of `job["widths"]` (WIDTHS; default Llama-3-8B's), `blocks` blocks, one
+    removed; ghost fitted, then distilled with `job["target"]`; peak memory of the distillation (teacher pass
+    included) against the plan's distill phase, and the time per step."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
@@ -277,13 +283,14 @@ def scale_child(job: dict) -> dict:
 
     torch.set_num_threads(job["threads"])
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                         num_hidden_layers=job["blocks"], vocab_size=128256, tie_word_embeddings=True,
-                         max_position_embeddings=4096)
+    c, inner, heads, kv_heads, vocab = WIDTHS[job.get("widths", "llama-3-8b")]
+    config = LlamaConfig(hidden_size=c, intermediate_size=inner, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, num_hidden_layers=job["blocks"], vocab_size=vocab,
+                         tie_word_embeddings=True, max_position_embeddings=4096)
     dense = LlamaForCausalLM(config).eval().requires_grad_(False)
     plan = PruningPlan(job["blocks"], (1,), "manual")
     generator = torch.Generator().manual_seed(1)
-    tokens = lambda n: torch.randint(0, 128256, (n, job["seqlen"]), generator=generator)  # noqa: E731
+    tokens = lambda n: torch.randint(0, vocab, (n, job["seqlen"]), generator=generator)  # noqa: E731
     stats = collect_stats(dense, plan.boundaries, make_batches(tokens(2), None, 1), CalibrationOptions(quiet=True))
     fits = [get_operator("ghost").fit(s, FitOptions(ridge="relative")) for s in stats]
     del stats
@@ -299,7 +306,7 @@ def scale_child(job: dict) -> dict:
     planned = distill_plan(config, 4, job["seqlen"], 1, opts, [(job["target"], "matrix")], val_windows=1,
                            train_blocks=len(student.model.model.layers) - student.first_block)
     report = DistillReport("ghost+kd", "ghost", job["target"], "", False, student.count, student.paths,
-                           job["steps"], 1, job["seqlen"], 1e-4, 20.0, 0, 0.0, 50, 128256, "auto", "", "random tokens")
+                           job["steps"], 1, job["seqlen"], 1e-4, 20.0, 0, 0.0, 50, vocab, "auto", "", "random tokens")
     for _ in distill_student(student, dense, cache, opts, report):
         pass
     return {"target": job["target"], "parameters": student.count, "peak_extra": status_bytes("VmHWM") - before,
@@ -308,18 +315,25 @@ def scale_child(job: dict) -> dict:
             "steps": report.steps, "prefix": report.prefix}
 
 
+def run_scale_child(job: dict) -> dict:
+    """scale_child(job) in a fresh process, so that its peak is the distillation's alone."""
+    done = subprocess.run([sys.executable, "-c", SCALE_CHILD, json.dumps(job), str(ROOT / "bench")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def scale(args) -> list[dict]:
     out = []
-    for target in ("operator", "mlp", "lora"):
-        job = {"target": target, "blocks": 4, "seqlen": 512, "steps": 2, "threads": args.threads}
-        done = subprocess.run([sys.executable, "-c", SCALE_CHILD, json.dumps(job), str(ROOT / "bench")], cwd=ROOT,
-                              capture_output=True, text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-3000:])
-        entry = json.loads(done.stdout.strip().splitlines()[-1])
-        out.append(entry)
-        print(f"  C = 4096, {target}: {entry['parameters']:,} parameters, {entry['seconds_per_step']:.1f} s/step, "
-              f"peak +{entry['peak_extra'] / 2**20:.0f} MiB, planned {entry['planned'] / 2**20:.0f} MiB", flush=True)
+    for widths in ("llama-3.2-1b", "llama-3-8b"):
+        for target in ("operator", "mlp", "lora"):
+            entry = run_scale_child({"target": target, "widths": widths, "blocks": 4, "seqlen": 512, "steps": 2,
+                                     "threads": args.threads}) | {"widths": widths}
+            out.append(entry)
+            print(f"  {widths} (C = {WIDTHS[widths][0]}), {target}: {entry['parameters']:,} parameters, "
+                  f"{entry['seconds_per_step']:.1f} s/step, peak +{entry['peak_extra'] / 2**20:.0f} MiB, planned "
+                  f"{entry['planned'] / 2**20:.0f} MiB ({entry['planned'] / entry['peak_extra']:.2f}x)", flush=True)
     return out
 
 
@@ -338,7 +352,7 @@ def main() -> None:
     parser.add_argument("--variants", default="", help="these distilled variants instead (a comma list)")
     parser.add_argument("--key_only", action="store_true", help="only the key distilled variants (KEY_KD)")
     parser.add_argument("--speed_only", action="store_true")
-    parser.add_argument("--scale_only", action="store_true", help="only the C = 4096 random-model case")
+    parser.add_argument("--scale_only", action="store_true", help="only the C = 2048 and 4096 random-model cases")
     parser.add_argument("--no_speed", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help=out_help("distill"))
@@ -353,7 +367,7 @@ def main() -> None:
     report["command"] = "python bench/distill.py " + " ".join(sys.argv[1:])
     report["machine"] = {"cores": os.cpu_count(), "threads": args.threads, "device": "cpu"}
     if args.scale_only:
-        print("C = 4096 (random Llama-3-8B widths, 4 blocks, one removed), peak memory against the plan:")
+        print("random Llamas of 4 blocks, one removed, ghost distilled: peak memory against the plan's distill phase:")
         report["scale"] = scale(args)
         path.write_text(json.dumps(report, indent=2))
         return

@@ -108,3 +108,21 @@ def test_cli_refuses_a_bad_distillation_budget_in_one_line(tiny_model_folder, tm
                  "--distill_steps", "0", "--outdir", str(tmp_path)])
     assert code == 2
     assert "--distill_steps must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_distills_smollm2_with_a_small_budget(tmp_path, capsys):
+    """The CLI on the embedded SmolLM2: closed-form starts and their distillations beside
+    them in results.json, with the curves and before / after perplexities."""
+    code = main(["--model", "smollm2-135m", "--pruning_method", "streamline", "--num_prune", "7",
+                 "--insert_type", "none,ghost_capped", "--distill", "ghost_capped,none,magcomp_refit+kd_mlp",
+                 "--distill_steps", "3", "--calibration_data", "mix", "--train_size", "8", "--seqlen", "128",
+                 "--eval_ppl", "ptb", "--eval_max_tokens", "256", "--outdir", str(tmp_path), "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "ghost_capped+kd: from ghost_capped, trained operator" in out
+    variants = json.loads((tmp_path / "results.json").read_text())["variants"]
+    for name in ("ghost_capped+kd", "none+kd_mlp", "magcomp_refit+kd_mlp"):
+        d = variants[name]["distill"]
+        assert d["steps"] == 3 and len(d["loss_curve"]) == 3 and d["best_val"] <= d["start_val"], name
+        assert variants[name]["ppl"]["ptb"] > 1 and variants[d["base"]]["ppl"]["ptb"] > 1, name

@@ -9,7 +9,7 @@ import pytest
 
 from ghosted_core.errors import GhostedError
 from studio import outputs, runner, settings
-from test_app import client, plot_traces, run_kwargs  # noqa: F401  (the served app, shared with test_app)
+from test_served_app import client, plot_traces, run_kwargs  # noqa: F401  (the served app, shared with test_served_app)
 
 CRITERIA = ["streamline", "shortgpt", "kl", "sleb", "weights"]
 
