@@ -89,7 +89,7 @@ def quality_run(loaded, setting: str, steps: int, lr: float, args) -> dict:
         row = {"ppl": entry["ppl"]}
         if "distill" in entry:
             d = entry["distill"]
-            row["distill"] = {k: d[k] for k in ("base", "target", "parameters", "steps", "tokens", "start_val",
+            row["distill"] = {k: d[k] for k in ("base", "target", "parameters", "steps", "tokens", "start_val", "seconds",
                                                  "best_val", "best_step", "stopped", "seconds_per_step", "stock",
                                                  "val_curve")}
         out["variants"][name] = row

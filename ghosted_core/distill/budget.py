@@ -6,7 +6,9 @@ Per distilled variant, trained one after another (the largest counts):
 - the activations autograd keeps for one step's backward, from the first trained block to the end:
   blocks · B·T · per-token bytes of a block (`block_activation_bytes`), plus the final hidden states,
   their gradient and one LM-head chunk: the gathered head rows (chunk, K, C) with top-K, or the logits
-  (chunk, V) with the whole vocabulary, or the teacher pass's logits chunk if larger (`loss`);
+  (chunk, V), their log-softmax and its gradient with the whole vocabulary;
+before them, the teacher pass: one LM-head chunk of its logits (`teacher_pass_bytes`); the larger of the
+two counts, as they never coexist;
 and for the whole stage:
 - the teacher cache on the host: windows · T · K · 6 B (K = V: · 2 B), `teacher.target_bytes`;
 - dense prefix states on the model's device, at most `prefix_budget` bytes;
@@ -74,12 +76,24 @@ def distill_plan(config: PretrainedConfig, item: int, seqlen: int, boundaries: i
     rotations = [c * c * 4 * boundaries if t == OPERATOR_TARGET and kind == "rotated" else 0 for t, kind in variants]
     state = max(p * TRAIN_STATE_BYTES + h for p, h in zip(trained, rotations))
     k = options.vocabulary_kept(vocab)
-    full = chunk_tokens(vocab) * vocab * 4 * LOGIT_COPIES  # the teacher pass (and a whole-vocabulary loss)
-    logits = full if k >= vocab else max(full, 2 * min(tokens, gathered_chunk_tokens(k, c)) * k * c * 4)
-    activations = blocks * block_activation_bytes(config, tokens, item) + 3 * tokens * c * 4 + logits
+    if k >= vocab:  # the loss over the whole vocabulary: the logits, their log-softmax and its gradient
+        loss = chunk_tokens(vocab) * vocab * 4 * LOGIT_COPIES
+    else:  # the gathered head rows (chunk, K, C) in the head's dtype; the head is frozen, so no gradient of them
+        loss = min(tokens, gathered_chunk_tokens(k, c)) * k * c * item
+    activations = blocks * block_activation_bytes(config, tokens, item) + 3 * tokens * c * 4 + loss
+    teacher = teacher_pass_bytes(vocab, k, item)
     prefix = min(options.prefix_budget, prefix_indices * prefix_bytes(windows, seqlen, c, item))
     kept = sum(p * (4 if t in (OPERATOR_TARGET, "lora") else item) for p, (t, _) in zip(trained, variants))
     host = target_bytes(windows * seqlen, k, vocab)
-    parts = {"train_state": state, "activations": activations, "logits": logits, "prefix_states": prefix,
-             "kept_modules": kept, "teacher_targets": host, "trained_parameters": max(trained)}
-    return DistillPlan(state + activations + prefix + kept, host, kept, parts)
+    parts = {"train_state": state, "activations": activations, "loss_chunk": loss, "teacher_pass": teacher,
+             "prefix_states": prefix, "kept_modules": kept, "teacher_targets": host,
+             "trained_parameters": max(trained)}
+    # the teacher pass ends before the first student trains: the larger of the two counts, not their sum
+    return DistillPlan(max(state + activations, teacher) + prefix + kept, host, kept, parts)
+
+
+def teacher_pass_bytes(vocab: int, kept: int, item: int) -> int:
+    """One LM-head chunk of the teacher pass: the head's logits, their float32 copy where the model is not float32,
+    and with the whole vocabulary their log-softmax."""
+    per_entry = item + (4 if item != 4 else 0) + (4 if kept >= vocab else 0)
+    return chunk_tokens(vocab) * vocab * per_entry
