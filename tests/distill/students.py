@@ -32,6 +32,6 @@ def fitted(model, operator: str, plan: PruningPlan = PLAN):
     return variant
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
 def peaked(request):
     return peaked_model(request.param)
