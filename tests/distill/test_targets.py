@@ -76,3 +76,39 @@ def test_a_cut_at_block_zero_has_no_block_before_it(tiny_llama):
     with pytest.raises(GhostedError, match="block s−1"):
         make_student(variant, tiny_llama, plan, "mlp", DistillOptions(), {})
     assert make_student(variant, tiny_llama, plan, "lora", DistillOptions(), {}).first_block == 0
+
+
+@pytest.mark.parametrize("target", list(TRAINABLES))
+def test_after_distillation_only_the_chosen_weights_changed(peaked, target):
+    """A few steps, then the finished model: every tensor outside the trained modules is bit-identical to its
+    start's, the start itself and the dense model are untouched; the trained modules moved while training, and
+    the finished model holds them moved unless no step beat the start (the best state is kept)."""
+    from ghosted_core.distill.teacher import build_teacher
+    from ghosted_core.distill.train import DistillReport, distill_student
+
+    variant = fitted(peaked, "ghost")
+    start = {name: t.clone() for name, t in variant.state_dict().items()}
+    dense_before = {name: t.clone() for name, t in peaked.state_dict().items()}
+    opts = DistillOptions(steps=4, lr=1e-3, eval_every=1, patience=0)
+    try:
+        student = make_student(variant, peaked, PLAN, target, opts, {})
+    except GhostedError as err:  # a target this family lacks (e.g. no post-feedforward norm outside Gemma-3)
+        assert target == "norm" and peaked.config.model_type != "gemma3_text", err
+        return
+    cache = build_teacher(peaked, random_tokens(6, 16, seed=7), random_tokens(2, 16, seed=8), kept=20,
+                          prefix_blocks=[student.first_block], prefix_budget=2**30)
+    report = DistillReport(f"ghost+{target}", "ghost", target, "", False, student.count, student.paths, 4, 2, 16,
+                           1e-3, 20.0, 0, 0.0, 20, peaked.config.vocab_size, "auto", "", "random tokens")
+    initial = [p.detach().clone() for p in student.parameters]
+    moved_while_training = False
+    for _ in distill_student(student, peaked, cache, opts, report):
+        moved_while_training |= any(not torch.equal(p, q) for p, q in zip(student.parameters, initial))
+    assert moved_while_training
+    model = finalize(student, peaked.dtype).state_dict()
+    trained = lambda name: any(name.startswith(path + ".") for path in student.paths)  # noqa: E731
+    assert all(torch.equal(model[name], tensor) for name, tensor in start.items() if not trained(name))
+    assert all(torch.equal(variant.state_dict()[name], tensor) for name, tensor in start.items())
+    assert all(torch.equal(peaked.state_dict()[name], tensor) for name, tensor in dense_before.items())
+    moved = [name for name in model if trained(name) and (not torch.equal(model[name], start[name]) if name in start
+                                                          else name.endswith("lora_b") and bool(model[name].any()))]
+    assert bool(moved) == (report.best_step > 0), report.val  # the best state kept: the start where nothing helped
