@@ -98,6 +98,12 @@ class DistillOptions:
     def validations_every(self, seqlen: int) -> int:
         return self.eval_every or max(1, self.planned_steps(seqlen) // 8)
 
+    def check_vocabulary(self, vocab: int, model: str) -> None:
+        """Refuse, before any work, a top-K larger than the model's vocabulary (0 is how to ask for all of it)."""
+        if self.top_k > vocab:
+            raise GhostedError(f"--distill_top_k {self.top_k} is larger than the vocabulary of {model} ({vocab:,} "
+                               "entries); use at most that, or 0 for the whole vocabulary")
+
     def vocabulary_kept(self, vocab: int) -> int:
         """Teacher entries kept per token: top_k, or the whole vocabulary (top_k 0 or ≥ the vocabulary)."""
         return vocab if self.top_k == 0 or self.top_k >= vocab else self.top_k

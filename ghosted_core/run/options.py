@@ -253,6 +253,8 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
     cal = options.calibrate
     scores = get_criterion(options.criterion).needs_similarity
     needs = needs_of(v.operator for v in options.variants)
+    if any(v.distill for v in options.variants):
+        options.distill.check_vocabulary(int(config.vocab_size), options.model)
     distill = distill_plan(config, dtype_bytes(dtype), options.seqlen, max(per_depth), options.distill,
                            [(v.distill, get_operator(v.operator).cost.kept) for v in options.variants if v.distill],
                            max(1, options.distill.val_sequences or options.heldout), train_blocks)

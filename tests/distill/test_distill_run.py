@@ -114,7 +114,7 @@ def test_cli_refuses_a_bad_distillation_budget_in_one_line(tiny_model_folder, tm
 def test_cli_distills_smollm2_with_a_small_budget(tmp_path, capsys):
     """The CLI on the embedded SmolLM2: closed-form starts and their distillations beside
     them in results.json, with the curves and before / after perplexities."""
-    code = main(["--model", "smollm2-135m", "--pruning_method", "streamline", "--num_prune", "7",
+    code = main(["--model", "smollm2-135m", "--pruning_method", "streamline", "--total_num_prune", "7",
                  "--insert_type", "none,ghost_capped", "--distill", "ghost_capped,none,magcomp_refit+kd_mlp",
                  "--distill_steps", "3", "--calibration_data", "mix", "--train_size", "8", "--seqlen", "128",
                  "--eval_ppl", "ptb", "--eval_max_tokens", "256", "--outdir", str(tmp_path), "--quiet"])
@@ -126,3 +126,22 @@ def test_cli_distills_smollm2_with_a_small_budget(tmp_path, capsys):
         d = variants[name]["distill"]
         assert d["steps"] == 3 and len(d["loss_curve"]) == 3 and d["best_val"] <= d["start_val"], name
         assert variants[name]["ppl"]["ptb"] > 1 and variants[d["base"]]["ppl"]["ptb"] > 1, name
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--distill_top_k", "100000"], r"--distill_top_k 100000 is larger than the vocabulary of .* use at most"),
+    (["--distill_steps", "-3"], "--distill_steps must be at least 1"),
+    (["--distill_tokens", "0"], "--distill_tokens must be at least 1"),
+])
+def test_cli_refuses_bad_distillation_input_before_loading_weights(tiny_model_folder, tmp_path, capsys, monkeypatch,
+                                                                   flags, message):
+    import re
+
+    from ghosted_core.model import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded weights before refusing"))
+    code = main(["--model", str(tiny_model_folder), "--total_num_prune", "2", "--insert_type", "ghost", "--distill", "ghost",
+                 "--outdir", str(tmp_path), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and re.search(message, err), err
+
