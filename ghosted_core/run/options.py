@@ -27,6 +27,7 @@ from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_opti
 from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
 from ghosted_core.selection.criteria import SelectionRequest, check_request, get_criterion
+from ghosted_core.selection.footprint import ScoreShapes
 from ghosted_core.evaluation.tasks import parse_tasks
 from ghosted_core.data.user_text import USER_CORPUS, UserText
 from ghosted_core.distill.budget import distill_plan
@@ -251,7 +252,8 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
     eval_seqlen = options.eval_seqlen or options.seqlen
     per_corpus = options.eval_max_tokens // eval_seqlen * eval_seqlen if options.eval_max_tokens else UNCAPPED_EVAL_TOKENS
     cal = options.calibrate
-    scores = get_criterion(options.criterion).needs_similarity
+    score = get_criterion(options.criterion).memory(ScoreShapes(config, dtype_bytes(dtype), sequences, options.seqlen,
+                                                               cal.batch_size, max(chosen)))
     needs = needs_of(v.operator for v in options.variants)
     distill = distill_plan(config, dtype_bytes(dtype), options.seqlen, max(per_depth), options.distill,
                            [(v.distill, get_operator(v.operator).cost.kept) for v in options.variants if v.distill],
@@ -263,7 +265,7 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
         seqlen=options.seqlen, batch_size=cal.batch_size, sink_capacity=cal.capacity(sequences),
         operators=tuple(get_operator(v.operator).cost for v in options.variants),
         variant_boundaries=max(per_depth) if depths else boundaries, candidates=len(set(options.fit.sink_directions)),
-        heldout=options.heldout, score_streams=max(chosen) + 1 if scores else 0, eval_batch=options.eval_batch_size,
+        heldout=options.heldout, score_bytes=score.bytes, score_note=score.note, eval_batch=options.eval_batch_size,
         eval_seqlen=options.eval_seqlen, eval_tokens=len(options.eval_corpora) * per_corpus,
         kept_indices=len(chosen) if depths else 0, kept_cap=kept_cap,
         drift=not depths and options.drift_windows > 0 and bool(options.eval_corpora),
