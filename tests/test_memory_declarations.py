@@ -1,0 +1,61 @@
+"""Every criterion and every operator, run alone, peaks within its own memory declaration: measured ≤ planned ≤ 1.3×.
+
+One random Llama (C = 1024, 6 blocks, I = 2816, 8,192-token vocabulary, fp32) is saved once per
+session; each registry entry then runs in a process of its own (`memory_peaks.py`), its scoring
+(a criterion) or its fit on one boundary's statistics (an operator), and its peak resident size
+is held against what it declares. A new registry entry is measured here without a line added.
+Two cases beside the registry: the down_proj refits at I = 2500 with 8 sink rows (synthetic
+statistics) and sleb with a memo budget of 0 (every kept state but the embeddings recomputed).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ghosted_core.selection  # noqa: F401  registers every criterion
+from ghosted_core.recovery.operators import OPERATORS
+from ghosted_core.selection.criteria import CRITERIA
+
+WORKER = Path(__file__).with_name("memory_peaks.py")
+SLACK = 4 * 2**20  # allocator and interpreter noise, in bytes, on either side
+RATIO = 1.3  # planned ≤ RATIO × measured
+
+CASES = [("criterion", name, ()) for name in CRITERIA] + [("operator", name, ()) for name in OPERATORS] + [
+    ("criterion", "sleb", ("--memo_budget", "0")),
+    ("refit", "refit", ("--inner", "2500", "--sinks", "8")),
+    ("refit", "magcomp_refit", ("--inner", "2500", "--sinks", "8")),
+]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    """The shared random C = 1024 model on disk (seeded)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("memory_c1024")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=128, vocab_size=8192, tie_word_embeddings=True,
+                         max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, name, extra", CASES, ids=[f"{k}-{n}{'-' + '-'.join(e) if e else ''}" for k, n, e in CASES])
+def test_declared_memory_holds_the_measured_peak(model_folder, kind, name, extra):
+    folder = "-" if kind == "refit" else str(model_folder)
+    done = subprocess.run([sys.executable, str(WORKER), folder, kind, name, *extra], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    measured, planned = row["measured"], row["planned"]
+    shown = f"{kind} {name}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB"
+    assert measured <= planned + SLACK, shown
+    assert planned <= RATIO * measured + SLACK, shown
