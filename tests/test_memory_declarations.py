@@ -4,7 +4,8 @@ One random Llama (C = 1024, 6 blocks, I = 2816, 8,192-token vocabulary, fp32) is
 session; each registry entry then runs in a process of its own (`memory_peaks.py`), its scoring
 (a criterion) or its fit on one boundary's statistics (an operator), and its peak resident size
 is held against what it declares. A new registry entry is measured here without a line added.
-Two cases beside the registry: the down_proj refits at I = 2500 with 8 sink rows (synthetic
+Every window starts with a token whose embedding is massive, so that
+the fits see attention-sink rows as in real models. Two cases beside the registry: the down_proj refits at I = 2500 with 8 sink rows (synthetic
 statistics) and sleb with a memo budget of 0 (every kept state but the embeddings recomputed).
 """
 
@@ -34,7 +35,8 @@ CASES = [("criterion", name, ()) for name in CRITERIA] + [("operator", name, ())
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory) -> Path:
-    """The shared random C = 1024 model on disk (seeded)."""
+    """The shared random C = 1024 model on disk (seeded), token 0's embedding 100× the others' (a massive
+    activation at the first position of every window, so the sink-aware fits have all their candidates)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -43,7 +45,10 @@ def model_folder(tmp_path_factory) -> Path:
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, vocab_size=8192, tie_word_embeddings=True,
                          max_position_embeddings=512)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0].mul_(100.0)
+    model.save_pretrained(folder)
     return folder
 
 

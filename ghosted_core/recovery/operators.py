@@ -210,7 +210,7 @@ def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 @register_operator("rotate", paper="LinearPatch-R",
                    description="per-channel scale in a Hadamard-rotated basis: H diag(r) Hᵀ (symmetric)",
-                   needs=StatNeeds(rotated=True), cost=OperatorCost(4, "rotated"))
+                   needs=StatNeeds(rotated=True), cost=OperatorCost(5, "rotated"))
 def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
     sums = _channel_sums(stats, "hadamard")
     scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens, rotated basis

@@ -75,13 +75,30 @@ class Footprint:
     note: str = ""
 
 
+def block_run(shapes: ScoreShapes, tokens: int) -> int:
+    """One decoder block on `tokens` at its peak (`suffixes.CandidateRunner.run_slot`): the MLP's gate, up and
+    product (3·I per token) or attention's q, k, v, their rotated copies and its output, whichever is larger, and
+    the block's output (C per token); the T² scores where attention is eager."""
+    config = shapes.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or shapes.width // heads
+    mlp = 3 * int(config.intermediate_size)
+    attention = 2 * (heads + 2 * kv_heads) * head_dim + heads * head_dim
+    scores = shapes.seqlen * heads if getattr(config, "_attn_implementation", None) == "eager" else 0
+    return tokens * shapes.item * (max(mlp, attention) + shapes.width + scores)
+
+
+def group_size(shapes: ScoreShapes, candidates: int) -> int:
+    """Candidates of one chunk (`suffixes.chunks`: their states together under STATE_BUDGET, one at least)."""
+    return max(1, min(candidates, STATE_BUDGET // max(shapes.state(), 1)))
+
+
 def candidate_group(shapes: ScoreShapes, candidates: int) -> int:
-    """`suffixes.CandidateRunner.run` on one chunk of candidates (`suffixes.chunks`, under STATE_BUDGET): their
-    states concatenated along the batch axis, the tall batch's block transients, and every candidate's output."""
-    state = shapes.state()
-    together = max(1, min(candidates, STATE_BUDGET // max(state, 1)))
-    tokens = together * shapes.batch_tokens
-    return 2 * together * state + shapes.forward(tokens)
+    """`suffixes.CandidateRunner.run` on one chunk of candidates at a slot: their states concatenated along the
+    batch axis, the previous slot's outputs and this slot's (three states per candidate), and the tall block run."""
+    together = group_size(shapes, candidates)
+    return 3 * together * shapes.state() + block_run(shapes, together * shapes.batch_tokens)
 
 
 def logits_chunk(shapes: ScoreShapes, copies: int, alive: int) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
-from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, logits_chunk
+from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, group_size, logits_chunk
 from ghosted_core.selection.next_token import count_targets, kl_sums
 from ghosted_core.selection.suffixes import Candidate, CandidateRunner, chunks
 
@@ -53,9 +53,11 @@ def run_kl(scoring: Scoring, n: int) -> list[float]:
 
 
 def dense_states_bytes(shapes: ScoreShapes, candidates: int) -> int:
-    """`mean_kl` at its peak: the dense pass's L+1 states of one batch, one group of `candidates`, and the KL's
-    logits chunk (the reference's log-probabilities and probabilities, a candidate's, and their difference)."""
-    return (shapes.layers + 1) * shapes.state() + candidate_group(shapes, candidates) + logits_chunk(shapes, 3, 5)
+    """`mean_kl` at its peak: the dense pass's L+1 states of one batch, and then either one group of `candidates`
+    running, or its final states and the KL's logits chunk (the reference's log-probabilities and probabilities,
+    a candidate's, their difference and its product), which come one after the other."""
+    heads = group_size(shapes, candidates) * shapes.state() + logits_chunk(shapes, 3, 5)
+    return (shapes.layers + 1) * shapes.state() + max(candidate_group(shapes, candidates), heads)
 
 
 def kl_bytes(shapes: ScoreShapes) -> Footprint:

@@ -44,7 +44,7 @@ from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
-from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, logits_chunk
+from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, group_size, logits_chunk
 from ghosted_core.selection.next_token import count_targets, nll_sums, vocabulary_subset
 from ghosted_core.selection.suffixes import Candidate, CandidateRunner, Work, chunks
 
@@ -215,19 +215,20 @@ COST = ("n rounds; per window and round one pass of the current model's missing 
 
 
 def sleb_bytes(shapes: ScoreShapes) -> Footprint:
-    """sleb at its peak (round 1, the largest): every batch's embedding, the kept states under the budget (no more
-    than round 1 can store: the current model's L and the candidates' L(L−1)/2 per batch), every candidate's and
-    the current model's final states when the bounds screen, one group of candidates, the logits of one chunk (the
-    head's output, logsumexp's copy) and the vocabulary subset's head rows (|S| × C)."""
+    """sleb at its peak (round 1, the largest): every batch's embedding; the kept states under the budget, no more
+    than round 1 can store (the current model's L and the candidates' L(L−1)/2 per batch, finals among them); the
+    final states the memo could not keep, when the bounds screen; then either one group of candidates running, or
+    the logits of one chunk (the head's output and logsumexp's copies) and the vocabulary subset's head rows."""
     s = shapes
     budget = MEMO_BUDGET if s.memo_budget is None else s.memo_budget
     layers, everything = s.layers, s.state(s.tokens)
     storable = everything * (layers + layers * (layers - 1) // 2)
     kept = min(budget, storable)
     screen = layers * everything <= FINALS_BUDGET
-    finals = (layers + 1) * everything if screen else s.state()
+    finals = (layers + 1 + group_size(s, layers - 1)) * everything if screen and kept < storable else 0
     subset = min(s.vocab, s.tokens * (SUBSET_TOP + 1)) * s.width * s.item if screen else 0
-    total = everything + kept + finals + candidate_group(s, layers) + logits_chunk(s, 2, 3) + subset
+    heads = logits_chunk(s, 2, 3) + subset
+    total = everything + kept + finals + max(candidate_group(s, layers - 1), heads)
     note = "" if storable <= budget else (f"sleb keeps {budget / 2**20:.0f} MiB of states; the rest is recomputed "
                                           "from the longest kept prefix")
     return Footprint(total, note)

@@ -97,7 +97,7 @@ def weights_bytes(shapes: ScoreShapes) -> Footprint:
     each per layer), and the float32 copy of a projection where the model's dtype is not float32."""
     s = shapes
     copy = 0 if s.item == 4 else s.width * max(int(s.config.intermediate_size), s.width) * 4
-    return Footprint(3 * s.layers * s.width * s.width * 4 + s.width * s.width * 4 + copy)
+    return Footprint((3 * s.layers + 2) * s.width * s.width * 4 + copy)  # + a Gram being made and its flat view
 
 
 @register_criterion("weights", paper="Weight-Redundancy Pruning's idea (abstract only; our design)", needs="weights",
