@@ -155,9 +155,10 @@ def inner_width(config: PretrainedConfig, needs) -> int:
 
 def refit_solve_bytes(inner: int, width: int) -> int:
     """The down_proj refit's solve beside the statistics (`recovery.refit.refit_solutions`): its own working
-    normal equations and their Cholesky factor (two I×I float64), and three I×C float64 at most (the
-    projected right-hand side, a scaled target's cross moment, one solution before its float32 copy)."""
-    return (2 * inner * inner + 3 * inner * width) * STATS_ITEM
+    normal equations and their Cholesky factor (two I×I float64, solved from in place: `linalg.factor_solve`),
+    and four I×C float64 at most (the projected right-hand side, a scaled target's cross moment, the triangular
+    solve's intermediate, one solution before its float32 copy)."""
+    return (2 * inner * inner + 4 * inner * width) * STATS_ITEM
 
 
 def _refit_bytes(cost: OperatorCost, config: PretrainedConfig, inner: int, refit_candidates: int) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.recovery.linalg import principal_directions, projected_normal_equations
+from ghosted_core.recovery.linalg import factor_solve, principal_directions, projected_normal_equations
 from ghosted_core.statistics import BoundaryStats
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def _solve(work: torch.Tensor, rhs: torch.Tensor, epsilon: float) -> torch.Tenso
     try:
         factor, info = torch.linalg.cholesky_ex(work)  # (I, I)
         if int(info) == 0:
-            return torch.cholesky_solve(rhs, factor)
+            return factor_solve(factor, rhs)  # no copy of the factor
         del factor
         return torch.linalg.solve(work, rhs)
     finally:
