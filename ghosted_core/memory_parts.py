@@ -156,11 +156,11 @@ def inner_width(config: PretrainedConfig, needs) -> int:
 def refit_solve_bytes(inner: int, width: int) -> int:
     """The down_proj refit's solve beside the statistics (`recovery.refit.refit_solutions`): its own working
     normal equations and their Cholesky factor (two I×I float64, solved from in place: `linalg.factor_solve`),
-    and six I×C float64 at most: the projected right-hand side, a scaled target's cross moment, the triangular
-    solves' intermediate and working copy, one solution and its float32 copy, the finiteness test and the
-    calibration error's product (measured at I = 2500, C = 256 with 8 sink rows: refit 136 MiB, magcomp_refit
-    151 MiB, against 146 and 147 MiB planned with the candidates)."""
-    return (2 * inner * inner + 6 * inner * width) * STATS_ITEM
+    and five I×C float64 at most: the projected right-hand side, a scaled target's cross moment, the triangular
+    solves' intermediate and working copy, one solution (its float32 copy is the candidate's). Measured at
+    I = 2500, C = 256 with 8 sink rows: refit 136 MiB, magcomp_refit 151 MiB, against 144 MiB planned with
+    the candidates (a few MiB of LAPACK workspace are not counted)."""
+    return (2 * inner * inner + 5 * inner * width) * STATS_ITEM
 
 
 def _refit_bytes(cost: OperatorCost, config: PretrainedConfig, inner: int, refit_candidates: int) -> tuple[int, int]:

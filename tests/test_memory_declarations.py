@@ -1,6 +1,6 @@
 """Every criterion and every operator, run alone, peaks within its own memory declaration: measured ≤ planned ≤ 1.3×.
 
-One random Llama (C = 1024, 6 blocks, I = 2816, 8,192-token vocabulary, fp32) is saved once per
+One random Llama (C = 1024, 4 blocks, I = 2816, 8,192-token vocabulary, fp32) is saved once per
 session; each registry entry then runs in a process of its own (`memory_peaks.py`), its scoring
 (a criterion) or its fit on one boundary's statistics (an operator), and its peak resident size
 is held against what it declares. A new registry entry is measured here without a line added.
@@ -23,7 +23,7 @@ from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.selection.criteria import CRITERIA
 
 WORKER = Path(__file__).with_name("memory_peaks.py")
-SLACK = 4 * 2**20  # allocator and interpreter noise, in bytes, on either side
+SLACK = 8 * 2**20  # allocator, interpreter and LAPACK workspace noise, in bytes, on either side
 RATIO = 1.3  # planned ≤ RATIO × measured
 
 CASES = [("criterion", name, ()) for name in CRITERIA] + [("operator", name, ()) for name in OPERATORS] + [
@@ -42,7 +42,7 @@ def model_folder(tmp_path_factory) -> Path:
 
     folder = tmp_path_factory.mktemp("memory_c1024")
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=8,
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, head_dim=128, vocab_size=8192, tie_word_embeddings=True,
                          max_position_embeddings=512)
     model = LlamaForCausalLM(config)
