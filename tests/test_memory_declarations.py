@@ -64,3 +64,38 @@ def test_declared_memory_holds_the_measured_peak(model_folder, kind, name, extra
     shown = f"{kind} {name}: measured {measured / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB"
     assert measured <= planned + SLACK, shown
     assert planned <= RATIO * measured + SLACK, shown
+
+
+def test_an_entry_without_a_memory_declaration_fails_at_import():
+    from ghosted_core.plan import PruningPlan
+    from ghosted_core.recovery.operators import BoundaryStats, Fit, FitOptions, register_operator
+    from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
+
+    with pytest.raises(TypeError):
+        @register_criterion("undeclared", paper="-", needs="nothing", cost="-")
+        def undeclared(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
+            return PruningPlan(request.num_layers, (), "undeclared")
+    with pytest.raises(TypeError):
+        @register_operator("undeclared", paper="-", description="-")
+        def undeclared_fit(stats: BoundaryStats, opts: FitOptions) -> Fit:
+            return Fit("undeclared", stats.boundary, "residual", None)
+    assert "undeclared" not in CRITERIA and "undeclared" not in OPERATORS
+
+
+@pytest.mark.parametrize("criterion", list(CRITERIA))
+def test_the_score_phase_is_the_criterion_declaration(criterion):
+    """The plan's score phase (CPU: host bytes beyond the weights) is what the criterion declares, nothing added."""
+    import torch
+    from transformers import LlamaConfig
+
+    from ghosted_core.run.options import RunOptions, memory_plan
+    from ghosted_core.selection.footprint import ScoreShapes
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
+                         vocab_size=512)
+    options = RunOptions(model="x", criterion=criterion, num_prune=2, layers=(1, 2) if criterion == "manual" else (),
+                         train_size=8, seqlen=64)
+    plan = memory_plan(options, config, "cpu", torch.float32, boundaries=1, host_available=1 << 40)
+    declared = CRITERIA[criterion].memory(ScoreShapes(config, 4, 8, 64, options.calibrate.batch_size, 2))
+    assert plan.phases["score blocks"]["host"] - plan.weights_bytes == declared.bytes
+    assert plan.score_note == declared.note
