@@ -3,6 +3,7 @@
     flock /tmp/ghosted-heavy.lock .venv/bin/python bench/memory_plan.py          # bench/results/memory_plan.json
     .venv/bin/python bench/memory_plan.py --quick                                # ghost_capped only (memory_plan_quick.json)
     .venv/bin/python bench/memory_plan.py --table                                # plans of Llama-3-8B/70B on GPUs (no run)
+    .venv/bin/python bench/memory_plan.py --criteria                             # every criterion's 8B/70B plan (no run)
 
 A random Llama with C = 2048 (8 blocks, intermediate 5632, 16 heads of 128, 4 KV heads, the
 SmolLM2 tokenizer's 49,152-token vocabulary, tied head; blocks 1, 3 and 5 scaled down to near
@@ -166,12 +167,41 @@ def plan_table() -> list[str]:
     return lines
 
 
+def criteria_table(gpu: int = 80) -> list[str]:
+    """Per criterion, Llama-3-8B and 70B on one `gpu` GiB GPU at the default calibration size (bf16, 64 × 512
+    tokens for 8B, 128 × 512 for 70B, batches of 8, the default operators, one boundary): the scoring phase
+    its declaration gives, the run's peak, and whether it fits."""
+    import torch
+    from transformers import LlamaConfig
+
+    import ghosted_core.selection  # noqa: F401  registers every criterion
+    from ghosted_core.calibration.collect import CalibrationOptions
+    from ghosted_core.run.options import RunOptions, memory_plan
+    from ghosted_core.selection.criteria import CRITERIA
+
+    lines = [f"| model | criterion | score blocks on the GPU | peak on the GPU (phase) | fits one {gpu} GB GPU | "
+             "what the budgets recompute |", "|---|---|---|---|---|---|"]
+    for name in ("Llama-3-8B", "Llama-3-70B"):
+        for criterion in CRITERIA:
+            options = RunOptions(model=name, criterion=criterion, train_size=128 if "70B" in name else 64, seqlen=512,
+                                 layers=(1, 2) if criterion == "manual" else (),
+                                 calibrate=CalibrationOptions(batch_size=8))
+            plan = memory_plan(options, LlamaConfig(**PUBLISHED[name]), "cuda", torch.bfloat16, boundaries=1,
+                               device_available=gpu * GIB, host_available=512 * GIB)
+            score = plan.phases["score blocks"]["device"]
+            lines.append(f"| {name} | {criterion} | {score / GIB:.1f} GiB | {plan.device_bytes / GIB:.1f} GiB "
+                         f"({plan.peak_phase}) | {'yes' if plan.fits else '**no**'} | {plan.score_note or '—'} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="ghost_capped only")
     parser.add_argument("--cases", default=None, help="comma list of case names (default: all)")
     parser.add_argument("--out", default=None, help=out_help("memory_plan"))
     parser.add_argument("--table", action="store_true", help="only print the plans of Llama-3-8B and 70B on GPUs")
+    parser.add_argument("--criteria", action="store_true",
+                        help="only print every criterion's plan for Llama-3-8B and 70B on one 80 GB GPU")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -179,6 +209,9 @@ def main() -> None:
         return
     if args.table:
         print("\n".join(plan_table()))
+        return
+    if args.criteria:
+        print("\n".join(criteria_table()))
         return
     rows = []
     chosen = QUICK if args.quick else tuple(c.strip() for c in args.cases.split(",")) if args.cases else CASES

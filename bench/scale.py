@@ -95,7 +95,9 @@ def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0):
 
 
 def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators: tuple[str, ...] = OPERATORS) -> dict:
-    """The pipeline's calibration stage for `operators` at independent boundaries: stats, fits, held-out pass."""
+    """The pipeline's calibration stage for `operators` at independent boundaries: stats, fits, held-out pass.
+
+    `peaks`: each stage's peak resident size (VmHWM, reset as the stage starts), under the plan's phase names."""
     from ghosted_core.calibration.collect import HeldoutRows, collect_stats
     from ghosted_core.recovery.heldout import measure_errors
     from ghosted_core.recovery.operators import get_operator, needs_of
@@ -106,7 +108,10 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
     live: list = []
     kept = HeldoutRows()  # as a run keeps them: the held-out rows come from the calibration pass
     clock = time.perf_counter()
+    peaks = {}
     stats = collect_stats(model, boundaries, batches, options, needs, live, heldout=kept)
+    peaks["calibrate"] = status_bytes("VmHWM")
+    reset_peak()
     stats_bytes = [acc.nbytes() for acc in live]
     del live
     calibrate = time.perf_counter() - clock
@@ -118,11 +123,14 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
                       run_options.diagnostics)
         stats[k] = None  # freed as soon as its fits exist
     fit = time.perf_counter() - clock - calibrate
+    peaks["fit"] = status_bytes("VmHWM")
+    reset_peak()
     maps = [m for build in builds for m in build.maps]
     errors = measure_errors(model, maps, batches, options, kept=kept)
     heldout = time.perf_counter() - clock - calibrate - fit
+    peaks["held-out"] = status_bytes("VmHWM")
     ghost = next((b for b in builds if b.spec.name == "ghost"), None)
-    return {"stats_bytes": stats_bytes, "seconds": {"calibrate": calibrate, "fit": fit, "heldout": heldout},
+    return {"stats_bytes": stats_bytes, "phase_peaks": peaks, "seconds": {"calibrate": calibrate, "fit": fit, "heldout": heldout},
             "heldout_error": {b.spec.name: [e.relative for e in errors[i * len(boundaries):(i + 1) * len(boundaries)]]
                               for i, b in enumerate(builds)},
             "ghost_update_norm": [float(m.update.norm()) for m in ghost.maps] if ghost else None}
@@ -209,7 +217,7 @@ def worker(args) -> None:
     from ghosted_core.calibration.collect import CalibrationOptions
     from ghosted_core.memory import PlanRequest, plan_memory
     from ghosted_core.memory_parts import inner_width
-    from ghosted_core.recovery.operators import FitOptions, needs_of
+    from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
     from ghosted_core.plan import Boundary
 
     model = build_model(args.shape, 4)
@@ -229,17 +237,22 @@ def worker(args) -> None:
     else:
         result = {"relative_difference": products_difference(model, boundaries, batches, options)}
     wall = time.perf_counter() - clock
-    peak = status_bytes("VmHWM")
+    peak = max(status_bytes("VmHWM"), *result.get("phase_peaks", {}).values())  # the stages reset the peak
     sequences = sum(len(b.input_ids) for b in batches if not b.heldout)
+    heldout = sum(len(b.input_ids) for b in batches if b.heldout)
     plan = plan_memory(model.config, args.shape, "cpu", torch.float32,
                        PlanRequest(needs_of(operators), len(boundaries), sequences, SEQLEN, args.batch_size,
                                    options.capacity(sequences), inner=inner_width(model.config, needs_of(operators)),
-                                   refit_candidates=FitOptions().refit_candidates))
+                                   refit_candidates=FitOptions().refit_candidates, heldout=heldout,
+                                   operators=tuple(get_operator(o).cost for o in operators), keep_heldout=True))
+    measured = {phase: peak_at - base for phase, peak_at in result.pop("phase_peaks", {}).items()}
+    planned = {phase: plan.phases[phase]["host"] - plan.weights_bytes for phase in measured}
     print(json.dumps({"shape": args.shape, "width": model.config.hidden_size, "boundaries": args.boundaries,
                       "method": args.method, "tokens": sequences * SEQLEN, "batch_size": args.batch_size,
                       "model_rss_gib": base / GIB, "peak_extra_gib": (peak - base) / GIB, "wall_s": wall,
                       "plan_stats_bytes_per_boundary": plan.stats_bytes_per_boundary,
-                      "plan_activation_gib": plan.activation_bytes / GIB, **result}))
+                      "plan_activation_gib": plan.activation_bytes / GIB, "measured_phases": measured,
+                      "planned_phases": planned, **result}))
 
 
 def run_one(shape: str, boundaries: int, method: str, tokens: int, batch_size: int) -> dict:
@@ -328,6 +341,9 @@ def refit_only(args) -> None:
     print(f"magcomp_refit at C = 4096 (I = 14336), one boundary: peak extra {row['peak_extra_gib']:.2f} GiB, statistics "
           f"{row['stats_bytes'][0] / 2**20:.0f} MiB (plan {row['plan_stats_bytes_per_boundary'] / 2**20:.0f} MiB), "
           f"{row['wall_s']:.0f} s {row['seconds']}")
+    for phase, measured in row["measured_phases"].items():
+        planned = row["planned_phases"][phase]
+        print(f"  {phase}: measured {measured / GIB:.2f} GiB, planned {planned / GIB:.2f} GiB ({planned / measured:.2f}×)")
     write_entry(args, "refit", row)
 
 

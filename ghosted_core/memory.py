@@ -1,7 +1,8 @@
 """The memory plan: what a run holds, where, phase by phase, from the config alone; and the one rule for "auto".
 
 A run passes through phases, and what each holds at once is added up with the formulas the
-code allocates by (`memory_parts`): score the blocks (kept residual streams), calibrate (one
+code allocates by (`memory_parts`) and the declarations of the registry entries the run uses: score
+the blocks (what the criterion declares, `selection.footprint`), calibrate (one
 batch's activations, every boundary's statistics, and for `blocks` the hidden states and masks
 on the host), fit (the statistics, the fit's working matrices, every variant's kept maps and
 modules, a sweep's kept dense states), the held-out pass, and evaluate (perplexity and drift
@@ -109,7 +110,8 @@ class PlanRequest:
     inner: int = 0  # I, when the down_proj refit's statistics are collected (`memory_parts.inner_width`; 0: none)
     refit_candidates: int = 0  # the refit's (λ, sink count) candidates, held until the held-out pass chooses
     heldout: int = 0  # held-out sequences
-    score_streams: int = 0  # residual streams the scoring pass keeps per batch (run length + 1; 0: no scoring)
+    score_bytes: int = 0  # the criterion's scoring beyond the weights, as it declares it (`selection.footprint`)
+    score_note: str = ""  # how the criterion's budgets handle what they cannot hold (recompute, spill), "" if all fits
     eval_batch: int = 4
     eval_seqlen: int | None = None
     eval_tokens: int = 0  # perplexity tokens over every corpus
@@ -165,6 +167,7 @@ class MemoryPlan:
     host_available: int
     phases: dict  # phase → {"device": bytes, "host": bytes}
     peak_phase: str  # the phase that sets the larger of the two peaks
+    score_note: str = ""  # what the criterion's budgets recompute or spill (its `Footprint.note`)
 
     @property
     def fits(self) -> bool:
@@ -246,7 +249,7 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     acts = activation_bytes(config, tokens, r.seqlen, dtype, 2 * r.boundaries, r.boundaries * r.needs.branch,
                             r.boundaries * bool(r.inner))
     rows = tokens * (4 * c + r.inner) * STATS_ITEM  # the held-out pass: x, m, Δ, a refit's a and one error, float64
-    score = acts + r.score_streams * tokens * c * item
+    score = r.score_bytes  # the criterion's own declaration, nothing added
     eval_seqlen = r.eval_seqlen or r.seqlen
     logits = logits_bytes(config, r.eval_batch, eval_seqlen)
     evaluate = evaluation_bytes(config, r.eval_batch, eval_seqlen, dtype) + logits
@@ -326,4 +329,5 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
                       r.needs.describe(), r.sink_capacity, per_boundary, stats, fit, maps + modules,
                       hidden if blocks else 0, masks if blocks else 0, kept, held_rows, evaluate, logits, pipeline,
                       stats_device,
-                      device_peak if gpu else 0, host_peak, device_available, host_available, table, peak_phase)
+                      device_peak if gpu else 0, host_peak, device_available, host_available, table, peak_phase,
+                      r.score_note)

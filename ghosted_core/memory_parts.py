@@ -53,7 +53,7 @@ def block_parameters(config: PretrainedConfig) -> int:
     return attention + 3 * c * config.intermediate_size + 2 * c
 
 
-def _forward_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int) -> int:
+def forward_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int) -> int:
     """A forward's transient tensors for `tokens` (= sequences × seqlen): hidden states, q/k/v, the MLP's
     intermediate, and the attention scores (B, H, T, T) where attention materializes them."""
     c = config.hidden_size
@@ -71,7 +71,7 @@ def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: 
     captured += inners * tokens * i * item  # (B, T, I) per captured down_proj input
     working = 3 * tokens * c * STATS_ITEM  # x_pre, Δ, m as float64 (T, C) in the accumulator
     working += tokens * i * STATS_ITEM if inners else 0  # a as float64 (T, I)
-    return _forward_bytes(config, tokens, seqlen, item) + captured + working
+    return forward_bytes(config, tokens, seqlen, item) + captured + working
 
 
 def logits_bytes(config: PretrainedConfig, batch: int, seqlen: int) -> int:
@@ -84,7 +84,7 @@ def evaluation_bytes(config: PretrainedConfig, batch: int, seqlen: int, dtype: t
     """One perplexity batch besides its logits: the forward's transients, the shared prefix's output and a
     suffix's output (B, T, C) each."""
     item = dtype_bytes(dtype)
-    return _forward_bytes(config, batch * seqlen, seqlen, item) + 2 * batch * seqlen * config.hidden_size * item
+    return forward_bytes(config, batch * seqlen, seqlen, item) + 2 * batch * seqlen * config.hidden_size * item
 
 
 def drift_bytes(config: PretrainedConfig, seqlen: int, dtype: torch.dtype) -> int:
@@ -128,8 +128,8 @@ class OperatorCost:
     module: H diag(r) Hᵀ); "matrix" (an fp32 C×C map and module); "branch" (an fp32 C×C map, and
     the folded down_proj copy, C × intermediate in the model's dtype, or an fp32 C×C module where a
     norm follows the MLP); "refit" (the down_proj change B, an fp32 I×C map, and the folded down_proj
-    copy). `refit`: the fit solves the down_proj refit (two I×I and one I×C float64 matrices, and
-    every (λ, sink count) candidate's fp32 I×C update until the held-out pass chooses).
+    copy). `refit`: the fit solves the down_proj refit (`refit_solve_bytes`: two I×I and three I×C float64
+    matrices, and every (λ, sink count) candidate's fp32 I×C update until the held-out pass chooses).
     """
 
     fit_matrices: int = 0
@@ -153,12 +153,22 @@ def inner_width(config: PretrainedConfig, needs) -> int:
     return int(config.intermediate_size) if needs.inner and _folds(config) else 0
 
 
+def refit_solve_bytes(inner: int, width: int) -> int:
+    """The down_proj refit's solve beside the statistics (`recovery.refit.refit_solutions`): its own working
+    normal equations and their Cholesky factor (two I×I float64, solved from in place: `linalg.factor_solve`),
+    and five I×C float64 at most: the projected right-hand side, a scaled target's cross moment, the triangular
+    solves' intermediate and working copy, one solution (its float32 copy is the candidate's). Measured at
+    I = 2500, C = 256 with 8 sink rows: refit 136 MiB, magcomp_refit 151 MiB, against 144 MiB planned with
+    the candidates (a few MiB of LAPACK workspace are not counted)."""
+    return (2 * inner * inner + 5 * inner * width) * STATS_ITEM
+
+
 def _refit_bytes(cost: OperatorCost, config: PretrainedConfig, inner: int, refit_candidates: int) -> tuple[int, int]:
-    """(the refit's solve: two I×I and one I×C float64, its candidates' fp32 I×C updates) in bytes."""
+    """(the refit's solve, its candidates' fp32 I×C updates) in bytes."""
     if not (cost.refit and inner):
         return 0, 0
     c = config.hidden_size
-    return (2 * inner * inner + inner * c) * STATS_ITEM, refit_candidates * inner * c * 4
+    return refit_solve_bytes(inner, c), refit_candidates * inner * c * 4
 
 
 def fit_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int, inner: int = 0,

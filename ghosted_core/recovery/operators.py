@@ -117,22 +117,24 @@ class OperatorSpec:
     needs: StatNeeds = ALL_NEEDS  # statistics the fit (and its error report) reads
     stock: bool = False  # its variants fold into a stock checkpoint (plain pruning, maps on the MLP branch)
     fold: str = ""  # how its variants fold into stock weights (the export's reason)
-    cost: OperatorCost = OperatorCost(6, "matrix")  # what its fit works in and its variant keeps (the memory plan)
+    cost: OperatorCost = OperatorCost()  # what its fit works in and its variant keeps (the memory plan)
 
 
 OPERATORS: dict[str, OperatorSpec] = {}
 
 
-def register_operator(name: str, *, paper: str, description: str, needs: StatNeeds = ALL_NEEDS, stock: bool = False,
-                      fold: str = "", cost: OperatorCost = OperatorCost(6, "matrix")):
+def register_operator(name: str, *, paper: str, description: str, cost: OperatorCost, needs: StatNeeds = ALL_NEEDS,
+                      stock: bool = False, fold: str = ""):
     """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import.
 
     `needs` names the statistics the fit reads; calibration keeps only the union over the
     requested operators (an operator that does not say gets every statistic). `stock`: the
-    operator's variants fold into a stock checkpoint (see `export.fold`), as `fold` says. `cost`: the
-    C×C matrices its fit works in and what its variant keeps, which the memory plan counts (default: a
-    full C×C least-squares fit and map).
+    operator's variants fold into a stock checkpoint (see `export.fold`), as `fold` says. `cost` (required:
+    an entry without it fails at import): the C×C matrices its fit works in and what its variant keeps,
+    which the memory plan counts (`memory_parts.fit_bytes`, `kept_bytes`).
     """
+    if not isinstance(cost, OperatorCost):
+        raise TypeError(f"operator {name}: cost must be an OperatorCost, not {type(cost).__name__}")
 
     def decorator(fn):
         check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
@@ -208,7 +210,7 @@ def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 @register_operator("rotate", paper="LinearPatch-R",
                    description="per-channel scale in a Hadamard-rotated basis: H diag(r) Hᵀ (symmetric)",
-                   needs=StatNeeds(rotated=True), cost=OperatorCost(4, "rotated"))
+                   needs=StatNeeds(rotated=True), cost=OperatorCost(5, "rotated"))
 def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
     sums = _channel_sums(stats, "hadamard")
     scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens, rotated basis
@@ -242,7 +244,7 @@ LEAST_SQUARES = StatNeeds(residual=True)
 
 @register_operator("ghost", paper="Ghosted Layers",
                    description="least-squares optimum W = I + M, (XᵀX + εI) M = XᵀΔ over all calibration tokens",
-                   needs=LEAST_SQUARES)
+                   needs=LEAST_SQUARES, cost=OperatorCost(6, "matrix"))
 def fit_ghost(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost", stats, "all", opts)
 
@@ -250,7 +252,7 @@ def fit_ghost(stats: BoundaryStats, opts: FitOptions) -> Fit:
 @register_operator("ghost_capped", paper="Ghosted Layers, sink-aware (this project)",
                    description="ghost with each massive-activation (attention-sink) token scaled down to the sink "
                                "threshold norm: sinks still constrain W but no longer dominate XᵀX",
-                   needs=LEAST_SQUARES)
+                   needs=LEAST_SQUARES, cost=OperatorCost(6, "matrix"))
 def fit_ghost_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost_capped", stats, "capped", opts, sink_handling="capped")
 

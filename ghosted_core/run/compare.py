@@ -141,7 +141,8 @@ def compare_stages(options: RunOptions, criteria: Sequence[str], loaded: LoadedM
     clock = Clock(result.timings)
     options, loaded = plan_and_load(
         options, loaded, lambda layers, positions: check_compare(options, chosen, layers, positions), result,
-        boundaries=lambda layers: sum(max_boundaries(c, layers, options.num_prune, options.layers) for c in chosen))
+        boundaries=lambda layers: sum(max_boundaries(c, layers, options.num_prune, options.layers) for c in chosen),
+        criteria=chosen)
     dense, tokenizer = loaded.model, loaded.tokenizer
     clock.tick("load model")
     yield "load model", result

@@ -27,6 +27,8 @@ from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_opti
 from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
 from ghosted_core.selection.criteria import SelectionRequest, check_request, get_criterion
+from ghosted_core.selection.footprint import Footprint, ScoreShapes
+from ghosted_core.selection.similarity import similarity_bytes
 from ghosted_core.evaluation.tasks import parse_tasks
 from ghosted_core.data.user_text import USER_CORPUS, UserText
 from ghosted_core.distill.budget import distill_plan
@@ -233,7 +235,8 @@ UNCAPPED_EVAL_TOKENS = 100_000  # perplexity tokens assumed per corpus without a
 
 def plan_request(options: RunOptions, config, boundaries: int | None = None,
                  depths: Sequence[int] | None = None, kept_cap: int = PREFIX_CACHE_BYTES,
-                 dtype: torch.dtype = torch.float32, train_blocks: int | None = None) -> PlanRequest:
+                 dtype: torch.dtype = torch.float32, train_blocks: int | None = None,
+                 criteria: Sequence[str] | None = None) -> PlanRequest:
     """What `options` asks for, in the counts the memory plan multiplies out (the one place that spells
     `RunOptions` out for `memory.plan_memory`).
 
@@ -241,6 +244,8 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
     sweep's `depths`). A sweep (`depths` given) keeps one dense state per depth, under `kept_cap`.
     `dtype`: the model's (distillation's activations); `train_blocks`: the blocks from the earliest one a
     distillation trains to the end, once the plan is known (None: every kept block, the worst case).
+    `criteria`: a comparison's, scored one after another after one similarity pass that also makes the
+    layer-similarity map; the score phase is the largest of their declarations (None: `options.criterion`).
     """
     layers = config.num_hidden_layers
     chosen = tuple(sorted(set(depths))) if depths else (options.num_prune,)
@@ -251,7 +256,8 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
     eval_seqlen = options.eval_seqlen or options.seqlen
     per_corpus = options.eval_max_tokens // eval_seqlen * eval_seqlen if options.eval_max_tokens else UNCAPPED_EVAL_TOKENS
     cal = options.calibrate
-    scores = get_criterion(options.criterion).needs_similarity
+    score = score_footprint(criteria or (options.criterion,), ScoreShapes(
+        config, dtype_bytes(dtype), sequences, options.seqlen, cal.batch_size, max(chosen), with_map=bool(criteria)))
     needs = needs_of(v.operator for v in options.variants)
     if any(v.distill for v in options.variants):
         options.distill.check_vocabulary(int(config.vocab_size), options.model)
@@ -265,7 +271,7 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
         seqlen=options.seqlen, batch_size=cal.batch_size, sink_capacity=cal.capacity(sequences),
         operators=tuple(get_operator(v.operator).cost for v in options.variants),
         variant_boundaries=max(per_depth) if depths else boundaries, candidates=len(set(options.fit.sink_directions)),
-        heldout=options.heldout, score_streams=max(chosen) + 1 if scores else 0, eval_batch=options.eval_batch_size,
+        heldout=options.heldout, score_bytes=score.bytes, score_note=score.note, eval_batch=options.eval_batch_size,
         eval_seqlen=options.eval_seqlen, eval_tokens=len(options.eval_corpora) * per_corpus,
         kept_indices=len(chosen) if depths else 0, kept_cap=kept_cap,
         drift=not depths and options.drift_windows > 0 and bool(options.eval_corpora),
@@ -274,20 +280,30 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
         distill_device=distill.device, distill_host=distill.host, distill_kept=distill.kept)
 
 
+def score_footprint(criteria: Sequence[str], shapes: ScoreShapes) -> Footprint:
+    """The score phase: the largest declaration of the criteria scored one after another (their notes joined);
+    with the map, the similarity pass that makes it counts even where no similarity criterion is among them."""
+    footprints = [get_criterion(name).memory(shapes) for name in criteria]
+    if shapes.with_map:
+        footprints.append(similarity_bytes(shapes))
+    notes = "; ".join(f.note for f in footprints if f.note)
+    return Footprint(max(f.bytes for f in footprints), notes)
+
+
 def memory_plan(options: RunOptions, config, device: str | None = None, dtype=None, boundaries: int | None = None,
                 depths: Sequence[int] | None = None, resident: tuple[int, int] = (0, 0),
                 device_available: int | None = None, host_available: int | None = None,
-                train_blocks: int | None = None) -> MemoryPlan:
+                train_blocks: int | None = None, criteria: Sequence[str] | None = None) -> MemoryPlan:
     """The run's memory plan from the config (before loading: device and dtype as the load options say;
     once loaded: its placement, and `resident` = `memory.resident_bytes` of the loaded model)."""
     device = device or resolve_device(options.load.device)
     dtype = dtype or resolve_dtype(options.load.dtype, device)
-    request = plan_request(options, config, boundaries, depths, dtype=dtype, train_blocks=train_blocks)
+    request = plan_request(options, config, boundaries, depths, dtype=dtype, train_blocks=train_blocks, criteria=criteria)
     return plan_memory(config, options.model, device, dtype, request, device_available, host_available, resident)
 
 
 def planned(options: RunOptions, loaded: LoadedModel | None = None, boundaries: int | None = None,
-            depths: Sequence[int] | None = None) -> tuple[RunOptions, MemoryPlan]:
+            depths: Sequence[int] | None = None, criteria: Sequence[str] | None = None) -> tuple[RunOptions, MemoryPlan]:
     """Options with the calibration size resolved and calibration placed, and the memory plan behind them.
 
     Before loading (`loaded` None) the plan comes from the config alone; a plan that cannot fit
@@ -299,11 +315,11 @@ def planned(options: RunOptions, loaded: LoadedModel | None = None, boundaries: 
     if loaded is None:
         config = peek_config(options.model, options.load.local_folders)
         options = sized(options, config.hidden_size)
-        plan = memory_plan(options, config, boundaries=boundaries, depths=depths)
+        plan = memory_plan(options, config, boundaries=boundaries, depths=depths, criteria=criteria)
     else:
         options = sized(options, loaded.hidden_size)
         plan = memory_plan(options, loaded.model.config, *model_placement(loaded.model), boundaries=boundaries,
-                           depths=depths, resident=resident_bytes(loaded.model))
+                           depths=depths, resident=resident_bytes(loaded.model), criteria=criteria)
     plan.check()
     log.info(plan.summary())
     return _placed(plan, options), plan

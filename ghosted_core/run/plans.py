@@ -71,17 +71,20 @@ class ManyPlansResult:
 
 def plan_and_load(options: RunOptions, loaded: LoadedModel | None, check: Callable[[int, int | None], None], result: ManyPlansResult,
                   boundaries: Callable[[int], int] | None = None,
-                  depths: Sequence[int] | None = None) -> tuple[RunOptions, LoadedModel]:
+                  depths: Sequence[int] | None = None,
+                  criteria: Sequence[str] | None = None) -> tuple[RunOptions, LoadedModel]:
     """Refuse what `check(num_layers, max_positions)` refuses before any weight loads, plan the memory
     (for `boundaries(num_layers)` boundaries alive at once, or a sweep's `depths`: `run.options.planned`),
-    load, and record the model's facts in `result` (a sweep's or a comparison's)."""
+    load, and record the model's facts in `result` (a sweep's or a comparison's; a comparison passes its
+    `criteria`, whose scoring and layer-similarity map the plan then counts)."""
     if loaded is None:
         config = peek_config(options.model, options.load.local_folders)
         check(config.num_hidden_layers, max_positions(config))
         layers = config.num_hidden_layers
     else:
         layers = loaded.num_layers
-    options, result.memory_plan = planned(options, loaded, boundaries(layers) if boundaries else None, depths)
+    options, result.memory_plan = planned(options, loaded, boundaries(layers) if boundaries else None, depths,
+                                           criteria)
     result.options = options
     if loaded is None:
         loaded = load_model(options.model, options.load)

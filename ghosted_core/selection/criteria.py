@@ -25,7 +25,8 @@ from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan, check_block_number
 from ghosted_core.registry import add, check_signature, lookup
-from ghosted_core.selection.similarity import COSINE_AXES, SimilarityStats
+from ghosted_core.selection.footprint import Footprint, ScoreShapes, no_memory
+from ghosted_core.selection.similarity import COSINE_AXES, SimilarityStats, similarity_bytes
 from ghosted_core.selection.suffixes import Work
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class Scoring:
     work: Work = field(default_factory=Work)
     shared: dict = field(default_factory=dict)
     details: dict = field(default_factory=dict)
+    memo_budget: int | None = None  # sleb's kept-state budget in bytes (None: its default, `sleb.MEMO_BUDGET`)
 
     @property
     def fit_batches(self) -> list[CalibrationBatch]:
@@ -71,6 +73,7 @@ class CriterionSpec:
     needs: str  # one of NEEDS
     paper: str
     cost: str  # passes and memory, in words (the measured cost is in each run's results)
+    memory: Callable[[ScoreShapes], Footprint]  # its scoring's bytes beyond the weights (the memory plan's score phase)
     label: str = ""  # how it differs from the paper's or reference's method, shown beside its name
     contiguous: bool = False  # always removes one run of blocks (one boundary)
 
@@ -92,14 +95,20 @@ class CriterionSpec:
 CRITERIA: dict[str, CriterionSpec] = {}
 
 
-def register_criterion(name: str, *, paper: str, needs: str, cost: str, label: str = "", contiguous: bool = False):
-    """Add `fn(request: SelectionRequest, scoring: Scoring) -> PruningPlan` to CRITERIA."""
+def register_criterion(name: str, *, paper: str, needs: str, cost: str,
+                       memory: Callable[[ScoreShapes], Footprint], label: str = "", contiguous: bool = False):
+    """Add `fn(request: SelectionRequest, scoring: Scoring) -> PruningPlan` to CRITERIA.
+
+    `memory` is required: `memory(shapes: ScoreShapes) -> Footprint`, the bytes its scoring holds beyond
+    the weights (`selection.footprint`); the memory plan sums it, so an entry without one fails at import.
+    """
     if needs not in NEEDS:
         raise ValueError(f"criterion {name}: needs must be one of {NEEDS}")
+    check_signature(memory, f"criterion {name}'s memory", {"shapes": ScoreShapes}, Footprint)
 
     def decorator(fn):
         check_signature(fn, f"criterion {name}", {"request": SelectionRequest, "scoring": Scoring}, PruningPlan)
-        add(CRITERIA, name, CriterionSpec(name, fn, needs, paper, cost, label, contiguous), "criterion")
+        add(CRITERIA, name, CriterionSpec(name, fn, needs, paper, cost, memory, label, contiguous), "criterion")
         return fn
 
     return decorator
@@ -140,7 +149,8 @@ def _best_run(request: SelectionRequest, scores: Sequence[float], highest: bool)
     return (max if highest else min)(starts, key=lambda s: scores[s])
 
 
-@register_criterion("streamline", paper="LLM-Streamline", needs="similarity", contiguous=True, cost=SHARED_PASS)
+@register_criterion("streamline", paper="LLM-Streamline", needs="similarity", contiguous=True, cost=SHARED_PASS,
+                    memory=similarity_bytes)
 def select_streamline(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The contiguous run whose input and output streams are most similar."""
     sim = scoring.sim
@@ -149,7 +159,7 @@ def select_streamline(request: SelectionRequest, scoring: Scoring) -> PruningPla
                        _label(f"mean cos(h_s, h_s+{request.n}) over tokens, per run start s", request))
 
 
-@register_criterion("shortgpt", paper="ShortGPT", needs="similarity", cost=SHARED_PASS)
+@register_criterion("shortgpt", paper="ShortGPT", needs="similarity", cost=SHARED_PASS, memory=similarity_bytes)
 def select_shortgpt(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The n blocks with the lowest Block Influence BI_i = 1 − mean cos(h_i, h_i+1)."""
     sim = scoring.sim
@@ -160,7 +170,7 @@ def select_shortgpt(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
 
 
 @register_criterion("angular", paper="PruneMe / Unreasonable Ineffectiveness of the Deeper Layers", needs="similarity",
-                    contiguous=True, cost=SHARED_PASS)
+                    contiguous=True, cost=SHARED_PASS, memory=similarity_bytes)
 def select_angular(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The run with the smallest angular distance arccos(cos)/π between its input and output at the last token."""
     sim = scoring.sim
@@ -169,7 +179,8 @@ def select_angular(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
                        f"angular distance arccos(cos(h_s, h_s+{request.n}))/π at the last token, per run start s")
 
 
-@register_criterion("manual", paper="user's choice", needs="nothing", cost="none: the blocks you list")
+@register_criterion("manual", paper="user's choice", needs="nothing", cost="none: the blocks you list",
+                    memory=no_memory)
 def select_manual(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Exactly the blocks the user listed."""
     if not request.layers:
@@ -177,7 +188,7 @@ def select_manual(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     return PruningPlan(request.num_layers, request.layers, "manual")
 
 
-@register_criterion("none", paper="dense model", needs="nothing", cost="none")
+@register_criterion("none", paper="dense model", needs="nothing", cost="none", memory=no_memory)
 def select_none(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Remove nothing (evaluate the dense model only)."""
     return PruningPlan(request.num_layers, (), "none")

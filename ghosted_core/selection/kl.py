@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
+from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, group_size, logits_chunk
 from ghosted_core.selection.next_token import count_targets, kl_sums
 from ghosted_core.selection.suffixes import Candidate, CandidateRunner, chunks
 
@@ -51,7 +52,20 @@ def run_kl(scoring: Scoring, n: int) -> list[float]:
                                      for s in range(num_layers - n + 1)])
 
 
-@register_criterion("kl", paper="output-grounded removal (the measure the cosine criteria approximate)", needs="forward",
+def dense_states_bytes(shapes: ScoreShapes, candidates: int) -> int:
+    """`mean_kl` at its peak: the dense pass's L+1 states of one batch, and then either one group of `candidates`
+    running, or its final states and the KL's logits chunk (the reference's log-probabilities and probabilities,
+    a candidate's, their difference and its product), which come one after the other."""
+    heads = group_size(shapes, candidates) * shapes.state() + logits_chunk(shapes, 3, 5)
+    return (shapes.layers + 1) * shapes.state() + max(candidate_group(shapes, candidates), heads)
+
+
+def kl_bytes(shapes: ScoreShapes) -> Footprint:
+    """kl: `dense_states_bytes` with the L−n+1 run starts as candidates."""
+    return Footprint(dense_states_bytes(shapes, shapes.layers - shapes.n + 1))
+
+
+@register_criterion("kl", memory=kl_bytes, paper="output-grounded removal (the measure the cosine criteria approximate)", needs="forward",
                     contiguous=True, cost=COST, label="KL to the dense next-token distribution")
 def select_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The run start s with the lowest mean KL(p_dense ‖ p_pruned); ties to the lowest s."""

@@ -25,18 +25,23 @@ from ghosted_core.memory_parts import LOGITS_BUDGET
 from ghosted_core.selection.suffixes import Work
 
 
-def _logits(model: PreTrainedModel, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits of final residual states h (N, C), before the final norm → (N, V), or (N, |rows|) for vocabulary rows."""
+def _logits(model: PreTrainedModel, h: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
+            ) -> torch.Tensor:
+    """Logits of final residual states h (N, C), before the final norm → (N, V), or (N, |S|) for a vocabulary
+    subset's head rows `rows` = (weight (|S|, C), bias), sliced once by `_subset_head`."""
     x = model.model.norm(h)
-    head = model.lm_head
-    if rows is None:
-        logits = head(x)
-    else:
-        bias = None if head.bias is None else head.bias[rows]
-        logits = torch.nn.functional.linear(x, head.weight[rows], bias)
+    logits = model.lm_head(x) if rows is None else torch.nn.functional.linear(x, *rows)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     softcap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def _subset_head(model: PreTrainedModel, subset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's rows of a vocabulary subset, copied once per call of `nll_sums` (memory: |S| × C in the
+    model's dtype), not once per chunk and candidate."""
+    head = model.lm_head
+    rows = subset.to(head.weight.device)
+    return head.weight[rows], None if head.bias is None else head.bias[rows]
 
 
 def _chunks(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, targets: bool, width: int,
@@ -72,12 +77,13 @@ def nll_sums(model: PreTrainedModel, finals: Sequence[torch.Tensor], input_ids: 
     Time: one head (or |subset|/V of one) per candidate per token; memory: one chunk of logits.
     """
     width = model.lm_head.out_features if subset is None else len(subset)
+    rows = None if subset is None else _subset_head(model, subset)
     sums = [0.0] * len(finals)
     for where, keep in _chunks(input_ids, attention_mask, True, width, 2):
         target = input_ids[:, 1:][:, where].reshape(-1)[keep]
         column = target if subset is None else torch.searchsorted(subset.cpu(), target)
         for k, h in enumerate(finals):
-            z = _logits(model, _rows(h, where, keep), subset)  # (rows, width)
+            z = _logits(model, _rows(h, where, keep), rows)  # (rows, width)
             picked = z.gather(1, column.to(z.device)[:, None])[:, 0]
             sums[k] += float((torch.logsumexp(z, dim=-1) - picked).double().sum())
     if work is not None:

@@ -30,7 +30,8 @@ from ghosted_core.calibration.collect import CalibrationOptions, collect_stats
 from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.recovery.magcomp import compensate, magnitude_scale
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
-from ghosted_core.selection.similarity import measure_similarity
+from ghosted_core.selection.footprint import Footprint, ScoreShapes
+from ghosted_core.selection.similarity import measure_similarity, similarity_bytes
 from ghosted_core.model.surgery import build_variant
 from ghosted_core.statistics import StatNeeds
 
@@ -74,7 +75,16 @@ def iterate(scoring: Scoring, request: SelectionRequest) -> tuple[list[dict], tu
     return rounds, first_scores
 
 
-@register_criterion("prunecomp", paper="Prune&Comp (arXiv 2507.18212)", needs="forward", cost=COST,
+def prunecomp_bytes(shapes: ScoreShapes) -> Footprint:
+    """A round at its peak: the similarity pass at n = 1, or the scale's pass (one forward, the two captured
+    streams and their float64 working copies), whichever is larger."""
+    s = shapes
+    scale_pass = s.forward() + 2 * s.state() + 3 * s.batch_tokens * s.width * 8
+    return Footprint(max(similarity_bytes(ScoreShapes(s.config, s.item, s.sequences, s.seqlen, s.batch_size, 1)).bytes,
+                         scale_pass))
+
+
+@register_criterion("prunecomp", paper="Prune&Comp (arXiv 2507.18212)", needs="forward", cost=COST, memory=prunecomp_bytes,
                     label="iterative BI on the magnitude-compensated model")
 def select_prunecomp(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """n rounds: remove the lowest-BI block of the current model, compensate its magnitude, rescore."""

@@ -24,6 +24,7 @@ from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.calibration.collect import CalibrationBatch, valid_mask
 from ghosted_core.errors import GhostedError
 from ghosted_core.model.loading import decoder_blocks
+from ghosted_core.selection.footprint import Footprint, ScoreShapes
 
 COSINE_AXES = ("hidden", "token-axis")  # "hidden": the papers' per-token cosine; "token-axis": the reference repos'
 MAP_LABEL = ("mean per-token cosine cos(h_i, h_j) over calibration tokens, h_0 = embeddings … h_L = final-norm "
@@ -188,3 +189,15 @@ def measure_similarity_depths(model: PreTrainedModel, depths: Sequence[int], bat
             run_forward(model, batch.input_ids, batch.attention_mask)
     frozen_map = all_pairs.freeze() if all_pairs else None
     return {n: acc.freeze(frozen_map) for n, acc in accs.items()}
+
+
+def similarity_bytes(shapes: ScoreShapes) -> Footprint:
+    """The similarity pass at its peak: one forward's transients, the last n+1 residual streams of a batch it
+    keeps, the cosine's float32 working copies (two streams), and with the comparison's map its (L+1) normalized
+    float32 streams of the batch and one token-normalized copy."""
+    s = shapes
+    stream32 = s.batch_tokens * s.width * 4  # (B·T, C) float32
+    total = s.forward() + (max(s.n, 1) + 1) * s.state() + 2 * stream32
+    if s.with_map:
+        total += (s.layers + 1) * stream32 + 2 * stream32
+    return Footprint(total)

@@ -21,9 +21,12 @@ savings, none of which changes a number the choice rests on:
    until the next bound exceeds the best exact NLL so far: no skipped candidate can win.
 3. The head as logsumexp minus the target logit, in token chunks (no V-wide log-softmax copy).
 
-Memory: the kept states, at most `MEMO_BUDGET` bytes beyond each round's own cache (L_r × B × T × C
-per batch), and every candidate's final state for the bounds (L_r × calibration tokens × C,
-under `FINALS_BUDGET`; above it the exact head runs for every candidate and no bound is used).
+Memory (`sleb_bytes` declares it): every batch's embedding; the kept states, the current model's
+first, at most `memo_budget` bytes (`MEMO_BUDGET` by default): what the budget cannot hold is
+recomputed from the longest kept prefix, down to the embedding, never kept anyway; every
+candidate's final state for the bounds (L_r × calibration tokens × C, under `FINALS_BUDGET`; above
+it the exact head runs for every candidate and no bound is used); one chunk of candidates run
+together (under `suffixes.STATE_BUDGET`) and one chunk of logits.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
+from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, group_size, logits_chunk
 from ghosted_core.selection.next_token import count_targets, nll_sums, vocabulary_subset
 from ghosted_core.selection.suffixes import Candidate, CandidateRunner, Work, chunks
 
@@ -91,10 +95,11 @@ class _Memo:
                 return m, state
         raise KeyError("the embedding of every batch is stored first")
 
-    def storer(self, b: int, force: bool = False):
+    def storer(self, b: int):
+        """A `Store` that keeps a state while the budget holds it (the rest is recomputed when needed)."""
         def store(prefix: tuple[int, ...], state: torch.Tensor) -> None:
             size = state.numel() * state.element_size()
-            if force or self.bytes + size <= self.budget:
+            if self.bytes + size <= self.budget:
                 self.tables[b][prefix] = state
                 self.bytes += size
         return store
@@ -145,9 +150,9 @@ def _round(runner: CandidateRunner, model: PreTrainedModel, memo: _Memo, alive: 
     current: list[torch.Tensor] = []
     exact: list[float] = [0.0] * len(alive)
     for b, batch in enumerate(batches):
-        m, state = memo.longest(b, alive)  # the current model: its states, kept whatever the budget
+        m, state = memo.longest(b, alive)  # the current model: its states kept first, under the budget
         current.append(runner.run([Candidate(state, _steps(runner, alive[m:]), tuple(alive[:m]))],
-                                  batch.attention_mask, memo.storer(b, force=True))[0])
+                                  batch.attention_mask, memo.storer(b))[0])
         candidates = []
         for q in alive:
             sequence = [j for j in alive if j != q]
@@ -209,7 +214,27 @@ COST = ("n rounds; per window and round one pass of the current model's missing 
         "(naive: L_r full passes per round); memory: kept states ≤ 1 GiB + L_r final states per calibration token")
 
 
-@register_criterion("sleb", paper="SLEB (Song et al. 2024)", needs="forward", cost=COST,
+def sleb_bytes(shapes: ScoreShapes) -> Footprint:
+    """sleb at its peak (round 1, the largest): every batch's embedding; the kept states under the budget, no more
+    than round 1 can store (the current model's L and the candidates' L(L−1)/2 per batch, finals among them); the
+    final states the memo could not keep, when the bounds screen; then either one group of candidates running, or
+    the logits of one chunk (the head's output and logsumexp's copies) and the vocabulary subset's head rows."""
+    s = shapes
+    budget = MEMO_BUDGET if s.memo_budget is None else s.memo_budget
+    layers, everything = s.layers, s.state(s.tokens)
+    storable = everything * (layers + layers * (layers - 1) // 2)
+    kept = min(budget, storable)
+    screen = layers * everything <= FINALS_BUDGET
+    finals = (layers + 1 + group_size(s, layers - 1)) * everything if screen and kept < storable else 0
+    subset = min(s.vocab, s.tokens * (SUBSET_TOP + 1)) * s.width * s.item if screen else 0
+    heads = logits_chunk(s, 2, 3) + subset
+    total = everything + kept + finals + max(candidate_group(s, layers - 1), heads)
+    note = "" if storable <= budget else (f"sleb keeps {budget / 2**20:.0f} MiB of states; the rest is recomputed "
+                                          "from the longest kept prefix")
+    return Footprint(total, note)
+
+
+@register_criterion("sleb", paper="SLEB (Song et al. 2024)", needs="forward", cost=COST, memory=sleb_bytes,
                     label="greedy by calibration NLL, every block a candidate")
 def select_sleb(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """n greedy rounds, each removing the block whose removal gives the lowest calibration NLL."""
@@ -218,7 +243,8 @@ def select_sleb(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
         full, scoring.work = earlier
         result = SlebResult(full.order[:request.n], full.rounds[:request.n], full.tokens)
     else:
-        result = sleb_order(scoring.model, request.n, scoring.batches, scoring.work, scoring.quiet)
+        budget = MEMO_BUDGET if scoring.memo_budget is None else scoring.memo_budget
+        result = sleb_order(scoring.model, request.n, scoring.batches, scoring.work, scoring.quiet, budget)
         scoring.shared["sleb"] = (result, scoring.work)
     first = result.rounds[0]
     scores = tuple((x if x is not None else b) / result.tokens for x, b in zip(first.nll, first.bound))

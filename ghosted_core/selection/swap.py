@@ -31,7 +31,8 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.model.surgery import shallow_view
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
-from ghosted_core.selection.kl import mean_kl
+from ghosted_core.selection.footprint import Footprint, ScoreShapes
+from ghosted_core.selection.kl import dense_states_bytes, mean_kl
 from ghosted_core.selection.suffixes import CandidateRunner
 
 WINDOW = 3  # pairs with j − i ≤ WINDOW (Qwen3-8B and Pythia in the paper)
@@ -97,6 +98,11 @@ def guided_removal(scores: list[float], n: int, spacing: int = SPACING) -> tuple
                        f"{len(chosen)} of {len(scores)} blocks, not {n}; remove fewer blocks")
 
 
+def swap_bytes(shapes: ScoreShapes) -> Footprint:
+    """Both probes: `kl.dense_states_bytes` with three variants per pair as candidates."""
+    return Footprint(dense_states_bytes(shapes, 3 * len(pairs(shapes.layers))))
+
+
 def _select(request: SelectionRequest, scoring: Scoring, probe: str, name: str) -> PruningPlan:
     if "swap" not in scoring.shared:  # both probes from one set of passes, whichever criterion asks first
         scoring.shared["swap"] = (swap_distances(scoring), name, scoring.work)
@@ -114,14 +120,14 @@ def _select(request: SelectionRequest, scoring: Scoring, probe: str, name: str) 
 
 
 @register_criterion("swap_kl", paper="No Free Swap (arXiv 2605.16234), interchange probe", needs="forward", cost=COST,
-                    label=f"interchange-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
+                    memory=swap_bytes, label=f"interchange-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
 def select_swap_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Removal guided by the interchange distance d_inter (slots i and j exchange weights)."""
     return _select(request, scoring, "interchange", "swap_kl")
 
 
 @register_criterion("swap_kl_repl", paper="No Free Swap (arXiv 2605.16234), replacement probe", needs="forward",
-                    cost=COST, label=f"replacement-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
+                    cost=COST, memory=swap_bytes, label=f"replacement-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
 def select_swap_kl_repl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Removal guided by the replacement distance d_repl (one block's weights in the other's slot, worse direction)."""
     return _select(request, scoring, "replacement", "swap_kl_repl")

@@ -33,6 +33,7 @@ from ghosted_core.architectures import architecture_of
 from ghosted_core.model.loading import decoder_blocks
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
+from ghosted_core.selection.footprint import Footprint, ScoreShapes
 
 COST = "no forward pass: L·C²·(H·d + I) multiply-adds for the write-space Grams; memory: 2·L Grams of C × C (float32)"
 LABEL = "ours, inspired by WRP's abstract (no WRP code is public)"
@@ -91,8 +92,16 @@ def choose(matrix: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
     return order, first
 
 
+def weights_bytes(shapes: ScoreShapes) -> Footprint:
+    """One branch at its peak: the L flattened Grams, their stacked copy and its normalized copy (C² float32
+    each per layer), and the float32 copy of a projection where the model's dtype is not float32."""
+    s = shapes
+    copy = 0 if s.item == 4 else s.width * max(int(s.config.intermediate_size), s.width) * 4
+    return Footprint((3 * s.layers + 2) * s.width * s.width * 4 + copy)  # + a Gram being made and its flat view
+
+
 @register_criterion("weights", paper="Weight-Redundancy Pruning's idea (abstract only; our design)", needs="weights",
-                    cost=COST, label=LABEL)
+                    cost=COST, memory=weights_bytes, label=LABEL)
 def select_weights(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The n layers whose write spaces are best covered by a surviving, larger-scale layer."""
     sim, scale = weight_similarity(scoring.model)
