@@ -10,6 +10,7 @@
 - `swap`: No Free Swap's replacement and interchange probes, and the removals they guide (swap_kl, swap_kl_repl).
 - `weights`: forward-free selection from the weights (ours, inspired by WRP's abstract).
 - `prunecomp`: Prune&Comp's iterative Block Influence on the magnitude-compensated model.
+- `footprint`: what a criterion's scoring holds at its peak (the terms each criterion's memory declaration adds up).
 - `choose`: select_blocks (a run), select_blocks_depths (a sweep), score_criteria (a comparison).
 
 Importing the package registers every criterion (the modules below register themselves).
