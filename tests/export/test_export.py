@@ -427,9 +427,11 @@ def test_lm_eval_runs_on_a_remote_code_export(tiny_model_folder, tmp_path):
 
 
 def test_every_per_layer_config_list_is_sliced(tiny_llama, tmp_path):
-    """Lists with one entry per dense block (here a SmolLM3-style `no_rope_layers`) keep the kept blocks' entries."""
+    """The family's per-layer lists (`layer_types`) keep the kept blocks' entries in the saved config.json."""
     _plan, variants = recovered_variants(tiny_llama, (1, 4))
     variant = variants["none"]
-    variant.config.no_rope_layers = [10, 11, 12, 13, 14, 15]  # the variant's own config copy, as surgery left it
+    kinds = ["full_attention", "sliding_attention", "full_attention", "full_attention", "sliding_attention",
+             "full_attention"]
+    variant.config.layer_types = kinds  # the variant's own config copy, at the dense length as surgery left it
     config = json.loads((export_variant(variant, None, tmp_path / "none").folder / "config.json").read_text())
-    assert config["no_rope_layers"] == [10, 12, 13, 15] and config["num_hidden_layers"] == 4
+    assert config["layer_types"] == [kinds[i] for i in (0, 2, 3, 5)] and config["num_hidden_layers"] == 4
