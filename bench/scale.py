@@ -4,6 +4,7 @@
     .venv/bin/python bench/scale.py --quick                           # C = 2048, 1 and 4 boundaries (scale_quick.json)
     python bench/scale.py --device cuda                               # a GPU machine: the full 32-block 8B shape, bf16
     .venv/bin/python bench/scale.py --smollm2_products                # fp32 vs float64 products on SmolLM2
+    .venv/bin/python bench/scale.py --sleb_only --tokens 1024         # sleb at C = 4096 against its declaration
 
 CPU mode builds random Llama models from configs, fp32, with 4 blocks: C = 2048 with
 Llama-3.2-1B's shapes and C = 4096 with Llama-3-8B's (intermediate 14336, 32 heads, 8 KV
@@ -38,6 +39,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -347,6 +349,35 @@ def refit_only(args) -> None:
     write_entry(args, "refit", row)
 
 
+def sleb_only(args) -> None:
+    """sleb's scoring at C = 4096 (Llama-3-8B's shapes, 4 blocks, fp32) against its declaration, with its default
+    kept-state budget and with none (`memo_budget = 0`: every state but the embeddings recomputed), measured by
+    the registry test's worker (`tests/memory_peaks.py`) in a process of its own."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="sleb_c4096_"))
+    try:
+        model = build_model("llama-3-8b", 4)
+        model.save_pretrained(folder)
+        del model
+        gc.collect()
+        text = f"sequences={args.tokens // SEQLEN}:seqlen={SEQLEN}"
+        cases = [f"criterion:sleb:{text}", f"criterion:sleb:memo_budget=0:{text}"]
+        clock = time.perf_counter()
+        done = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_peaks.py"), str(folder), *cases],
+                              capture_output=True, text=True, check=True)
+        rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    for row in rows:
+        measured, planned = row["measured"], row["planned"]
+        budget = row["options"].get("memo_budget", "default")
+        print(f"sleb at C = 4096 (4 blocks, {args.tokens} tokens, memo budget {budget}), score blocks: measured "
+              f"{measured / GIB:.2f} GiB, planned {planned / GIB:.2f} GiB ({planned / measured:.2f}×)"
+              + (f"; {row['note']}" if row.get("note") else ""))
+    write_entry(args, "sleb", {"rows": rows, "wall_s": time.perf_counter() - clock})
+
+
 def like_for_like_lines(result: dict) -> list[str]:
     mean, peak = result["mean_wall_s"], result["peak_extra_gib"]
 
@@ -464,6 +495,9 @@ def main() -> None:
                         help="only: fp32 vs float64 products on the real SmolLM2 (scale_products.json)")
     parser.add_argument("--refit_only", action="store_true",
                         help="only: magcomp_refit at one C = 4096 boundary (I = 14336) into the existing scale.json")
+    parser.add_argument("--sleb_only", action="store_true",
+                        help="only: sleb's scoring at C = 4096 (4 blocks) against its declaration, default and zero "
+                             "kept-state budget, into the existing scale.json (use --tokens 1024: 128k-entry heads)")
     parser.add_argument("--like_for_like_only", action="store_true",
                         help="rerun only the like-for-like comparison (C = 4096) into the existing scale.json")
     parser.add_argument("--out", default=None)
@@ -483,6 +517,8 @@ def main() -> None:
         like_for_like_only(args)
     elif args.refit_only:
         refit_only(args)
+    elif args.sleb_only:
+        sleb_only(args)
     elif args.device == "cuda":
         cuda_main(args)
     else:

@@ -174,8 +174,9 @@ def _refit_bytes(cost: OperatorCost, config: PretrainedConfig, inner: int, refit
 def fit_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int, inner: int = 0,
               refit_candidates: int = 0) -> int:
     """One fit's working memory at its peak: its C×C float64 matrices (with every candidate solved so far),
-    a refit's I×I solve and candidates, or, for a fold, the update, T and the float64 down_proj with its
-    product Tᵀ W_down, whichever is larger."""
+    a refit's I×I solve and candidates, or, for a fold, the chosen update A (and one C×C the fit leaves), the
+    float64 down_proj and its product W_down + Aᵀ W_down (`recovery.modules.branch_replacement`), whichever
+    is larger. Measured in tests/test_memory_declarations.py for every operator, fit and fold."""
     c = config.hidden_size
     solving = (cost.fit_matrices + (candidates if cost.candidates else 0)) * c * c * STATS_ITEM
     solving += sum(_refit_bytes(cost, config, inner, refit_candidates))

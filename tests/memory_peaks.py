@@ -1,13 +1,20 @@
-"""Measure one registry entry's peak against its declaration, in a process of its own (run as a script).
+"""Measure registry entries' peaks against their declarations, in a process of their own (run as a script).
 
-    python tests/memory_peaks.py FOLDER criterion NAME [--memo_budget B]   # its scoring on the model in FOLDER
-    python tests/memory_peaks.py FOLDER operator NAME                       # its fit on one boundary's statistics
-    python tests/memory_peaks.py - refit NAME --inner 2500 --sinks 8        # a refit on synthetic statistics
+    python tests/memory_peaks.py FOLDER CASE [CASE ...]     one JSON line per case, in order
+    python tests/memory_peaks.py --table                     every case on a fresh model: docs/scale.md's table
+
+A CASE is `criterion:NAME` (its scoring on the model in FOLDER), `criterion:NAME:memo_budget=B`
+(also `:sequences=S:seqlen=T` for other text sizes),
+`operator:NAME` (its fit on one boundary's statistics, and the fold of the chosen fit) or
+`refit:NAME:inner=2500:sinks=8` (a refit on synthetic statistics; FOLDER may be `-` if every case is one).
 
 Measured: the peak resident size (VmHWM, reset once the model is loaded, the text made and the
-statistics collected, and glibc's free heap trimmed) minus the resident size then, as
-bench/memory_plan.py measures whole runs. Planned: the entry's own declaration for that phase
-(a criterion's `memory`, an operator's `cost` through `memory_parts.fit_bytes`). One JSON line out.
+statistics collected, what any process sets up once warmed, and glibc's free heap trimmed) minus
+the resident size then, as bench/memory_plan.py measures whole runs. Planned: the entry's own
+declaration for that phase (a criterion's `memory`, an operator's `cost` through
+`memory_parts.fit_bytes`). The cases of one process share its model and its one-time set-up; each
+starts from a settled heap (what an earlier case freed is returned to the system first), so each
+is measured as if alone (checked against one process per case: the same figures within 0.3 MiB).
 """
 
 from __future__ import annotations
@@ -28,9 +35,40 @@ import torch  # noqa: E402
 
 from process_memory import reset_peak, status_bytes  # noqa: E402
 
-SEQUENCES, SEQLEN, BATCH = 8, 128, 4  # calibration text of the criteria and operators cases
+SEQUENCES, SEQLEN, BATCH = 8, 512, 4  # calibration text of the criteria and operators cases
 BOUNDARY = (1, 2)  # the operators' boundary: block 1 removed
-SINK_TOKEN = 0  # its embedding is massive in the test's model: one attention-sink row per window, as in real models
+SINK_TOKENS = 8  # tokens 0…7 have massive embeddings in the test's model: one attention-sink row per window, as in
+# real models, in 8 different directions, so that every sink-direction candidate of a fit is distinct (the worst case
+# the declarations count: with a single sink direction, k = 1, 2, 4, 8 would all be one candidate)
+
+
+def save_model(folder: Path) -> Path:
+    """The shared random model (seeded): C = 1024, 4 blocks, I = 2816, 8,192-token vocabulary, fp32, tokens 0…7
+    with embeddings 100× the others' (a massive activation at the first position of every window, in 8 directions)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=128, vocab_size=8192, tie_word_embeddings=True,
+                         max_position_embeddings=512)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:SINK_TOKENS].mul_(100.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def registry_cases() -> list[str]:
+    """Every criterion and every operator of the registries, and three cases beside them."""
+    import ghosted_core.selection  # noqa: F401  registers every criterion
+    from ghosted_core.recovery.operators import OPERATORS
+    from ghosted_core.selection.criteria import CRITERIA
+
+    return [f"criterion:{name}" for name in CRITERIA] + [f"operator:{name}" for name in OPERATORS] + [
+        "criterion:sleb:memo_budget=0",  # every kept state but the embeddings recomputed
+        "refit:refit:inner=2500:sinks=8",  # the down_proj refits at I = 2500 with 8 sink rows (synthetic statistics)
+        "refit:magcomp_refit:inner=2500:sinks=8",
+    ]
 
 
 def _settle() -> int:
@@ -42,11 +80,26 @@ def _settle() -> int:
     return base
 
 
+def _warm(model=None, batches=None) -> None:
+    """What any process sets up once, before the peak is reset, so that it is not counted as the entry's: the
+    thread pools, kernels and per-thread heaps of a first forward, and the BLAS/LAPACK buffers of a first float64
+    product, Cholesky factorization and triangular solve (measured: about 7 MiB, kept for the process's life)."""
+    with torch.no_grad():
+        if model is not None:
+            model.model(input_ids=batches[0].input_ids)
+        gram = torch.randn(1024, 1024, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        gram = gram @ gram.T + 1024 * torch.eye(1024, dtype=torch.float64)
+        factor = torch.linalg.cholesky(gram)
+        torch.linalg.solve_triangular(factor, gram, upper=False)
+        torch.linalg.eigvalsh(gram[:256, :256])
+
+
 def _batches(vocab: int, sequences: int = SEQUENCES, seqlen: int = SEQLEN, batch: int = BATCH):
     from ghosted_core.calibration.collect import make_batches
 
     ids = torch.randint(1, vocab, (sequences, seqlen), generator=torch.Generator().manual_seed(0))
-    ids[:, 0] = SINK_TOKEN  # every window starts with the model's sink token, as real text starts with BOS
+    ids = ids.clamp(min=SINK_TOKENS)  # ordinary tokens elsewhere
+    ids[:, 0] = torch.arange(sequences) % SINK_TOKENS  # each window starts with a sink token, as real text with BOS
     return make_batches(ids, None, batch)
 
 
@@ -60,48 +113,55 @@ def _load(folder: str):
     return model
 
 
-def criterion(folder: str, name: str, memo_budget: int | None) -> dict:
+def criterion(model, name: str, memo_budget: int | None = None, sequences: int = SEQUENCES,
+              seqlen: int = SEQLEN) -> dict:
     """The criterion's scoring alone (its similarity pass included) against its `memory` declaration."""
     import ghosted_core.selection  # noqa: F401  registers every criterion
     from ghosted_core.selection.criteria import Scoring, SelectionRequest, get_criterion
     from ghosted_core.selection.footprint import ScoreShapes
     from ghosted_core.selection.similarity import measure_similarity
 
-    model = _load(folder)
     config, spec = model.config, get_criterion(name)
     n = 2
     request = SelectionRequest(config.num_hidden_layers, n, (1, 2) if name == "manual" else ())
-    batches = _batches(config.vocab_size)
+    batches = _batches(config.vocab_size, sequences, seqlen)
+    _warm(model, batches)
     base = _settle()
     with torch.no_grad():
         sim = measure_similarity(model, n, batches, quiet=True) if spec.needs_similarity else None
         spec.select(request, Scoring(model, batches, sim, memo_budget=memo_budget))
     measured = status_bytes("VmHWM") - base
-    footprint = spec.memory(ScoreShapes(config, 4, SEQUENCES, SEQLEN, BATCH, n, memo_budget=memo_budget))
+    footprint = spec.memory(ScoreShapes(config, 4, sequences, seqlen, BATCH, n, memo_budget=memo_budget))
     return {"measured": measured, "planned": footprint.bytes, "note": footprint.note}
 
 
-def operator(folder: str, name: str) -> dict:
-    """The operator's fit on one boundary's statistics against `memory_parts.fit_bytes` of its cost."""
+def operator(model, name: str) -> dict:
+    """The operator's fit on one boundary's statistics, and its realization in the model (a fold), against
+    `memory_parts.fit_bytes` of its cost."""
     from ghosted_core.calibration.collect import CalibrationOptions, collect_stats
     from ghosted_core.memory_parts import fit_bytes, inner_width
     from ghosted_core.plan import Boundary
-    from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
+    from ghosted_core.recovery.operators import FitOptions, choose_by_heldout, get_operator, needs_of
+    from ghosted_core.run.fitting import _realize
 
-    model = _load(folder)
     config, spec, opts = model.config, get_operator(name), FitOptions()
     needs = needs_of([name])
     calibrate = CalibrationOptions(quiet=True, sink_rule="position")  # the first token of every window: 8 sink rows
     (stats,) = collect_stats(model, [Boundary(*BOUNDARY)], _batches(config.vocab_size), calibrate, needs)
+    _warm()
     base = _settle()
-    spec.fit(stats, opts)
+    fit = spec.fit(stats, opts)
+    fit = choose_by_heldout(fit, [None] * len(fit.candidates))  # the candidates go once one is chosen
+    realized = _realize(model, [fit])  # then the chosen fit's fold (a down_proj changed in float64), same phase
     measured = status_bytes("VmHWM") - base
+    sinks = stats.sinks.tokens
+    del realized, fit, stats
     planned = fit_bytes(spec.cost, config, len(set(opts.sink_directions)), inner_width(config, needs),
                         opts.refit_candidates)
-    return {"measured": measured, "planned": planned, "sinks": stats.sinks.tokens}
+    return {"measured": measured, "planned": planned, "sinks": sinks}
 
 
-def refit(name: str, inner: int, sinks: int, width: int = 256, tokens: int = 3000) -> dict:
+def refit(_model, name: str, inner: int = 2500, sinks: int = 8, width: int = 256, tokens: int = 3000) -> dict:
     """A refit operator on synthetic statistics: I = `inner`, C = `width`, `sinks` massive rows of a."""
     from transformers import LlamaConfig
 
@@ -121,6 +181,7 @@ def refit(name: str, inner: int, sinks: int, width: int = 256, tokens: int = 300
     accumulator.add(x_pre, x_post, None, torch.ones(1, tokens, dtype=torch.bool), a)
     stats = accumulator.freeze()
     del a, x_pre, x_post, accumulator
+    _warm()
     base = _settle()
     spec, opts = get_operator(name), FitOptions()
     spec.fit(stats, opts)
@@ -130,23 +191,52 @@ def refit(name: str, inner: int, sinks: int, width: int = 256, tokens: int = 300
     return {"measured": measured, "planned": planned, "sinks": stats.sinks.tokens}
 
 
+def parse_case(case: str) -> tuple[str, str, dict]:
+    """`kind:name[:key=value…]` → (kind, name, integer options)."""
+    kind, name, *options = case.split(":")
+    if kind not in ("criterion", "operator", "refit"):
+        raise SystemExit(f"unknown kind {kind!r} in {case!r}")
+    return kind, name, {key: int(value) for key, value in (option.split("=") for option in options)}
+
+
+def markdown(rows: list[dict]) -> list[str]:
+    """docs/scale.md's table: one row per case, MiB and the ratio."""
+    lines = ["| entry | options | measured (MiB) | declared (MiB) | declared / measured |", "|---|---|---|---|---|"]
+    for row in rows:
+        options = ", ".join(f"{k} = {v}" for k, v in row["options"].items()) or "-"
+        measured, planned = row["measured"] / 2**20, row["planned"] / 2**20
+        lines.append(f"| {row['kind']} `{row['name']}` | {options} | {measured:.1f} | {planned:.1f} | "
+                     f"{planned / measured:.2f} |" if measured > 0 else
+                     f"| {row['kind']} `{row['name']}` | {options} | {measured:.1f} | {planned:.1f} | - |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder")
-    parser.add_argument("kind", choices=("criterion", "operator", "refit"))
-    parser.add_argument("name")
-    parser.add_argument("--memo_budget", type=int, default=None)
-    parser.add_argument("--inner", type=int, default=2500)
-    parser.add_argument("--sinks", type=int, default=8)
+    parser.add_argument("folder", nargs="?", default=None)
+    parser.add_argument("cases", nargs="*", help="kind:name[:key=value…]")
+    parser.add_argument("--table", action="store_true", help="every case on a fresh model, as a markdown table")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    if args.kind == "criterion":
-        row = criterion(args.folder, args.name, args.memo_budget)
-    elif args.kind == "operator":
-        row = operator(args.folder, args.name)
-    else:
-        row = refit(args.name, args.inner, args.sinks)
-    print(json.dumps(row | {"kind": args.kind, "name": args.name}))
+    if args.table:
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="memory_c1024_")
+        save_model(Path(folder))
+        args.folder, args.cases = folder, registry_cases()
+    if not args.folder or not args.cases:
+        parser.error("give FOLDER and at least one CASE, or --table")
+    cases = [parse_case(case) for case in args.cases]
+    model = _load(args.folder) if any(kind != "refit" for kind, _, _ in cases) else None
+    measure = {"criterion": criterion, "operator": operator, "refit": refit}
+    rows = []
+    for kind, name, options in cases:
+        row = measure[kind](model, name, **options) | {"kind": kind, "name": name, "options": options}
+        rows.append(row)
+        if not args.table:
+            print(json.dumps(row), flush=True)
+    if args.table:
+        print("\n".join(markdown(rows)))
 
 
 if __name__ == "__main__":

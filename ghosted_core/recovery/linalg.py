@@ -122,8 +122,8 @@ def solve_ridge(gram: torch.Tensor, cross: torch.Tensor, tokens: int, opts: Ridg
     fit is rank-deficient (fewer tokens than channels) or ill-conditioned, never NaN.
 
     cond is NaN unless `opts.condition_number` asks for it. Time: a Cholesky test and a Cholesky
-    solve, O(C³); memory: three C×C float64 matrices beyond gram and cross (the shifted or
-    regularized copy, its factor, A).
+    solve, O(C³); memory: three C×C float64 matrices beyond gram and cross at once (the regularized copy and
+    its factor; then the factor, the triangular solve's intermediate and A).
     """
     width = gram.shape[0]
     cond = condition_number(gram) if opts.condition_number else math.nan
@@ -145,9 +145,14 @@ def solve_ridge(gram: torch.Tensor, cross: torch.Tensor, tokens: int, opts: Ridg
         eps = opts.epsilon
     regularized = gram.clone()  # (C, C): one copy, the statistics stay as they are
     regularized.diagonal().add_(eps)
-    factor, info = torch.linalg.cholesky_ex(regularized)
-    update = torch.cholesky_solve(cross, factor) if int(info) == 0 else torch.linalg.solve(regularized, cross)
-    del regularized, factor
+    factor, info = torch.linalg.cholesky_ex(regularized)  # (C, C)
+    if int(info) == 0:
+        del regularized  # the factor is all the solve needs
+        update = factor_solve(factor, cross)  # (C, C), read from the factor in place
+    else:
+        update = torch.linalg.solve(regularized, cross)
+        del regularized
+    del factor
     if not torch.isfinite(update).all():
         raise GhostedError("the least-squares fit produced non-finite values; use more calibration text or --ridge relative")
     return update, eps, cond, notes

@@ -38,19 +38,23 @@ def branch_replacement(fit: Fit, block: nn.Module) -> dict[str, nn.Module]:
     residual as is; applied as an explicit C×C map after the branch where a norm follows
     the MLP (Gemma3) or the weights are offloaded.
     """
-    transform = torch.eye(fit.update.shape[0], dtype=torch.float64, device=fit.update.device) + fit.update  # T (C, C)
     target = branch_module(block)
     down = getattr(getattr(block, "mlp", None), "down_proj", None)
     if target is block.mlp and isinstance(down, nn.Linear) and down.weight.device.type != "meta":
-        # y = a W_downᵀ + b  →  y T = a (Tᵀ W_down)ᵀ + b T
-        weight = transform.T.to(down.weight.device) @ down.weight.to(torch.float64)  # (C, I)
+        # y = a W_downᵀ + b  →  y T = a (Tᵀ W_down)ᵀ + b T, with T = I + A: Tᵀ W_down = W_down + Aᵀ W_down
+        # memory: the down_proj in float64 and the product (2·C·I·8 B) beside A; T itself is never formed
+        update = fit.update.to(down.weight.device)  # (C, C) A
+        dense = down.weight.to(torch.float64)  # (C, I)
+        weight = torch.addmm(dense, update.T, dense)  # (C, I)
+        del dense
         folded = nn.Linear(down.in_features, down.out_features, bias=down.bias is not None,
-                           device=down.weight.device, dtype=down.weight.dtype)
+                           device="meta", dtype=down.weight.dtype)  # no weights of its own until assigned
         folded.weight = nn.Parameter(weight.to(down.weight.dtype), requires_grad=False)
         if down.bias is not None:
-            bias = down.bias.to(torch.float64) @ transform.to(down.bias.device)
-            folded.bias = nn.Parameter(bias.to(down.bias.dtype), requires_grad=False)
+            bias = down.bias.to(torch.float64)  # (C,)
+            folded.bias = nn.Parameter(torch.addmv(bias, update.T, bias).to(down.bias.dtype), requires_grad=False)
         return {"mlp.down_proj": folded}
+    transform = torch.eye(fit.update.shape[0], dtype=torch.float64, device=fit.update.device) + fit.update  # T (C, C)
     name = next(n for n, m in block.named_children() if m is target)
     return {name: nn.Sequential(target, ResidualLinear(transform).to(module_device(target)))}
 
@@ -68,8 +72,8 @@ def refit_replacement(fit: Fit, block: nn.Module) -> dict[str, nn.Module]:
         bias = None if down.bias is None else down.bias.detach()
         device = module_device(down) if offloaded else weight.device
         changed = weight.to(torch.float64) + fit.update.to(weight.device, torch.float64).T  # (C, I)
-        refit = nn.Linear(down.in_features, down.out_features, bias=bias is not None, device=device,
-                          dtype=weight.dtype)
+        refit = nn.Linear(down.in_features, down.out_features, bias=bias is not None, device="meta",
+                          dtype=weight.dtype)  # no weights of its own until assigned
         refit.weight = nn.Parameter(changed.to(device, weight.dtype), requires_grad=False)
         if bias is not None:
             refit.bias = nn.Parameter(bias.to(device), requires_grad=False)

@@ -210,7 +210,7 @@ def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
 
 @register_operator("rotate", paper="LinearPatch-R",
                    description="per-channel scale in a Hadamard-rotated basis: H diag(r) Hᵀ (symmetric)",
-                   needs=StatNeeds(rotated=True), cost=OperatorCost(5, "rotated"))
+                   needs=StatNeeds(rotated=True), cost=OperatorCost(4, "rotated"))
 def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
     sums = _channel_sums(stats, "hadamard")
     scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens, rotated basis
@@ -244,7 +244,7 @@ LEAST_SQUARES = StatNeeds(residual=True)
 
 @register_operator("ghost", paper="Ghosted Layers",
                    description="least-squares optimum W = I + M, (XᵀX + εI) M = XᵀΔ over all calibration tokens",
-                   needs=LEAST_SQUARES, cost=OperatorCost(6, "matrix"))
+                   needs=LEAST_SQUARES, cost=OperatorCost(5, "matrix"))
 def fit_ghost(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost", stats, "all", opts)
 
@@ -252,14 +252,14 @@ def fit_ghost(stats: BoundaryStats, opts: FitOptions) -> Fit:
 @register_operator("ghost_capped", paper="Ghosted Layers, sink-aware (this project)",
                    description="ghost with each massive-activation (attention-sink) token scaled down to the sink "
                                "threshold norm: sinks still constrain W but no longer dominate XᵀX",
-                   needs=LEAST_SQUARES, cost=OperatorCost(6, "matrix"))
+                   needs=LEAST_SQUARES, cost=OperatorCost(5, "matrix"))
 def fit_ghost_capped(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost_capped", stats, "capped", opts, sink_handling="capped")
 
 
 @register_operator("ghost_nosink", paper="Ghosted Layers, sink-free (this project)",
                    description="ghost fit on ordinary tokens only: massive-activation tokens left out of the statistics",
-                   needs=LEAST_SQUARES, cost=OperatorCost(4, "matrix"))
+                   needs=LEAST_SQUARES, cost=OperatorCost(3, "matrix"))
 def fit_ghost_nosink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _least_squares_fit("ghost_nosink", stats, "ordinary", opts, sink_handling="excluded")
 
@@ -280,7 +280,7 @@ def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit | None:
 
 @register_operator("replaceme", paper="ReplaceMe-LS",
                    description="least-squares map on block s−1's MLP output, folded into its down projection",
-                   needs=BRANCH, stock=True, fold=REPLACEME_FOLD, cost=OperatorCost(6, "branch"))
+                   needs=BRANCH, stock=True, fold=REPLACEME_FOLD, cost=OperatorCost(5, "branch"))
 def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
     # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
     return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
@@ -337,7 +337,7 @@ def choose_by_calibration(candidates: list[Fit], stats: BoundaryStats) -> Fit:
                    description="ReplaceMe fitted on ordinary tokens with T = I on the sink tokens' top MLP-output "
                                "directions (their number chosen by held-out error); folded into block s−1's down "
                                "projection", needs=BRANCH, stock=True, fold=REPLACEME_FOLD,
-                   cost=OperatorCost(6, "branch", candidates=True))
+                   cost=OperatorCost(5, "branch", candidates=True))
 def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     """The sink token's MLP output is massive; any T ≠ I on it breaks the sink for every block after.
 

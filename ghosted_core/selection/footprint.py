@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from ghosted_core.memory_parts import LOGITS_BUDGET, forward_bytes
+from ghosted_core.memory_parts import LOGITS_BUDGET
 from ghosted_core.selection.suffixes import STATE_BUDGET
 
 
@@ -63,8 +63,10 @@ class ScoreShapes:
         return (self.batch_tokens if tokens is None else tokens) * self.width * self.item
 
     def forward(self, tokens: int | None = None) -> int:
-        """One forward's transients over `tokens` (one batch's when None), attention scores included."""
-        return forward_bytes(self.config, self.batch_tokens if tokens is None else tokens, self.seqlen, self.item)
+        """One forward over `tokens` (one batch's when None) at its peak: the residual stream entering a block and
+        that block's run (`block_run`)."""
+        tokens = self.batch_tokens if tokens is None else tokens
+        return self.state(tokens) + block_run(self, tokens)
 
 
 @dataclass(frozen=True)
@@ -96,11 +98,13 @@ def group_size(shapes: ScoreShapes, candidates: int) -> int:
     return max(1, min(candidates, STATE_BUDGET // max(shapes.state(), 1)))
 
 
-def candidate_group(shapes: ScoreShapes, candidates: int) -> int:
+def candidate_group(shapes: ScoreShapes, candidates: int, tallest: int | None = None) -> int:
     """`suffixes.CandidateRunner.run` on one chunk of candidates at a slot: their states concatenated along the
-    batch axis, the previous slot's outputs and this slot's (three states per candidate), and the tall block run."""
+    batch axis, the previous slot's outputs and this slot's (three states per candidate), and the tall block run
+    of the candidates that run one module there together (`tallest` at most; every candidate of the chunk when None)."""
     together = group_size(shapes, candidates)
-    return 3 * together * shapes.state() + block_run(shapes, together * shapes.batch_tokens)
+    tall = together if tallest is None else min(together, tallest)
+    return 3 * together * shapes.state() + block_run(shapes, tall * shapes.batch_tokens)
 
 
 def logits_chunk(shapes: ScoreShapes, copies: int, alive: int) -> int:

@@ -52,12 +52,13 @@ def run_kl(scoring: Scoring, n: int) -> list[float]:
                                      for s in range(num_layers - n + 1)])
 
 
-def dense_states_bytes(shapes: ScoreShapes, candidates: int) -> int:
+def dense_states_bytes(shapes: ScoreShapes, candidates: int, tallest: int | None = None) -> int:
     """`mean_kl` at its peak: the dense pass's L+1 states of one batch, and then either one group of `candidates`
-    running, or its final states and the KL's logits chunk (the reference's log-probabilities and probabilities,
-    a candidate's, their difference and its product), which come one after the other."""
-    heads = group_size(shapes, candidates) * shapes.state() + logits_chunk(shapes, 3, 5)
-    return (shapes.layers + 1) * shapes.state() + max(candidate_group(shapes, candidates), heads)
+    running (at most `tallest` of them through one module together; all when None), or its final states, the rows
+    of one chunk gathered for the head and the KL's logits chunk (the reference's log-probabilities and
+    probabilities, a candidate's, their difference and its product), which come one after the other."""
+    heads = (group_size(shapes, candidates) + 1) * shapes.state() + logits_chunk(shapes, 3, 5)
+    return (shapes.layers + 1) * shapes.state() + max(candidate_group(shapes, candidates, tallest), heads)
 
 
 def kl_bytes(shapes: ScoreShapes) -> Footprint:

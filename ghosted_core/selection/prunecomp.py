@@ -76,10 +76,11 @@ def iterate(scoring: Scoring, request: SelectionRequest) -> tuple[list[dict], tu
 
 
 def prunecomp_bytes(shapes: ScoreShapes) -> Footprint:
-    """A round at its peak: the similarity pass at n = 1, or the scale's pass (one forward, the two captured
-    streams and their float64 working copies), whichever is larger."""
+    """A round at its peak: the similarity pass at n = 1, or the scale's pass, whichever is larger. The scale's
+    pass holds the two captured streams, and beside them first the forward (stopped at the block after the cut),
+    then the accumulator's float64 working copies (x, Δ, their ordinary-token rows, x + Δ: five T×C)."""
     s = shapes
-    scale_pass = s.forward() + 2 * s.state() + 3 * s.batch_tokens * s.width * 8
+    scale_pass = 2 * s.state() + max(s.forward(), 5 * s.batch_tokens * s.width * 8)
     return Footprint(max(similarity_bytes(ScoreShapes(s.config, s.item, s.sequences, s.seqlen, s.batch_size, 1)).bytes,
                          scale_pass))
 

@@ -54,6 +54,30 @@ def pairs(num_layers: int, window: int = WINDOW) -> list[tuple[int, int]]:
     return [(i, j) for i in range(num_layers) for j in range(i + 1, min(i + window, num_layers - 1) + 1)]
 
 
+def variant_steps(num_layers: int, window: int = WINDOW) -> list[tuple[str, tuple[int, int], int, tuple]]:
+    """The probes' variants as (kind, pair, entry slot, steps), a step being (slot, the block whose weights run
+    there): i←j runs j's weights at slot i, j←i i's at slot j, i↔j both; dense blocks after the first change."""
+    def dense(start: int, stop: int = num_layers) -> tuple:
+        return tuple((k, k) for k in range(start, stop))
+
+    variants = []
+    for i, j in pairs(num_layers, window):
+        variants.append(("i<-j", (i, j), i, ((i, j),) + dense(i + 1)))
+        variants.append(("j<-i", (i, j), j, ((j, i),) + dense(j + 1)))
+        variants.append(("i<->j", (i, j), i, ((i, j),) + dense(i + 1, j) + ((j, i),) + dense(j + 1)))
+    return variants
+
+
+def tallest_group(num_layers: int, window: int = WINDOW) -> int:
+    """The most variants that run one module at one slot together (`CandidateRunner.run` concatenates them): the
+    dense block at the slot most variants leave unchanged."""
+    counts: dict[tuple[int, int], int] = {}
+    for _kind, _pair, _entry, steps in variant_steps(num_layers, window):
+        for step in steps:
+            counts[step] = counts.get(step, 0) + 1
+    return max(counts.values(), default=0)
+
+
 def swap_distances(scoring: Scoring, window: int = WINDOW) -> dict[str, dict[tuple[int, int], float]]:
     """{"replacement": d_repl, "interchange": d_inter} over the pairs within the window (mean KL per position)."""
     runner = CandidateRunner(scoring.model, scoring.work)
@@ -61,17 +85,12 @@ def swap_distances(scoring: Scoring, window: int = WINDOW) -> dict[str, dict[tup
     num_layers = len(blocks)
     chosen = pairs(num_layers, window)
     views = {(a, b): with_weights_of(blocks[a], blocks[b]) for i, j in chosen for a, b in ((i, j), (j, i))}
+    variants = variant_steps(num_layers, window)
 
-    def dense(start: int) -> tuple:
-        return tuple((k, blocks[k]) for k in range(start, num_layers))
+    def modules(steps: tuple) -> tuple:
+        return tuple((slot, blocks[slot] if source == slot else views[slot, source]) for slot, source in steps)
 
-    variants = []  # (kind, pair, entry slot, steps)
-    for i, j in chosen:
-        variants.append(("i<-j", (i, j), i, ((i, views[i, j]),) + dense(i + 1)))
-        variants.append(("j<-i", (i, j), j, ((j, views[j, i]),) + dense(j + 1)))
-        middle = tuple((k, blocks[k]) for k in range(i + 1, j))
-        variants.append(("i<->j", (i, j), i, ((i, views[i, j]),) + middle + ((j, views[j, i]),) + dense(j + 1)))
-    found = mean_kl(scoring, runner, [(entry, steps) for _kind, _pair, entry, steps in variants])
+    found = mean_kl(scoring, runner, [(entry, modules(steps)) for _kind, _pair, entry, steps in variants])
     mean = {(kind, pair): value for (kind, pair, _e, _s), value in zip(variants, found)}
     return {"replacement": {p: max(mean["i<-j", p], mean["j<-i", p]) for p in chosen},
             "interchange": {p: mean["i<->j", p] for p in chosen},
@@ -99,8 +118,9 @@ def guided_removal(scores: list[float], n: int, spacing: int = SPACING) -> tuple
 
 
 def swap_bytes(shapes: ScoreShapes) -> Footprint:
-    """Both probes: `kl.dense_states_bytes` with three variants per pair as candidates."""
-    return Footprint(dense_states_bytes(shapes, 3 * len(pairs(shapes.layers))))
+    """Both probes: `kl.dense_states_bytes` with three variants per pair as candidates, the tallest block run being
+    the variants that share the dense block at one slot (the others run their own views apart)."""
+    return Footprint(dense_states_bytes(shapes, 3 * len(pairs(shapes.layers)), tallest_group(shapes.layers)))
 
 
 def _select(request: SelectionRequest, scoring: Scoring, probe: str, name: str) -> PruningPlan:

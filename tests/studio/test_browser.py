@@ -93,6 +93,7 @@ def open_page(browser, url: str, viewport: dict):
     page = browser.new_page(viewport=viewport)
     page.goto(url, wait_until="load", timeout=STARTUP_SECONDS * 1000)
     page.wait_for_selector("#status", timeout=STARTUP_SECONDS * 1000)
+    page.wait_for_selector("#depth input[type=range]", timeout=STARTUP_SECONDS * 1000)  # rendered after #status
     return page
 
 

@@ -11,7 +11,7 @@ from ghosted_core.errors import GhostedError
 from studio import outputs, runner, settings
 from test_served_app import client, plot_traces, run_kwargs  # noqa: F401  (the served app, shared with test_served_app)
 
-CRITERIA = ["streamline", "shortgpt", "kl", "sleb", "weights"]
+CRITERIA = ["streamline", "shortgpt", "kl", "weights"]  # the page's quick defaults (sleb: tests/selection/test_sleb.py)
 
 
 def test_a_compare_request_checks_its_criteria_and_plans_a_stage_per_criterion():
