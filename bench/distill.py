@@ -65,6 +65,7 @@ BUDGETS = (12, 36)  # optimizer steps of 2 × 512 tokens: 12,288 and 36,864 trai
 KEY_KD = {"smollm2-135m": ("diag+kd", "rotate+kd", "ghost+kd", "ghost_capped+kd", "none+kd_mlp", "magcomp_refit+kd_mlp"),
           "gemma3-270m": ("diag+kd", "rotate+kd", "ghost+kd", "ghost_capped+kd", "none+kd_mlp", "magcomp+kd_mlp")}
 RATES = (1e-4, 1e-3)
+LOSS_LABELS = {"topk": "top-50 KL (LinearPatch's)", "topk_tail": "top-50 + tail KL"}
 EVAL_CORPORA = ("ptb", "wiki")
 
 
@@ -77,11 +78,12 @@ def quality_run(loaded, setting: str, steps: int, lr: float, args) -> dict:
     options = RunOptions(model=model, criterion=criterion, num_prune=n, variants=parse_variants(",".join(names)),
                          calibration="mix", train_size=args.train_size, seqlen=args.seqlen,
                          eval_corpora=EVAL_CORPORA, eval_max_tokens=args.eval_tokens, drift_windows=0,
-                         distill=DistillOptions(steps=steps, lr=lr, batch_size=2), quiet=True)
+                         distill=DistillOptions(steps=steps, lr=lr, batch_size=2, loss=args.loss), quiet=True)
     started = time.perf_counter()
     result = run(options, loaded)
     report = result.to_json()
-    out = {"setting": setting, "steps": steps, "lr": lr, "seconds": round(time.perf_counter() - started, 1),
+    out = {"setting": setting, "steps": steps, "lr": lr, "loss": args.loss,
+           "seconds": round(time.perf_counter() - started, 1),
            "removed_layers": report["removed_layers"], "timings": report["timings"],
            "corpora": {c: report["corpora"][c]["label"] for c in EVAL_CORPORA},
            "calibration": report["calibration"]["label"], "variants": {}}
@@ -98,7 +100,8 @@ def quality_run(loaded, setting: str, steps: int, lr: float, args) -> dict:
 
 def print_quality(entry: dict) -> None:
     variants = entry["variants"]
-    print(f"\n{entry['setting']} (removed {entry['removed_layers']}), {entry['steps']} steps at lr {entry['lr']:g} "
+    print(f"\n{entry['setting']} (removed {entry['removed_layers']}), {entry['steps']} steps at lr {entry['lr']:g}, "
+          f"loss {entry.get('loss', 'topk')} "
           f"({entry['seconds']:.0f} s); perplexity on {', '.join(f'{c}: {l}' for c, l in entry['corpora'].items())}")
     print(f"  {'variant':24} {'ptb':>9} {'wiki':>9}  {'start':>8} {'val KL':>8}  {'s/step':>6}  stock")
     for name, row in variants.items():
@@ -111,11 +114,12 @@ def markdown(report: dict) -> str:
     """docs/results.md's tables from a report: per setting and budget, every variant's perplexities and its
     distillation, with its closed-form start beside it."""
     lines = []
-    for entry in sorted(report.get("quality", []), key=lambda e: (list(SETTINGS).index(e["setting"]), e["steps"], -e["lr"])):
+    for entry in sorted(report.get("quality", []), key=lambda e: (list(SETTINGS).index(e["setting"]), e["steps"], -e["lr"],
+                                                                  e.get("loss", "topk"))):
         variants = entry["variants"]
         lines += [f"**{entry['setting']}**, removed {entry['removed_layers'][0]}–{entry['removed_layers'][-1]}, "
-                  f"{entry['steps']} steps × 2 × 512 tokens at lr {entry['lr']:g} ({entry['seconds'] / 60:.0f} min for "
-                  "the whole run):", "",
+                  f"{entry['steps']} steps × 2 × 512 tokens at lr {entry['lr']:g}, loss {LOSS_LABELS[entry.get('loss', 'topk')]} "
+                  f"({entry['seconds'] / 60:.0f} min for the whole run):", "",
                   "| variant | trained (parameters) | ptb ppl (exact) | wiki ppl (stand-in) | ptb, wiki vs its start | "
                   "validation KL start → best | s / step | stock |", "|---|---|---|---|---|---|---|---|"]
         for name, row in variants.items():
@@ -306,7 +310,8 @@ def scale_child(job: dict) -> dict:
     planned = distill_plan(config, 4, job["seqlen"], 1, opts, [(job["target"], "matrix")], val_windows=1,
                            train_blocks=len(student.model.model.layers) - student.first_block)
     report = DistillReport("ghost+kd", "ghost", job["target"], "", False, student.count, student.paths,
-                           job["steps"], 1, job["seqlen"], 1e-4, 20.0, 0, 0.0, 50, vocab, "auto", "", "random tokens")
+                           job["steps"], 1, job["seqlen"], 1e-4, 20.0, 0, 0.0, 50, vocab, "topk", "auto", "",
+                           "random tokens")
     for _ in distill_student(student, dense, cache, opts, report):
         pass
     return {"target": job["target"], "parameters": student.count, "peak_extra": status_bytes("VmHWM") - before,
@@ -350,6 +355,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--markdown", action="store_true", help="print docs/results.md's tables from the report")
     parser.add_argument("--variants", default="", help="these distilled variants instead (a comma list)")
+    parser.add_argument("--loss", default="topk", choices=("topk", "topk_tail"), help="the distillation loss's form")
     parser.add_argument("--key_only", action="store_true", help="only the key distilled variants (KEY_KD)")
     parser.add_argument("--speed_only", action="store_true")
     parser.add_argument("--scale_only", action="store_true", help="only the C = 2048 and 4096 random-model cases")
@@ -378,8 +384,9 @@ def main() -> None:
             for steps in map(int, args.budgets.split(",")):
                 for lr in map(float, args.rates.split(",")):
                     entry = quality_run(loaded, setting, steps, lr, args)
-                    key = (setting, steps, lr, tuple(sorted(entry["variants"])))
+                    key = (setting, steps, lr, args.loss, tuple(sorted(entry["variants"])))
                     report["quality"] = [e for e in report["quality"] if (e["setting"], e["steps"], e["lr"],
+                                                                          e.get("loss", "topk"),
                                                                           tuple(sorted(e["variants"]))) != key] + [entry]
                     path.write_text(json.dumps(report, indent=2))  # saved as each run ends
                     print_quality(entry)

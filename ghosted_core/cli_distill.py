@@ -10,9 +10,12 @@ import argparse
 import dataclasses
 import typing
 
-from ghosted_core.distill.options import HELP, DistillOptions
+from ghosted_core.distill.options import HELP, LOSSES, PRECISIONS, DistillOptions
 from ghosted_core.distill.targets import TRAINABLES
 from ghosted_core.run.options import distilled
+
+
+CHOICES = {"loss": LOSSES, "precision": PRECISIONS}  # the fields whose values are names
 
 
 def add_distill_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +29,8 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(DistillOptions):
         kind = hints[field.name]
         value_type = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if typing.get_args(kind) else kind
-        group.add_argument(f"--distill_{field.name}", type=value_type, default=field.default, help=HELP[field.name])
+        group.add_argument(f"--distill_{field.name}", type=value_type, default=field.default, help=HELP[field.name],
+                           choices=CHOICES.get(field.name))
 
 
 def distill_options(args: argparse.Namespace) -> DistillOptions:
@@ -52,7 +56,8 @@ def distill_lines(report: dict) -> list[str]:
         per_step = "-" if d["seconds_per_step"] is None else f"{d['seconds_per_step']:.2f} s/step"
         lines.append(f"  {name}: from {d['base']}, trained {d['target']} ({d['parameters']:,} parameters), "
                      f"{d['steps']}/{d['steps_planned']} steps x {d['batch_size']} x {d['seqlen']} tokens "
-                     f"(lr {d['schedule']['lr']:g}, top {d['top_k']}), validation KL {d['start_val']:.4f} -> "
+                     f"(lr {d['schedule']['lr']:g}, top {d['top_k']}{' + tail' if d.get('loss_form') == 'topk_tail' else ''}), "
+                     f"validation KL {d['start_val']:.4f} -> "
                      f"{d['best_val']:.4f} (best at step {d['best_step']}; {d['stopped']}), {per_step}, "
                      f"{'stock' if d['stock'] else 'remote code'}")
     return lines

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from ghosted_core.distill.loss import LOGIT_COPIES, chunk_tokens, gathered_chunk_tokens
+from ghosted_core.distill.loss import LOGIT_COPIES, TAIL_COPIES, chunk_tokens, gathered_chunk_tokens
 from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
 from ghosted_core.distill.targets import get_trainable
 from ghosted_core.distill.teacher import prefix_bytes, target_bytes
@@ -78,6 +78,8 @@ def distill_plan(config: PretrainedConfig, item: int, seqlen: int, boundaries: i
     k = options.vocabulary_kept(vocab)
     if k >= vocab:  # the loss over the whole vocabulary: the logits, their log-softmax and its gradient
         loss = chunk_tokens(vocab) * vocab * 4 * LOGIT_COPIES
+    elif options.loss == "topk_tail":  # the whole vocabulary's logits, their masked copy and both gradients
+        loss = chunk_tokens(vocab, TAIL_COPIES) * vocab * 4 * TAIL_COPIES
     else:  # the gathered head rows (chunk, K, C) in the head's dtype; the head is frozen, so no gradient of them
         loss = min(tokens, gathered_chunk_tokens(k, c)) * k * c * item
     activations = blocks * block_activation_bytes(config, tokens, item) + 3 * tokens * c * 4 + loss
@@ -94,6 +96,6 @@ def distill_plan(config: PretrainedConfig, item: int, seqlen: int, boundaries: i
 
 def teacher_pass_bytes(vocab: int, kept: int, item: int) -> int:
     """One LM-head chunk of the teacher pass: the head's logits, their float32 copy where the model is not float32,
-    and with the whole vocabulary their log-softmax."""
-    per_entry = item + (4 if item != 4 else 0) + (4 if kept >= vocab else 0)
+    and their log-softmax (over the whole vocabulary, whose top K are kept)."""
+    per_entry = item + (4 if item != 4 else 0) + 4
     return chunk_tokens(vocab) * vocab * per_entry

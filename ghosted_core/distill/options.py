@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from ghosted_core.errors import GhostedError
 
+LOSSES = ("topk", "topk_tail")  # `distill.loss.distill_loss`'s forms
+
 KD_SUFFIX = "+kd"
 OPERATOR_TARGET = "operator"  # `+kd`: the operator's own weights
 PRECISIONS = ("auto", "fp32", "bf16")  # auto: bf16 autocast on a GPU, fp32 on a CPU
@@ -56,6 +58,9 @@ class DistillOptions:
     weight_decay: float = 0.0
     grad_clip: float | None = None  # clip the gradient norm (None: no clipping, as LinearPatch)
     top_k: int = 50  # teacher logits kept per token (LinearPatch: 50); 0: the full vocabulary
+    # "topk": LinearPatch's KL over the teacher's top K renormalized among them (blind to the student's tail mass);
+    # "topk_tail": those K entries plus one bucket for the rest, from full softmaxes (the head runs on every entry)
+    loss: str = "topk"
     val_sequences: int | None = None  # validation windows (None: the run's held-out calibration windows)
     eval_every: int | None = None  # steps between validations (None: about 8 per budget)
     patience: int = 3  # validations without improvement before stopping early (0: never stop early)
@@ -84,6 +89,8 @@ class DistillOptions:
             raise GhostedError(f"--distill_val_sequences must be at least 1 (got {self.val_sequences})")
         if self.eval_every is not None and self.eval_every < 1:
             raise GhostedError(f"--distill_eval_every must be at least 1 (got {self.eval_every})")
+        if self.loss not in LOSSES:
+            raise GhostedError(f"unknown --distill_loss {self.loss!r}; use one of {', '.join(LOSSES)}")
         if self.precision not in PRECISIONS:
             raise GhostedError(f"unknown --distill_precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
 
@@ -120,6 +127,9 @@ HELP = {
     "weight_decay": "AdamW's decoupled weight decay (pulls weights toward zero, not toward their start)",
     "grad_clip": "clip the gradient norm at this value (default: no clipping)",
     "top_k": "teacher logits cached per token (LinearPatch: 50); 0 = the whole vocabulary",
+    "loss": "topk: KL over the teacher's top K renormalized among them (LinearPatch); topk_tail: those K plus one "
+            "bucket for the rest of the vocabulary, from full softmaxes (sees mass leaking to the tail; the head runs "
+            "on the whole vocabulary)",
     "val_sequences": "validation windows (default: the run's held-out calibration windows)",
     "eval_every": "steps between validations (default: about 8 per distillation)",
     "patience": "validations without improvement before stopping early (0: never)",

@@ -77,6 +77,7 @@ class DistillReport:
     weight_decay: float
     kept: int  # teacher entries per token (K)
     vocabulary: int
+    loss_form: str  # `DistillOptions.loss`
     precision: str
     prefix: str  # where the frozen blocks before the first trained one come from
     corpus: str  # the calibration corpus's label
@@ -111,8 +112,10 @@ class DistillReport:
             "batch_size": self.batch_size, "seqlen": self.seqlen,
             "schedule": {"optimizer": "AdamW", "lr": self.lr, "min_lr": self.lr / self.min_lr_factor,
                          "warmup": self.warmup, "weight_decay": self.weight_decay, "shape": "cosine"},
-            "loss": "KL(teacher ‖ student) on the teacher's top-K" if self.kept < self.vocabulary else
-                    "KL(teacher ‖ student), full vocabulary",
+            "loss": "KL(teacher ‖ student), full vocabulary" if self.kept >= self.vocabulary else
+                    "KL(teacher ‖ student) on the teacher's top-K plus the rest of the vocabulary as one entry"
+                    if self.loss_form == "topk_tail" else "KL(teacher ‖ student) on the teacher's top-K",
+            "loss_form": self.loss_form,
             "top_k": self.kept, "vocabulary": self.vocabulary, "precision": self.precision, "prefix": self.prefix,
             "corpus": self.corpus, "loss_curve": [round(v, 6) for v in self.loss],
             "val_curve": [[s, round(v, 6)] for s, v in self.val], "start_val": self.start_val,
@@ -176,7 +179,7 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
                 out = suffix.model(inputs_embeds=prefix(rows, keep=True), use_cache=False).last_hidden_state
                 log_probs, indices = cache.targets(rows)
                 tokens = out.shape[0] * out.shape[1]
-                total += distill_loss(student.model, out, log_probs, indices) * tokens
+                total += distill_loss(student.model, out, log_probs, indices, loss=options.loss) * tokens
                 count += tokens
         return total / count
 
@@ -207,7 +210,7 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
             if not out.requires_grad:
                 raise RuntimeError(f"{report.variant}: the trained weights do not reach the output")
             log_probs, indices = cache.targets(rows)
-            loss = distill_loss(student.model, out, log_probs, indices, backward=True)
+            loss = distill_loss(student.model, out, log_probs, indices, backward=True, loss=options.loss)
         if options.grad_clip:
             torch.nn.utils.clip_grad_norm_(student.parameters, options.grad_clip)
         optimizer.step()

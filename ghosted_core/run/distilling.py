@@ -82,7 +82,7 @@ def distill_stage(dense: PreTrainedModel, tokenizer, plan: PruningPlan, options:
             spec.name, spec.base, spec.distill, get_trainable(spec.distill).description, False, 0, (),
             d.planned_steps(options.seqlen), d.batch_size, options.seqlen, d.lr or get_trainable(spec.distill).lr,
             d.min_lr_factor, d.warmup, d.weight_decay, d.vocabulary_kept(int(dense.config.vocab_size)),
-            int(dense.config.vocab_size), d.precision, "", corpus_label)
+            int(dense.config.vocab_size), d.loss, d.precision, "", corpus_label)
         student = make_student(base, dense, plan, spec.distill, d, {})
         report.parameters, report.trained = student.count, student.paths
         students[spec.name] = (student, report)

@@ -1,4 +1,5 @@
-"""The distillation loss against an independent numpy computation, and its chunked backward against plain autograd."""
+"""The distillation loss (both forms) against an independent numpy computation, and its chunked backward against plain
+autograd."""
 
 from __future__ import annotations
 
@@ -84,3 +85,84 @@ def test_chunked_backward_equals_autograd_of_the_whole_batch(monkeypatch):
     whole.backward()
     assert value == pytest.approx(float(whole.detach()), rel=1e-6)
     assert torch.allclose(chunked, weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def _numpy_tail_kl(student: np.ndarray, teacher: np.ndarray, k: int) -> float:
+    """The tail form written out: both full softmaxes, coarse-grained to the teacher's top-k entries plus the rest."""
+    total = 0.0
+    for s, t in zip(student, teacher):
+        p = np.exp(t - t.max())
+        p /= p.sum()
+        q = np.exp(s - s.max())
+        q /= q.sum()
+        top = np.argsort(-t, kind="stable")[:k]
+        rest = np.ones(len(t), dtype=bool)
+        rest[top] = False
+        p_b = np.append(p[top], p[rest].sum())
+        q_b = np.append(q[top], q[rest].sum())
+        total += float(np.sum(p_b * (np.log(p_b) - np.log(q_b))))
+    return total / len(student)
+
+
+def _targets(head: _Head, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with torch.no_grad():
+        log_probs, indices = teacher_log_probs(head.lm_head(hidden).reshape(-1, head.config.vocab_size), k)
+    shape = (*hidden.shape[:2], -1)
+    return log_probs.reshape(shape), None if indices is None else indices.reshape(shape)
+
+
+@pytest.mark.parametrize("k", [1, 7, 39])
+def test_tail_kl_equals_numpy_and_is_the_exact_kl_when_one_entry_is_left(k):
+    head = _Head(12, 40)
+    hidden, teacher_hidden = torch.randn(3, 5, 12), torch.randn(3, 5, 12)
+    log_probs, indices = _targets(head, teacher_hidden, k)
+    with torch.no_grad():
+        ours = distill_loss(head, hidden, log_probs, indices, loss="topk_tail")
+        student = head.lm_head(hidden).reshape(-1, 40).double().numpy()
+        teacher = head.lm_head(teacher_hidden).reshape(-1, 40).double().numpy()
+        exact = float(full_vocabulary_kl(head.lm_head(hidden), head.lm_head(teacher_hidden)))
+    assert ours == pytest.approx(_numpy_tail_kl(student, teacher, k), rel=1e-4, abs=1e-7)
+    assert 0 < ours <= exact * (1 + 1e-5)  # coarse-graining never increases a KL
+    if k == 39:  # the rest is one entry: nothing is coarse-grained
+        assert ours == pytest.approx(exact, rel=1e-4)
+
+
+def test_only_the_tail_form_sees_the_students_mass_outside_the_teachers_top_k():
+    """Raising every logit the teacher did not keep leaves LinearPatch's renormalized top-K loss unchanged, and
+    raises the tail form's: the leak to the tail that full-softmax perplexity pays for."""
+    head = _Head(12, 40, seed=3)
+    log_probs, indices = _targets(head, torch.randn(1, 8, 12), 6)  # (1, 8, 6): 8 tokens
+    with torch.no_grad():
+        base = head.lm_head(torch.randn(8, 12))  # (8, 40) the student's logits per token
+        outside = torch.ones(8, 40).scatter_(1, indices.reshape(8, 6), 0.0)  # 1 where the teacher kept nothing
+        loss = {}
+        for name, logits in (("base", base), ("raised", base + 3.0 * outside)):
+            rows = _Head(8, 40)  # one-hot hidden states: token i's logits are column i of the head's weight
+            rows.lm_head.weight.copy_(logits.T)
+            hidden = torch.eye(8).reshape(1, 8, 8)
+            loss[name] = [distill_loss(rows, hidden, log_probs, indices, loss=form) for form in ("topk", "topk_tail")]
+    assert loss["raised"][0] == pytest.approx(loss["base"][0], rel=1e-5)
+    assert loss["raised"][1] > loss["base"][1] + 0.1
+
+
+def test_tail_form_chunked_backward_equals_autograd(monkeypatch):
+    head = _Head(10, 30, seed=1)
+    weight = nn.Parameter(torch.eye(10) + 0.1 * torch.randn(10, 10))
+    x = torch.randn(2, 7, 10)
+    log_probs, indices = _targets(head, torch.randn(2, 7, 10), 6)
+    monkeypatch.setattr("ghosted_core.distill.loss.LOGITS_BUDGET", 4 * 4 * 4 * 30)  # 4 tokens per chunk
+    value = distill_loss(head, x @ weight, log_probs, indices, backward=True, loss="topk_tail")
+    chunked = weight.grad.clone()
+    weight.grad = None
+
+    logits = head.lm_head(x @ weight).reshape(14, 30)
+    q = torch.log_softmax(logits, -1)
+    idx = indices.reshape(14, 6)
+    rest = torch.logsumexp(q.scatter(1, idx, float("-inf")), -1, keepdim=True)
+    student = torch.cat([q.gather(1, idx), rest], -1)
+    p = log_probs.reshape(14, 6).float()
+    teacher = torch.log_softmax(torch.cat([p, torch.log1p(-p.exp().sum(-1, keepdim=True))], -1), -1)
+    whole = (teacher.exp() * (teacher - student)).sum() / 14
+    whole.backward()
+    assert value == pytest.approx(float(whole.detach()), rel=1e-5)
+    assert torch.allclose(chunked, weight.grad, rtol=1e-4, atol=1e-7)

@@ -98,7 +98,7 @@ def test_after_distillation_only_the_chosen_weights_changed(peaked, target):
     cache = build_teacher(peaked, random_tokens(6, 16, seed=7), random_tokens(2, 16, seed=8), kept=20,
                           prefix_blocks=[student.first_block], prefix_budget=2**30)
     report = DistillReport(f"ghost+{target}", "ghost", target, "", False, student.count, student.paths, 4, 2, 16,
-                           1e-3, 20.0, 0, 0.0, 20, peaked.config.vocab_size, "auto", "", "random tokens")
+                           1e-3, 20.0, 0, 0.0, 20, peaked.config.vocab_size, "topk", "auto", "", "random tokens")
     initial = [p.detach().clone() for p in student.parameters]
     moved_while_training = False
     for _ in distill_student(student, peaked, cache, opts, report):

@@ -35,12 +35,12 @@ def setup():
     return dense, cache
 
 
-def _report(name: str, steps: int, lr: float) -> DistillReport:
+def _report(name: str, steps: int, lr: float, loss: str = "topk") -> DistillReport:
     return DistillReport(name, "ghost", OPERATOR_TARGET, "", False, 0, (), steps, 2, 24, lr, 20.0, 0, 0.0, 20, 97,
-                         "auto", "", "random tokens")
+                         loss, "auto", "", "random tokens")
 
 
-def _validation_kl(model, dense, cache, first_block: int) -> float:
+def _validation_kl(model, dense, cache, first_block: int, loss: str = "topk") -> float:
     """The validation KL recomputed from whole forwards of the model (not the training loop's prefix and suffix)."""
     total = count = 0
     for rows in validation_rows(cache, 2):
@@ -48,24 +48,26 @@ def _validation_kl(model, dense, cache, first_block: int) -> float:
             hidden = slice_view(model, dense, 0).model(input_ids=cache.val_ids[rows.start - 16:rows.stop - 16]) \
                 .last_hidden_state
         log_probs, indices = cache.targets(rows)
-        total += distill_loss(model, hidden, log_probs, indices) * hidden.shape[0] * hidden.shape[1]
+        total += distill_loss(model, hidden, log_probs, indices, loss=loss) * hidden.shape[0] * hidden.shape[1]
         count += hidden.shape[0] * hidden.shape[1]
     return total / count
 
 
-def test_distillation_lowers_validation_kl_keeps_the_best_and_leaves_the_dense_model(setup):
+@pytest.mark.parametrize("loss", ["topk", "topk_tail"])
+def test_distillation_lowers_validation_kl_keeps_the_best_and_leaves_the_dense_model(setup, loss):
     dense, cache = setup
     before = {n: p.clone() for n, p in dense.named_parameters()}
     variant = fitted(dense, "ghost")
-    opts = DistillOptions(steps=8, lr=3e-3, eval_every=2, patience=0)
+    opts = DistillOptions(steps=8, lr=3e-3, eval_every=2, patience=0, loss=loss)
     student = make_student(variant, dense, PLAN, OPERATOR_TARGET, opts, {})
-    report = _report("ghost+kd", 8, 3e-3)
+    report = _report("ghost+kd", 8, 3e-3, loss)
     snapshots = [len(r.val) for r in distill_student(student, dense, cache, opts, report)]
     assert snapshots[0] == 1 and snapshots[-1] == 5  # step 0, then every 2 steps, live
     assert report.steps == 8 and report.stopped == "budget" and report.prefix.startswith("dense states")
     assert report.best_val < report.start_val
-    assert report.start_val == pytest.approx(_validation_kl(variant, dense, cache, student.first_block), rel=1e-4)
-    assert _validation_kl(student.model, dense, cache, student.first_block) == pytest.approx(report.best_val, rel=1e-4)
+    assert report.start_val == pytest.approx(_validation_kl(variant, dense, cache, student.first_block, loss), rel=1e-4)
+    assert _validation_kl(student.model, dense, cache, student.first_block, loss) == \
+        pytest.approx(report.best_val, rel=1e-4)
     assert all(torch.equal(before[n], p) for n, p in dense.named_parameters())
 
 
