@@ -300,7 +300,8 @@ def scale_child(job: dict) -> dict:
     del stats
     variant = build_recovered(dense, plan, VariantSpec("ghost", "ghost"), fits)
     del fits
-    opts = DistillOptions(steps=job["steps"], batch_size=1, lr=1e-4, eval_every=job["steps"], patience=0)
+    loss = job.get("loss", "topk")
+    opts = DistillOptions(steps=job["steps"], batch_size=1, lr=1e-4, eval_every=job["steps"], patience=0, loss=loss)
     before = status_bytes("VmRSS")
     reset_peak()
     started = time.perf_counter()
@@ -310,11 +311,12 @@ def scale_child(job: dict) -> dict:
     planned = distill_plan(config, 4, job["seqlen"], 1, opts, [(job["target"], "matrix")], val_windows=1,
                            train_blocks=len(student.model.model.layers) - student.first_block)
     report = DistillReport("ghost+kd", "ghost", job["target"], "", False, student.count, student.paths,
-                           job["steps"], 1, job["seqlen"], 1e-4, 20.0, 0, 0.0, 50, vocab, "topk", "auto", "",
+                           job["steps"], 1, job["seqlen"], 1e-4, 20.0, 0, 0.0, 50, vocab, loss, "auto", "",
                            "random tokens")
     for _ in distill_student(student, dense, cache, opts, report):
         pass
-    return {"target": job["target"], "parameters": student.count, "peak_extra": status_bytes("VmHWM") - before,
+    return {"target": job["target"], "loss": loss, "parameters": student.count,
+            "peak_extra": status_bytes("VmHWM") - before,
             "planned": planned.device + planned.host, "planned_parts": planned.parts,
             "seconds_per_step": report.train_seconds / report.steps, "teacher_seconds": teacher_seconds,
             "steps": report.steps, "prefix": report.prefix}

@@ -63,11 +63,15 @@ OPERATORS = ("none", "diag", "rotate", "ghost", "ghost_capped")
 METHOD_OPERATORS = {"ours": OPERATORS, "ours-ghost": ("ghost",), "ours-refit": ("magcomp_refit",)}
 # the down_proj refit folds into the block before the cut: its boundaries start at block 1, not 0
 FIRST_BLOCK = {"ours-refit": 1}
+SINK_METHODS = {"ours-refit"}  # measured at their worst case: attention sinks in 8 directions, every candidate made
 SEQLEN = 512
 GIB = 2**30
 
 
-def build_model(shape: str, layers: int, device: str = "cpu", dtype: str = "float32"):
+SINK_TOKENS = 8  # with `sinks`: tokens 0…7 get massive embeddings (10,000x) and open the windows (attention sinks, 8 directions)
+
+
+def build_model(shape: str, layers: int, device: str = "cpu", dtype: str = "float32", sinks: bool = False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,10 +86,15 @@ def build_model(shape: str, layers: int, device: str = "cpu", dtype: str = "floa
     finally:
         torch.set_default_dtype(default)
     model.requires_grad_(False)
+    if sinks:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:SINK_TOKENS].mul_(1e4)  # over 50x the median stream at the cut
     return model
 
 
-def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0):
+def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0, sinks: bool = False):
+    """Random windows; with `sinks` each opens with one of the sink tokens (as real text with BOS), so that the
+    sink-aware fits make every candidate they can (the worst case the memory plan counts)."""
     import torch
 
     from ghosted_core.calibration.collect import make_batches
@@ -93,6 +102,10 @@ def batches_for(tokens: int, batch_size: int, vocab: int, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     fit = torch.randint(0, vocab, (tokens // SEQLEN, SEQLEN), generator=generator)
     held = torch.randint(0, vocab, (max(1, tokens // SEQLEN // 8), SEQLEN), generator=generator)
+    if sinks:
+        for ids in (fit, held):
+            ids.clamp_(min=SINK_TOKENS)
+            ids[:, 0] = torch.arange(len(ids)) % SINK_TOKENS
     return make_batches(fit, held, batch_size)
 
 
@@ -104,7 +117,7 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
     from ghosted_core.recovery.heldout import measure_errors
     from ghosted_core.recovery.operators import get_operator, needs_of
     from ghosted_core.run.options import RunOptions, parse_variants
-    from ghosted_core.run.fitting import VariantBuild
+    from ghosted_core.run.fitting import VariantBuild, choose_fit
 
     needs = needs_of(operators)
     live: list = []
@@ -120,9 +133,11 @@ def fit_ours(model, boundaries, batches, options, quiet: bool = True, operators:
     run_options = RunOptions(calibrate=options, quiet=quiet)
     builds = [VariantBuild(spec) for spec in parse_variants(operators)]
     for k in range(len(stats)):
-        for build in builds:
-            build.add(model, get_operator(build.spec.operator).fit(stats[k], run_options.fit), stats[k],
-                      run_options.diagnostics)
+        for build in builds:  # as `run.fitting.fit_variants`: each fit, its candidates chosen on held-out rows
+            fit = choose_fit(model, get_operator(build.spec.operator).fit(stats[k], run_options.fit), batches,
+                             run_options, kept=kept)
+            build.add(model, fit, stats[k], run_options.diagnostics)
+            del fit
         stats[k] = None  # freed as soon as its fits exist
     fit = time.perf_counter() - clock - calibrate
     peaks["fit"] = status_bytes("VmHWM")
@@ -222,10 +237,11 @@ def worker(args) -> None:
     from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
     from ghosted_core.plan import Boundary
 
-    model = build_model(args.shape, 4)
+    sinks = args.method in SINK_METHODS
+    model = build_model(args.shape, 4, sinks=sinks)
     first = FIRST_BLOCK.get(args.method, 0)
     boundaries = [Boundary(first + j, first + j + 1) for j in range(args.boundaries)]
-    batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size)
+    batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size, sinks=sinks)
     options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full")
     gc.collect()
     base = status_bytes("VmRSS")

@@ -290,17 +290,23 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
             "score blocks": {"model": score},
             "calibrate": {"model": acts + held_rows, "stats": stats,  # kept rows: the held-out sequences join it
                           "host": hidden + masks + (held_hidden if held_rows else 0) if blocks else 0},
+            # a fit's candidates are chosen by a held-out pass right after it, while its statistics live
+            # (`run.fitting.fit_variants`): its working memory, or its candidates and that pass's rows
             "fit": {"model": modules + kept + held_rows + (acts if r.sequential else 0),
-                    "stats": stats + fit + maps + (per_boundary if r.sequential else 0)},
-            # the held-out pass: a fit's candidates are chosen while its statistics live, the final pass after
+                    "stats": stats + max(fit, choice + rows if choice else 0) + maps
+                    + (per_boundary if r.sequential else 0)},
+            # the final held-out pass over every fit, once their statistics are freed
             "held-out": {"model": modules + kept + (held_rows if held_rows else acts),
                          "host": held_hidden if blocks and not held_rows else 0,
-                         "stats": maps + rows + (stats + choice if choice else stats_after)},
+                         "stats": maps + rows + stats_after},
             **({"distill": {"model": modules + r.distill_device, "host": r.distill_host}}
                if r.distill_device or r.distill_host else {}),
             "evaluate": {"model": later + kept + evaluate, "stats": stats_after},
             "drift": {"model": later + drift},
         }
+        if not r.boundaries:  # nothing to calibrate (the dense model alone, or no block removed): those stages never run
+            for phase in ("calibrate", "fit", "held-out"):
+                table.pop(phase)
         out = {}
         for phase, use in table.items():
             device_sum = host_sum = 0

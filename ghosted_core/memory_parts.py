@@ -53,13 +53,22 @@ def block_parameters(config: PretrainedConfig) -> int:
     return attention + 3 * c * config.intermediate_size + 2 * c
 
 
-def forward_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int) -> int:
-    """A forward's transient tensors for `tokens` (= sequences × seqlen): hidden states, q/k/v, the MLP's
-    intermediate, and the attention scores (B, H, T, T) where attention materializes them."""
-    c = config.hidden_size
+def block_run_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int) -> int:
+    """One decoder block on `tokens` at its peak: the MLP's gate, up and product (3·I per token) or attention's q, k,
+    v, their rotated copies and its output, whichever is larger, the normalized input and the block's output (2·C
+    per token); the (B, H, T, T) scores only where attention is eager (SDPA does not materialize them). Measured at
+    C = 1024, I = 2816 on 2,560 tokens: 107.5 MiB against 102.5 planned here."""
     heads, kv_heads, head_dim = _heads(config)
-    forward = tokens * item * (4 * c + (heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size)
-    return forward + tokens * seqlen * heads * item
+    mlp = 3 * int(config.intermediate_size)
+    attention = 2 * (heads + 2 * kv_heads) * head_dim + heads * head_dim
+    scores = seqlen * heads if getattr(config, "_attn_implementation", None) == "eager" else 0
+    return tokens * item * (max(mlp, attention) + 2 * config.hidden_size + scores)
+
+
+def forward_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int) -> int:
+    """A forward's transient tensors for `tokens` (= sequences × seqlen) at their peak: the residual stream entering
+    a block and that block's run (`block_run_bytes`); one block's transients are freed before the next runs."""
+    return tokens * config.hidden_size * item + block_run_bytes(config, tokens, seqlen, item)
 
 
 def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: torch.dtype, residuals: int,

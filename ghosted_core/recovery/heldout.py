@@ -34,9 +34,9 @@ class _ErrorSums:
 
     def add(self, x: torch.Tensor, m: torch.Tensor | None, d: torch.Tensor, ordinary: torch.Tensor,
             a: torch.Tensor | None = None) -> None:
-        error = self.target.error_rows(x, m, d, a)  # (T, C)
-        fit_sq = (error * error).sum(-1) if error is not None else torch.full_like(d[:, 0], float("nan"))
-        per_token = torch.stack([fit_sq, (d * d).sum(-1)])  # (2, T)
+        error = self.target.error_rows(x, m, d, a)  # (T, C), our own
+        fit_sq = error.square_().sum(-1) if error is not None else torch.full_like(d[:, 0], float("nan"))
+        per_token = torch.stack([fit_sq, torch.einsum("tc,tc->t", d, d)])  # (2, T), no (T, C) temporary
         self.sums[:, 0] += per_token.sum(-1).cpu()
         self.sums[:, 1] += per_token[:, ordinary].sum(-1).cpu()
         self.tokens[0] += int(ordinary.numel())
@@ -53,10 +53,16 @@ def _rows(x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None
     x_post = x_post.to(x_pre.device)
     valid = valid_mask(batch).to(x_pre.device)
     ordinary = ~sink_mask(x_pre, x_post, valid, options)[valid]  # (T,)
-    x = x_pre[valid].to(device, STATS_DTYPE)  # (T, C)
-    d = x_post[valid].to(device, STATS_DTYPE) - x  # (T, C)
-    m = None if branch is None else branch.to(x_pre.device)[valid].to(device, STATS_DTYPE)
-    a = None if inner is None else inner.to(x_pre.device)[valid].to(device, STATS_DTYPE)  # (T, I): T·I·8 B
+    full = bool(valid.all())
+
+    def pick(t: torch.Tensor) -> torch.Tensor:  # the valid rows: a (T, ·) view without padding, else a copy
+        t = t.to(x_pre.device)
+        return t.reshape(-1, t.shape[-1]) if full else t[valid]
+
+    x = pick(x_pre).to(device, STATS_DTYPE)  # (T, C)
+    d = pick(x_post).to(device, STATS_DTYPE, copy=True).sub_(x)  # (T, C), never the captured tensor itself
+    m = None if branch is None else pick(branch).to(device, STATS_DTYPE)
+    a = None if inner is None else pick(inner).to(device, STATS_DTYPE)  # (T, I): T·I·8 B, no model-dtype copy first
     return x, m, d, ordinary.to(device), a
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from ghosted_core.memory_parts import LOGITS_BUDGET
+from ghosted_core.memory_parts import LOGITS_BUDGET, block_run_bytes, forward_bytes
 from ghosted_core.selection.suffixes import STATE_BUDGET
 
 
@@ -63,10 +63,8 @@ class ScoreShapes:
         return (self.batch_tokens if tokens is None else tokens) * self.width * self.item
 
     def forward(self, tokens: int | None = None) -> int:
-        """One forward over `tokens` (one batch's when None) at its peak: the residual stream entering a block and
-        that block's run (`block_run`)."""
-        tokens = self.batch_tokens if tokens is None else tokens
-        return self.state(tokens) + block_run(self, tokens)
+        """One forward over `tokens` (one batch's when None) at its peak (`memory_parts.forward_bytes`)."""
+        return forward_bytes(self.config, self.batch_tokens if tokens is None else tokens, self.seqlen, self.item)
 
 
 @dataclass(frozen=True)
@@ -78,19 +76,9 @@ class Footprint:
 
 
 def block_run(shapes: ScoreShapes, tokens: int) -> int:
-    """One decoder block on `tokens` at its peak (`suffixes.CandidateRunner.run_slot`): the MLP's gate, up and
-    product (3·I per token) or attention's q, k, v, their rotated copies and its output, whichever is larger,
-    the normalized input and the block's output (2·C per token); the T² scores where attention is eager.
-    Measured at C = 1024, I = 2816 on 2,560 tokens: 107.5 MiB against 102.5 planned here, the rest of a
-    criterion's peak (its kept states) being counted on top."""
-    config = shapes.config
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or shapes.width // heads
-    mlp = 3 * int(config.intermediate_size)
-    attention = 2 * (heads + 2 * kv_heads) * head_dim + heads * head_dim
-    scores = shapes.seqlen * heads if getattr(config, "_attn_implementation", None) == "eager" else 0
-    return tokens * shapes.item * (max(mlp, attention) + 2 * shapes.width + scores)
+    """One decoder block on `tokens` at its peak (`suffixes.CandidateRunner.run_slot`; `memory_parts.block_run_bytes`),
+    the rest of a criterion's peak (its kept states) being counted on top."""
+    return block_run_bytes(shapes.config, tokens, shapes.seqlen, shapes.item)
 
 
 def group_size(shapes: ScoreShapes, candidates: int) -> int:

@@ -287,6 +287,11 @@ def test_compare_criteria_fills_the_map_the_score_chart_and_the_table(server_url
     page.locator("#mode").get_by_text("compare criteria", exact=True).click()
     page.locator("#compare-criteria").wait_for(state="visible", timeout=10_000)
     assert not page.locator("#criterion").is_visible()  # the list replaces the single criterion
+    # two of the four default criteria, removed as a visitor would (the kl probes take minutes on 2 cores; the served
+    # API's comparison of all four is tests/studio/test_compare_mode.py)
+    for name in ("shortgpt", "kl"):
+        page.locator("#compare-criteria .token", has_text=f"{name}:").locator(".token-remove").click()
+    page.locator("#compare-criteria .token", has_text="kl:").wait_for(state="detached", timeout=10_000)
     press_run(page)
     wait_for_status(page, "Run complete")
     page.wait_for_timeout(2000)  # let plotly finish drawing
@@ -294,9 +299,9 @@ def test_compare_criteria_fills_the_map_the_score_chart_and_the_table(server_url
     heat = page.evaluate("() => document.querySelector('#plot-map .js-plotly-plot').data[0]")
     assert heat["type"] == "heatmap" and len(heat["z"]) == 31
     outlines = page.evaluate("() => (document.querySelector('#plot-map .js-plotly-plot').layout.shapes || []).length")
-    assert outlines >= 4  # every criterion's removed runs outlined on the map
+    assert outlines >= 2  # every criterion's removed runs outlined on the map
     panels = page.evaluate("() => document.querySelector('#plot-criterion-scores .js-plotly-plot').data.map(t => t.name)")
-    assert panels == ["streamline", "shortgpt", "kl", "weights"]
+    assert panels == ["streamline", "weights"]
     table = page.locator("#compare-table")
     for text in ("ghost_capped", "magcomp_refit", "ptb (exact) ppl", "criterion cost"):
         assert table.get_by_text(text).count() >= 1, text
