@@ -243,6 +243,7 @@ def worker(args) -> None:
     boundaries = [Boundary(first + j, first + j + 1) for j in range(args.boundaries)]
     batches = batches_for(args.tokens, args.batch_size, model.config.vocab_size, sinks=sinks)
     options = CalibrationOptions(quiet=True, batch_size=args.batch_size, pipeline="full")
+    warm_up(model, batches[0].input_ids)
     gc.collect()
     base = status_bytes("VmRSS")
     reset_peak()
@@ -271,6 +272,21 @@ def worker(args) -> None:
                       "plan_stats_bytes_per_boundary": plan.stats_bytes_per_boundary,
                       "plan_activation_gib": plan.activation_bytes / GIB, "measured_phases": measured,
                       "planned_phases": planned, **result}))
+
+
+def warm_up(model, input_ids) -> None:
+    """What any process sets up once, before the base the stages are measured from (as `tests/memory_peaks.py`
+    does): thread pools, kernels and per-thread heaps of a first forward, the BLAS/LAPACK buffers of a first
+    float64 product, Cholesky factorization and triangular solve (about 35 MiB on the C = 2048 shape)."""
+    import torch
+
+    from ghosted_core.calibration.capture import run_forward
+
+    with torch.no_grad():
+        run_forward(model, input_ids[:1])
+        gram = torch.randn(1024, 1024, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        gram = gram @ gram.T + 1024 * torch.eye(1024, dtype=torch.float64)
+        torch.linalg.solve_triangular(torch.linalg.cholesky(gram), gram, upper=False)
 
 
 def run_one(shape: str, boundaries: int, method: str, tokens: int, batch_size: int) -> dict:

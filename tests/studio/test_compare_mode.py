@@ -20,7 +20,7 @@ def test_a_compare_request_checks_its_criteria_and_plans_a_stage_per_criterion()
     request = runner.build_request(options, runner.QuickTasks(), "ghost", "auto", settings.COMPARE, "", CRITERIA)
     assert request.compare and request.criteria == tuple(CRITERIA) and request.options.prompt is None
     assert any("saves no model" in note for note in request.notes)
-    assert request.stages()[-6:] == ["perplexity dense", *(f"evaluate {c}" for c in CRITERIA)]
+    assert request.stages()[-1 - len(CRITERIA):] == ["perplexity dense", *(f"evaluate {c}" for c in CRITERIA)]
     with pytest.raises(GhostedError, match="at least two criteria"):
         runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", settings.COMPARE, "", ["kl"])
 
