@@ -69,7 +69,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
     queued = time.time() - submitted if submitted else None
     session = request.session_hash if request else ""
     try:
-        text = read_user_text(guard.text(your_text, "Paste text", user_text.MAX_BYTES), your_file)
+        text = read_user_text(guard.text(your_text, "Paste text", user_text.MAX_BYTES), your_file, session)
         cal, evals = calibration, tuple(eval_corpora or ())
         if text is not None:
             cal, evals = corpora_with_text(text_use, cal, evals)

@@ -26,6 +26,7 @@ from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, DISTILL_STEPS, DIS
 from ghosted_core.run.options import DISTILL_CHOICES, OPERATOR_CHOICES
 from studio.user_input import USES
 from studio.session_files import DELETE_CACHE, SESSION_FILES
+from studio.uploads import SESSION_UPLOADS
 from ghosted_core.data.user_text import MAX_BYTES
 from studio.speed import default_run_note
 from studio.status import NOTHING_SHOWN
@@ -128,8 +129,8 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     your_file = gr.File(label="Upload .txt, or .jsonl with a \"text\" field per line (up to 5 MB)",
                                         file_types=[".txt", ".jsonl"], type="filepath", elem_id="your-file")
                     text_use = gr.Radio(list(USES), value=DEFAULTS.text_use, label="Use your text for",
-                                        info="labelled 'your text' everywhere; used for this run only (an upload is "
-                                             "deleted once read)")
+                                        info="labelled 'your text' everywhere; an upload is read once, kept in "
+                                             "memory for your session only, and its file deleted")
                 with gr.Accordion("Calibration", open=False):
                     calibration = gr.Dropdown(corpus_choices("calibration"), value=DEFAULTS.calibration,
                                               label="Calibration corpus")
@@ -281,6 +282,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                           api_visibility="private", concurrency_limit=None)
         push_btn.click(on_push, [repo_id, private, token], [push_result, token], api_name="push",
                        concurrency_limit=None)
+        your_file.upload(on_upload, your_file, None, api_visibility="private", queue=False)
         demo.unload(on_session_end)  # a closed tab: the files served to it, and its saved model, go
     demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency)
     return demo
@@ -298,7 +300,14 @@ def num_blocks_or(name: str, fallback: int) -> int:
 def on_session_end(request: gr.Request) -> None:
     """Gradio's unload event: the session's tab is closed (its heartbeat stream ended)."""
     SESSION_FILES.end(request.session_hash)
+    SESSION_UPLOADS.end(request.session_hash)
     SAVED.forget(request.session_hash)
+
+
+def on_upload(path: str | None, request: gr.Request) -> None:
+    """A file uploaded on the page: the session claims it, so that another visitor's run of the same content
+    (one path: Gradio names uploads by content) cannot remove it before this session reads it."""
+    SESSION_UPLOADS.claim(request.session_hash, path)
 
 
 def launch_options() -> dict:

@@ -1,38 +1,32 @@
 """Your own text from the page: pasted, or an uploaded .txt / .jsonl, for calibration, evaluation or both.
 
-The text becomes a `ghosted_core.user_text.UserText`, held in memory for one run. An uploaded
-file is read once and then deleted from Gradio's upload folder, so nothing of it outlives the
-run; the library never writes it to its token cache.
+The text becomes a `ghosted_core.user_text.UserText`, held in memory. An uploaded file is read
+once per session and removed from Gradio's upload folder when the last session that used it ends
+(`studio.uploads`): a refused run costs the visitor nothing, and nothing of the file outlives its session. The library never writes
+it to its token cache.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from ghosted_core.data import user_text
 from ghosted_core.errors import GhostedError
 from ghosted_core.data.user_text import USER_CORPUS, UserText
+from studio.uploads import SESSION_UPLOADS
 
 log = logging.getLogger(__name__)
 
 USES = ("calibration", "evaluation", "both")  # what "your text" is used for
 
 
-def read_user_text(pasted: str | None, upload: str | None) -> UserText | None:
+def read_user_text(pasted: str | None, upload: str | None, session: str = "") -> UserText | None:
     """The user's text for this run (an upload wins over pasted text), None when neither was given.
 
     GhostedError for an empty, binary, wrongly encoded or too large text, with what to do.
     """
     if upload:
-        path = Path(upload)
-        if not path.is_file():
-            raise GhostedError(f"{path.name}: the uploaded file is gone (uploads are deleted once a run has read "
-                               "them); upload it again")
-        try:
-            return user_text.from_file(path)
-        finally:
-            path.unlink(missing_ok=True)  # the upload is used for this run only
+        return SESSION_UPLOADS.read(session, upload)
     if pasted and pasted.strip():
         return user_text.from_text(pasted)
     if pasted:  # whitespace only

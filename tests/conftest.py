@@ -214,12 +214,13 @@ class TinyServer:
                     calibration="ptb", samples=2, seqlen=64, eval_corpora=["ptb"], eval_tokens=256, prompt="",
                     new_tokens=4) | changes
 
-    def call(self, api: str, data: list, timeout: float = 300) -> tuple[str, object]:
+    def call(self, api: str, data: list, timeout: float = 300, session: str | None = None) -> tuple[str, object]:
         """One call through Gradio's plain HTTP API: ("complete", outputs) or ("error", message), or
-        ("http <status>", body) when the request itself is refused. NaN and infinities go as JSON's extensions."""
+        ("http <status>", body) when the request itself is refused. NaN and infinities go as JSON's extensions.
+        `session`: the session hash the request claims (a stranger may send any)."""
         import httpx
 
-        body = json.dumps({"data": data}, allow_nan=True)
+        body = json.dumps({"data": data} | ({"session_hash": session} if session else {}), allow_nan=True)
         posted = httpx.post(f"{self.url}gradio_api/call/{api}", content=body, timeout=timeout,
                             headers={"content-type": "application/json"})
         if posted.status_code != 200:

@@ -153,6 +153,12 @@ class RunOptions:
     user_text: UserText | None = None  # the text behind the corpus name "your text" (in memory, this run only)
     quiet: bool = False
 
+    def __post_init__(self) -> None:
+        """Each corpus and task once, in the order given: a list that names one twice (an API client's
+        `["ptb"] * 40`) costs one pass, not forty. Variants and criteria are de-duplicated where they are parsed."""
+        for name in ("eval_corpora", "tasks"):
+            object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
+
     @property
     def heldout(self) -> int:
         return self.heldout_size if self.heldout_size is not None else max(1, (self.train_size or 64) // 8)

@@ -1,5 +1,6 @@
 """A public server's security: text escaped in every page output, local folders as the operator says, no remote code,
-uploads bounded by the server, a canary from an upload found nowhere, a session's files gone with the session."""
+uploads bounded by the server, a canary from an upload found nowhere once its session ends, a session's files gone
+with the session."""
 
 from __future__ import annotations
 
@@ -191,6 +192,11 @@ def test_a_canary_in_an_upload_is_nowhere_after_the_run(tiny_server, tmp_path, c
     assert "Run complete" in result[0]
     good.unlink()
     short.unlink()
+    client.close()  # the tab closes: the uploads it used go with its session
+    deadline = time.time() + 30
+    while any(canary.encode() in p.read_bytes() for p in Path(get_upload_folder()).rglob("*.txt") if p.is_file()) \
+            and time.time() < deadline:
+        time.sleep(0.2)
     logs = capfd.readouterr()
     places = {"outputs": json.dumps(seen, default=str), "log records": "\n".join(r.getMessage() for r in caplog.records),
               "stdout": logs.out, "stderr": logs.err}

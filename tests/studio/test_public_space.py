@@ -1,0 +1,78 @@
+"""A public Space that one stranger cannot spoil for everyone else, tried as strangers would: plain HTTP and
+gradio_client against the served app (the tiny model), with made-up session ids where the point is about sessions."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ghosted_core.data import corpora
+from studio import outputs
+from studio.uploads import SESSION_UPLOADS
+
+
+@pytest.fixture(scope="module")
+def run_parameters(tiny_server) -> list[str]:
+    """The /run endpoint's parameter names, in the order its HTTP API takes them."""
+    from gradio_client import Client
+
+    api = Client(tiny_server.url, verbose=False).view_api(return_format="dict", print_info=False)
+    return [p["parameter_name"] for p in api["named_endpoints"]["/run"]["parameters"]]
+
+
+def run_data(server, parameters: list[str], **changes) -> list:
+    """A /run request's values: the tiny server's short run with `changes`, every other value the page's default."""
+    from gradio_client import Client
+
+    defaults = {p["parameter_name"]: p.get("parameter_default") for p in
+                Client(server.url, verbose=False).view_api(return_format="dict", print_info=False)
+                ["named_endpoints"]["/run"]["parameters"]}
+    values = defaults | server.run_kwargs(**changes)
+    return [values[name] for name in parameters]
+
+
+def results_of(answer: list) -> dict:
+    return json.loads(Path(answer[outputs.OUTPUT_NAMES.index("results_file")]["path"]).read_text())
+
+
+def test_a_list_that_names_a_corpus_or_operator_forty_times_costs_one_pass(tiny_server):
+    from gradio_client import Client
+
+    client = Client(tiny_server.url, verbose=False)
+    updates = {}
+    for label, changes in {"once": dict(eval_corpora=["ptb", "wiki"], operators=["none", "ghost"]),
+                           "forty": dict(eval_corpora=["ptb", "wiki"] * 20, operators=["none", "ghost"] * 20)}.items():
+        job = client.submit(api_name="/run", **tiny_server.run_kwargs(**changes))
+        final = job.result(timeout=300)
+        assert "Run complete" in final[0]
+        updates[label] = len(job.outputs())
+        report = json.loads(Path(final[outputs.OUTPUT_NAMES.index("results_file")]).read_text())
+        assert list(report["variants"]) == ["dense", "none", "ghost"]
+        assert sorted(report["variants"]["ghost"]["ppl"]) == ["ptb", "wiki"]
+    assert updates["forty"] == updates["once"]  # one update per stage: the same stages
+
+
+def test_a_refusal_or_another_visitors_run_never_costs_an_upload(tiny_server, run_parameters, tmp_path):
+    text = tmp_path / "ours.txt"
+    text.write_text(corpora.load_corpus("books", "evaluation").text[:40_000])
+    mine, theirs = tiny_server.upload(text), tiny_server.upload(text)
+    assert mine["path"] == theirs["path"]  # the premise: the same content is one file for both visitors
+    a, b = (f"visitor-{name}-{uuid.uuid4().hex[:8]}" for name in "ab")
+    kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, your_file=mine, text_use="both",
+                                                    depth=99), session=a)
+    assert kind == "error" and "99" in json.dumps(answer)  # refused (a typo): the upload must survive it
+    kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, your_file=mine, text_use="both"),
+                                    session=a)
+    assert kind == "complete" and "Run complete" in answer[0], answer
+    assert "ours.txt" in results_of(answer)["corpora"]["your text"]["label"]
+    kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, your_file=theirs, text_use="both"),
+                                    session=b)
+    assert kind == "complete" and "Run complete" in answer[0], answer
+    assert SESSION_UPLOADS.claimed(mine["path"]) == {a, b}
+    SESSION_UPLOADS.end(a)  # one visitor leaves: the other's upload stays
+    assert Path(mine["path"]).is_file()
+    SESSION_UPLOADS.end(b)  # the last one leaves: nothing of the file is left
+    assert not Path(mine["path"]).exists()
