@@ -81,6 +81,9 @@ def on_push(repo_id: str, private: bool, token: str, oauth_token: gr.OAuthToken 
         url = upload_export(folder, repo_name(repo_id, profile), push_token(token, oauth_token), private=bool(private))
     except GhostedError as err:
         return f"**Push refused:** {page_message(err)}", ""
+    except Exception:  # a bug of ours: logged without the token (no local holds it in the message), the box cleared
+        log.exception("push failed")
+        return "**Push failed** with an internal error (logged on the server); nothing else changed.", ""
     files = sorted(p.name for p in folder.iterdir())
     gguf = next((f for f in files if f.endswith(".gguf")), None)
     what = f"`{folder.name}`, its model card" + (f" and `{gguf}`" if gguf else "")

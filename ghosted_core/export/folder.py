@@ -334,15 +334,17 @@ def upload_export(folder: str | Path, repo_id: str, token: str, private: bool = 
     if not hub_reachable():
         raise GhostedError("the Hugging Face Hub is not reachable from here, so nothing can be uploaded")
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
     api = HfApi(token=token.strip())
     try:
         url = api.create_repo(repo_id, repo_type="model", private=private, exist_ok=False)
         api.upload_folder(folder_path=str(folder), repo_id=url.repo_id, repo_type="model",
                           commit_message="Upload a model exported by Ghosted Layers Studio")
-    except HfHubHTTPError as err:
-        message = str(err).replace(token.strip(), "***").splitlines()[0]
-        raise GhostedError(f"upload to {repo_id} failed: {message}") from None
+    except Exception as err:  # the Hub's answer, offline mode, a refused or dropped connection: one message each
+        first = next((line for line in str(err).splitlines() if line.strip()), "")
+        message = f"{type(err).__name__}: {first}" if first else type(err).__name__
+        raise GhostedError(f"upload to {repo_id} failed ({message.replace(token.strip(), '***')}); nothing was "
+                           "pushed, or only part of the folder: check the repo on the Hub, then push again to a "
+                           "new name") from None
     log.info("uploaded %s to %s", folder.name, url)
     return str(url)

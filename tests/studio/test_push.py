@@ -209,3 +209,25 @@ def test_a_gguf_save_downloads_the_gguf_and_pushes_it_with_the_folder(served, on
     files = online.calls[1][2]
     assert any(f.endswith("-q8_0.gguf") for f in files) and "config.json" in files
     assert ".gguf" in message
+
+
+def test_every_push_error_is_one_message_and_clears_the_token_box(served, online, tiny_model_folder, monkeypatch):
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    client = served()
+    tiny_run(client, tiny_model_folder)
+    token = "hf_secret_pasted_token"
+    failures = {"offline": OfflineModeIsEnabled(f"Cannot reach https://huggingface.co: offline mode (token {token})"),
+                "connection": httpx.ConnectError("[Errno 111] Connection refused"),
+                "dropped": ConnectionResetError(104, "Connection reset by peer"),
+                "hub": HfHubHTTPError(f"401 Unauthorized: invalid token {token}", response=httpx.Response(
+                    401, request=httpx.Request("POST", "https://huggingface.co/api/repos/create")))}
+    for name, failure in failures.items():
+        def fail(self, repo_id, **kwargs):
+            raise failure
+        monkeypatch.setattr(online, "create_repo", fail)
+        message, token_box = client.predict("pruned-tiny", False, token, api_name="/push")
+        assert message.startswith("**Push refused:** upload to pruned-tiny failed (") and token_box == "", (name, message)
+        assert token not in message and "Traceback" not in message and len(message.splitlines()) == 1, (name, message)
+        assert type(failure).__name__ in message, (name, message)
