@@ -239,6 +239,31 @@ def _readable(name: str) -> Iterator[None]:
         raise
 
 
+HUB_CONFIG_FILES = ("config.json",)
+HUB_MODEL_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt")  # no .bin, no .gguf
+
+
+def _hub_snapshot(name: str, patterns: tuple[str, ...]) -> str:
+    """The files `patterns` of Hub repo `name`, downloaded into (or found in) huggingface_hub's cache; the folder.
+
+    A name typed where local folders are off resolves here, never through the working directory:
+    `from_pretrained("org/name")` would load a folder `./org/name` first if one existed.
+    """
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id=name, repo_type="model", allow_patterns=list(patterns))
+    except GatedRepoError:
+        raise GhostedError(f"{name} is a gated model on the Hugging Face Hub: request access at "
+                           f"https://huggingface.co/{name} and log in (hf auth login or HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise GhostedError(f"{name} is not a model on the Hugging Face Hub (or it is private and you are not "
+                           "logged in); check the id, or use an embedded model") from None
+    except Exception as err:  # offline, a refused connection, a full disk: one line
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise GhostedError(f"cannot download {name} from the Hugging Face Hub ({type(err).__name__}: {first})") from None
+
+
 def _read_config(name: str, where: str) -> PretrainedConfig:
     with _readable(name):
         config = AutoConfig.from_pretrained(where, trust_remote_code=False)  # never run a repository's own code
@@ -248,7 +273,9 @@ def _read_config(name: str, where: str) -> PretrainedConfig:
 
 def peek_config(name: str, local_folders: bool = True) -> PretrainedConfig:
     """The config of `name` without loading its weights, checked to be a supported architecture."""
-    _source, where, _description = _locate(name, local_folders)
+    source, where, _description = _locate(name, local_folders)
+    if source == "hub" and not local_folders:
+        where = _hub_snapshot(name, HUB_CONFIG_FILES)
     return _read_config(name, where)
 
 
@@ -267,9 +294,12 @@ def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) 
     device = resolve_device(options.device)
     kwargs = placement(name, options)
     source, where, description = _locate(name, options.local_folders)
-    config = _read_config(name, where)
+    from_hub = source == "hub" and not options.local_folders  # through the Hub's cache, never a folder named `name`
+    config = _read_config(name, _hub_snapshot(name, HUB_CONFIG_FILES) if from_hub else where)
     if source == "hub":
         check_fits(config, device, kwargs["dtype"], name)
+    if from_hub:
+        where = _hub_snapshot(name, HUB_MODEL_FILES)
     with _readable(name):
         model = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=False, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False)

@@ -76,3 +76,25 @@ def test_a_refusal_or_another_visitors_run_never_costs_an_upload(tiny_server, ru
     assert Path(mine["path"]).is_file()
     SESSION_UPLOADS.end(b)  # the last one leaves: nothing of the file is left
     assert not Path(mine["path"]).exists()
+
+
+def test_with_local_folders_off_a_model_name_never_reads_the_working_directory(tiny_server, tiny_model_folder,
+                                                                                run_parameters, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from ghosted_core.model import loading
+    from studio.guard import LOCAL_MODELS_ENV
+
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "name").symlink_to(tiny_model_folder)  # a model folder spelled like a Hub id
+    (tmp_path / "tests" / "studio").mkdir(parents=True)  # a folder without config.json, spelled like one
+    monkeypatch.chdir(tmp_path)  # the server's working directory
+    monkeypatch.setenv(LOCAL_MODELS_ENV, "0")  # a Space: local folders off
+    monkeypatch.setattr(loading, "hub_reachable", lambda: True)  # the Hub is up, as on a Space...
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # ...but holds neither repo
+    for name in ("org/name", "tests/studio"):
+        kind, answer = tiny_server.call("model_info", [name])
+        assert kind == "complete" and answer[0].startswith("**Cannot use this model:**"), answer
+        assert "cannot download" in answer[0] and "config.json" not in answer[0] and "decoder blocks" not in answer[0]
+        kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, model=name))
+        assert kind == "error" and "cannot download" in json.dumps(answer), answer

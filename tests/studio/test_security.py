@@ -169,6 +169,20 @@ def canary_text(canary: str) -> str:
     return "\n\n".join(f"{canary} {paragraph}" for paragraph in book.split("\n\n"))
 
 
+def uploads_holding(canary: str) -> list[Path]:
+    """The files of Gradio's upload folder that hold `canary` (files removed while we look are skipped)."""
+    from gradio.utils import get_upload_folder
+
+    found = []
+    for path in Path(get_upload_folder()).rglob("*"):
+        try:
+            if path.is_file() and canary.encode() in path.read_bytes():
+                found.append(path)
+        except OSError:
+            continue
+    return found
+
+
 def test_a_canary_in_an_upload_is_nowhere_after_the_run(tiny_server, tmp_path, caplog, capfd):
     from gradio.utils import get_upload_folder
     from gradio_client import Client, handle_file
@@ -194,8 +208,7 @@ def test_a_canary_in_an_upload_is_nowhere_after_the_run(tiny_server, tmp_path, c
     short.unlink()
     client.close()  # the tab closes: the uploads it used go with its session
     deadline = time.time() + 30
-    while any(canary.encode() in p.read_bytes() for p in Path(get_upload_folder()).rglob("*.txt") if p.is_file()) \
-            and time.time() < deadline:
+    while uploads_holding(canary) and time.time() < deadline:
         time.sleep(0.2)
     logs = capfd.readouterr()
     places = {"outputs": json.dumps(seen, default=str), "log records": "\n".join(r.getMessage() for r in caplog.records),
