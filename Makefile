@@ -41,9 +41,11 @@ llamacpp: $(LLAMACPP)/BUILD_INFO
 $(LLAMACPP)/BUILD_INFO: | $(STAMP)
 	scripts/build_llamacpp.sh $(LLAMACPP) $(LLAMACPP_VERSION) $(PY)
 
-# On one's own machine the Model box may open local folders; a Space or the Docker image leaves them off.
+# On one's own machine the Model box may open local folders and use one's own Hub token; a Space or the Docker
+# image leaves both off (a visitor's own sign-in, or nothing).
 app: setup
-	GHOSTED_APP_LOCAL_MODELS=$${GHOSTED_APP_LOCAL_MODELS-1} $(PY) app.py
+	GHOSTED_APP_LOCAL_MODELS=$${GHOSTED_APP_LOCAL_MODELS-1} \
+	GHOSTED_APP_SERVER_TOKEN_MODELS=$${GHOSTED_APP_SERVER_TOKEN_MODELS-*} $(PY) app.py
 
 # Debian's Chromium for tests/test_browser.py (Playwright drives it; no browser download). Needs root, as CI has.
 browser:

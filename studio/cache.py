@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections import OrderedDict
@@ -32,28 +33,33 @@ class ModelCache:
         self._converting: set[str] = set()
         self._changed = threading.Condition()
 
-    def get(self, name: str) -> LoadedModel:
-        """The model `name`, loading it (outside the lock) if it is not held."""
+    def get(self, name: str, token: str | bool | None = False) -> LoadedModel:
+        """The model `name`, loading it (outside the lock) with Hub access `token` if it is not held.
+
+        A model loaded with a visitor's own token is held for that token only (`cache_key`); a model anyone
+        may load is shared, and a signed-in visitor is served it too."""
+        key = cache_key(name, token)
         with self._changed:
             while True:
-                if name in self._models:
-                    self._models.move_to_end(name)
-                    return self._models[name]
-                if name not in self._loading and len(self._loading) < self.capacity:
+                for held in dict.fromkeys((name, key)):
+                    if held in self._models:
+                        self._models.move_to_end(held)
+                        return self._models[held]
+                if key not in self._loading and len(self._loading) < self.capacity:
                     break
                 self._changed.wait()  # someone else loads this model, or every slot is loading
-            self._loading.add(name)
+            self._loading.add(key)
             self._evict(keep=len(self._loading))
         try:
-            loaded = load_model(name, LoadOptions(local_folders=guard.model_name(name)[1]))
+            loaded = load_model(name, LoadOptions(local_folders=guard.model_name(name)[1], hub_token=token))
         except BaseException:
             with self._changed:
-                self._loading.discard(name)
+                self._loading.discard(key)
                 self._changed.notify_all()
             raise
         with self._changed:  # one step from "loading" to "held": a waiter never loads it twice
-            self._loading.discard(name)
-            self._models[name] = loaded
+            self._loading.discard(key)
+            self._models[key] = loaded
             self._evict(keep=len(self._loading))
             self._changed.notify_all()
             return loaded
@@ -74,9 +80,9 @@ class ModelCache:
                 self._changed.notify_all()
         return True
 
-    def peek(self, name: str) -> LoadedModel | None:
+    def peek(self, name: str, token: str | bool | None = False) -> LoadedModel | None:
         with self._changed:
-            return self._models.get(name)
+            return self._models.get(name) or self._models.get(cache_key(name, token))
 
     def put(self, loaded: LoadedModel) -> None:
         """Hold an already loaded model (e.g. one a test session loaded) under its name."""
@@ -97,17 +103,26 @@ class ModelCache:
             log.info("model cache full: dropped %s", evicted)
 
 
+def cache_key(name: str, token: str | bool | None) -> str:
+    """The cache's key for `name` loaded with Hub access `token`: the name itself for what anyone may load
+    (anonymous, or the server's token for a model its operator lends it for), the name and a digest of the
+    visitor's own token otherwise, so that no other visitor is served what only that token can read."""
+    if isinstance(token, str):
+        return f"{name} @{hashlib.sha256(token.encode()).hexdigest()[:16]}"
+    return name
+
+
 MODELS = ModelCache(CACHE_SIZE)
 
 
-def model_shape(name: str) -> tuple[int, int]:
+def model_shape(name: str, token: str | bool | None = False) -> tuple[int, int]:
     """(decoder blocks, hidden width) of `name`: from the cache, the embedded models' table, a preset or its config.
 
     Never loads weights or converts a GGUF, so the page can call it on every model change; never
     looks at a folder this server does not open to its users (`studio.guard`).
     """
     name, local = guard.model_name(name)
-    cached = MODELS.peek(name)
+    cached = MODELS.peek(name, token)
     if cached:
         return cached.num_layers, cached.hidden_size
     if name in EMBEDDED:
@@ -115,10 +130,10 @@ def model_shape(name: str) -> tuple[int, int]:
     preset = find_preset(name)
     if preset is not None:  # written-down numbers: no Hub request
         return preset.num_layers, preset.hidden_size
-    config = peek_config(name, local)
+    config = peek_config(name, local, token)
     return int(config.num_hidden_layers), int(config.hidden_size)
 
 
-def num_blocks(name: str) -> int:
+def num_blocks(name: str, token: str | bool | None = False) -> int:
     """Decoder blocks of `name` (see `model_shape`)."""
-    return model_shape(name)[0]
+    return model_shape(name, token)[0]

@@ -28,6 +28,7 @@ from ghosted_core.oom import guard_stages
 from ghosted_core.stopping import RunStopped
 from ghosted_core.run.pipeline import LIVE_STAGES
 from ghosted_core.run.sweep import check_sweep, parse_depths
+from studio.access import hub_token
 from studio.cache import model_shape, num_blocks
 from studio.history import add_run, settings_of
 from studio.presets_view import find_preset, preset_note
@@ -60,7 +61,8 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
            compare_criteria: list[str] | None = None, distill_on: bool = DEFAULTS.distill_on,
            distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train,
            submitted: float | None = None, shown: dict | None = None,
-           history: list[dict] | None = None, request: gr.Request | None = None,
+           history: list[dict] | None = None, oauth_token: gr.OAuthToken | None = None,
+           request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
     """Run button: stream a single-depth run, a sweep or a comparison into the page, with the session's state;
     failures become gr.Error."""
@@ -75,7 +77,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
             cal, evals = corpora_with_text(text_use, cal, evals)
         options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
                                         evals, eval_tokens, prompt, new_tokens, distill_on, distill_steps,
-                                        distill_train), user_text=text)
+                                        distill_train, hub_token(model, oauth_token)), user_text=text)
         quick = QuickTasks(guard.flag(tasks_on, "Score every variant on quick tasks"), guard.names(task_names, "Tasks"),
                            guard.whole(task_examples, "Examples per task", 1, TASK_EXAMPLES[1]))
         job = build_request(options, quick, save_variant, export_format, mode, depths,
@@ -180,11 +182,11 @@ def model_note(name: str) -> str:
             f"Llama, Mistral, Qwen2/3 and Gemma3 families. {guard.local_folders_note()}")
 
 
-def on_model_change(name: str) -> tuple:
+def on_model_change(name: str, oauth_token: gr.OAuthToken | None = None) -> tuple:
     """Bound the depth slider by the model's block count, reset the depth to a quarter of it, describe the model."""
     try:
         name, _local = guard.model_name(name)
-        layers, width = model_shape(name)
+        layers, width = model_shape(name, hub_token(name, oauth_token))
     except GhostedError as err:
         return f"**Cannot use this model:** {page_message(err)}", gr.update(), gr.update()
     except Exception as err:  # an unreadable folder or config: say so, keep serving
@@ -203,13 +205,14 @@ def on_model_change(name: str) -> tuple:
 
 
 def on_settings_change(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str],
-                       samples: float, seqlen: float, mode: str = "single depth", depths: str = "") -> str:
+                       samples: float, seqlen: float, mode: str = "single depth", depths: str = "",
+                       oauth_token: gr.OAuthToken | None = None) -> str:
     """Advice on the settings before a run: a deep cut, a cut through the last block, too little calibration."""
     try:
         options = build_options(model, criterion, depth, manual_blocks, operators or ["none"], "mix", samples, seqlen,
-                                0, [], 256, "", 4)
+                                0, [], 256, "", 4, hub_token=hub_token(model, oauth_token))
         if mode == SWEEP:
-            chosen = check_sweep(options, parse_depths(depths or ""), num_blocks(options.model))
+            chosen = check_sweep(options, parse_depths(depths or ""), num_blocks(options.model, options.load.hub_token))
             lines = advice_lines(settings_advice(options, chosen))
         else:
             check_options(options)

@@ -62,8 +62,10 @@ def distill_variants(operators: Sequence[str], on: bool, train: str) -> list[str
 def build_options(model: str, criterion: str, depth: float, manual_blocks: str, operators: Sequence[str],
                   calibration: str, samples: float, seqlen: float | str, seed: float, eval_corpora: Sequence[str],
                   eval_tokens: float, prompt: str, new_tokens: float, distill_on: bool = False,
-                  distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train) -> RunOptions:
-    """The library's options from the widgets' values; GhostedError on input no run could use.
+                  distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train,
+                  hub_token: str | bool | None = False) -> RunOptions:
+    """The library's options from the widgets' values; GhostedError on input no run could use. `hub_token`: the
+    Hub access of the request (`studio.access.hub_token`; anonymous unless given).
 
     Every value is held to the type and the largest value its widget offers (`studio.guard`): the API takes any
     JSON, and the upper bounds bound what one request may cost the server.
@@ -79,7 +81,7 @@ def build_options(model: str, criterion: str, depth: float, manual_blocks: str, 
     seed = guard.whole(seed, "Seed", 0, SEED_LIMIT - 1)
     return RunOptions(
         model=model,
-        load=LoadOptions(local_folders=local),
+        load=LoadOptions(local_folders=local, hub_token=hub_token),
         criterion=criterion,
         num_prune=guard.whole(depth, "Blocks to remove", 1, MAX_BLOCKS - 1),
         layers=layers,
@@ -101,7 +103,7 @@ def build_options(model: str, criterion: str, depth: float, manual_blocks: str, 
 
 def check_options(options: RunOptions) -> None:
     """The library's checks of `options` against the model's block count, before any weights load."""
-    validate(options, num_blocks(options.model))
+    validate(options, num_blocks(options.model, options.load.hub_token))
 
 
 def check_save(options: RunOptions, save_variant: str, export_format: str = "auto") -> str | None:
@@ -141,7 +143,7 @@ def planned_stages(options: RunOptions, quick: QuickTasks, save_variant: str | N
 
 def settings_advice(options: RunOptions, depths: tuple[int, ...] = ()) -> list[Advice]:
     """What the library's advice says about these settings before anything runs (depth, cut, calibration size)."""
-    layers, width = model_shape(options.model)
+    layers, width = model_shape(options.model, options.load.hub_token)
     removed = options.layers if options.criterion == "manual" else ()
     deepest = max(depths, default=options.num_prune)
     count = len(removed) if options.criterion == "manual" else deepest if options.criterion != "none" else 0
@@ -190,13 +192,13 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
         notes = _set_aside(options, quick, save_variant, "a comparison")
         options = replace(without_distillation(options), prompt=None, tasks=(), layers=())
         chosen = check_compare(options, [c for c in criteria or () if c not in ("manual", "none")],
-                               num_blocks(options.model))
+                               num_blocks(options.model, options.load.hub_token))
         request = RunRequest(options, notes=tuple(notes), criteria=chosen)
     elif mode == SWEEP:
         depths = parse_depths(guard.text(depths_text, "Depths to sweep", guard.FIELD_CHARS))
         notes = _set_aside(options, quick, save_variant, "a sweep")
         options = replace(without_distillation(options), prompt=None, tasks=())
-        layers = num_blocks(options.model)
+        layers = num_blocks(options.model, options.load.hub_token)
         request = RunRequest(options, depths=check_sweep(options, depths, layers), notes=tuple(notes))
     else:
         if quick.enabled and not quick.tasks:
@@ -205,10 +207,16 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
         request = RunRequest(options, quick, check_save(options, save_variant, export_format), export_format, gguf_type)
     preset = find_preset(options.model)
     if preset is not None:  # offline, gated without a token or too big: refused before anything downloads
-        check_preset(preset.hub_id, options, device(), request.depths or None)
+        check_preset(preset.hub_id, options, device(), request.depths or None, preset_token(options.load.hub_token))
     if zerogpu():
         gpu_seconds(options, request.depths or None)  # refuses a run longer than a ZeroGPU call may hold
     return request
+
+
+def preset_token(token: str | bool | None) -> str | None:
+    """The token a preset's gating check sees: the server's (None) where the operator lends it, else the visitor's
+    own or none ("")."""
+    return None if token is None else token or ""
 
 
 def _set_aside(options: RunOptions, quick: QuickTasks, save_variant: str, what: str) -> list[str]:
@@ -237,8 +245,8 @@ def with_app_timings(library: dict[str, float], app: dict[str, float]) -> dict[s
         stage: seconds for stage, seconds in library.items() if stage not in app}
 
 
-def load_stages(model: str, timings: dict[str, float],
-                should_stop: StopCheck = None) -> Generator[tuple[str, dict], None, LoadedModel]:
+def load_stages(model: str, timings: dict[str, float], should_stop: StopCheck = None,
+                token: str | bool | None = False) -> Generator[tuple[str, dict], None, LoadedModel]:
     """(Convert →) load `model` from the shared cache, each step timed into `timings`.
 
     Yields the convert stage's snapshot when a first use converts the GGUF (outside any lock other
@@ -251,7 +259,7 @@ def load_stages(model: str, timings: dict[str, float],
         yield "convert model", {"model": model, "timings": with_app_timings({}, timings), "variants": {}}
     check_stop(should_stop, "load model")
     start = time.perf_counter()
-    loaded = MODELS.get(model)
+    loaded = MODELS.get(model, token)
     timings["load model"] = time.perf_counter() - start
     return loaded
 
@@ -286,7 +294,7 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
     """
     check_options(options)
     timings: dict[str, float] = {}
-    loaded = yield from load_stages(options.model, timings, should_stop)
+    loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
     if quick.enabled and quick.tasks:
         options = replace(options, tasks=quick.tasks, task_limit=quick.limit)
     result = None
@@ -334,7 +342,7 @@ def run_compare_job(options: RunOptions, criteria: tuple[str, ...],
     operators, yielding (stage, the comparison's results.json so far): the map, scores and table grow criterion by
     criterion."""
     timings: dict[str, float] = {}
-    loaded = yield from load_stages(options.model, timings, should_stop)
+    loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
     yield from _reports(compare_stages(options, criteria, loaded, should_stop=should_stop), timings)
 
 
@@ -345,7 +353,7 @@ def run_sweep_job(options: RunOptions, depths: tuple[int, ...], should_stop: Sto
     Yields (stage, the sweep's results.json so far): the curve grows depth by depth.
     """
     timings: dict[str, float] = {}
-    loaded = yield from load_stages(options.model, timings, should_stop)
+    loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
     yield from _reports(sweep_stages(options, depths, loaded, should_stop=should_stop), timings)
 
 

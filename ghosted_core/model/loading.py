@@ -11,7 +11,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -44,6 +44,9 @@ class LoadOptions:
     max_memory: dict | None = None  # device="map": cap per device, e.g. {0: "20GiB", "cpu": "60GiB"}; the rest goes to disk
     offload_folder: str | None = None  # device="map": where weights that must be re-saved for disk offload go
     local_folders: bool = True  # False: a name never reads a folder of this machine (the app's default for strangers)
+    # Hub access: None, huggingface_hub's own (this machine's login or HF_TOKEN: the command line); False, none
+    # (anonymous); a string, that token (a Space visitor's own). Never shown in a repr.
+    hub_token: str | bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.device != "map" and (self.max_memory or self.offload_folder):
@@ -243,7 +246,7 @@ HUB_CONFIG_FILES = ("config.json",)
 HUB_MODEL_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt")  # no .bin, no .gguf
 
 
-def _hub_snapshot(name: str, patterns: tuple[str, ...]) -> str:
+def _hub_snapshot(name: str, patterns: tuple[str, ...], token: str | bool | None = None) -> str:
     """The files `patterns` of Hub repo `name`, downloaded into (or found in) huggingface_hub's cache; the folder.
 
     A name typed where local folders are off resolves here, never through the working directory:
@@ -252,7 +255,7 @@ def _hub_snapshot(name: str, patterns: tuple[str, ...]) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(repo_id=name, repo_type="model", allow_patterns=list(patterns))
+        return snapshot_download(repo_id=name, repo_type="model", allow_patterns=list(patterns), token=token)
     except GatedRepoError:
         raise GhostedError(f"{name} is a gated model on the Hugging Face Hub: request access at "
                            f"https://huggingface.co/{name} and log in (hf auth login or HF_TOKEN)") from None
@@ -271,11 +274,12 @@ def _read_config(name: str, where: str) -> PretrainedConfig:
     return config
 
 
-def peek_config(name: str, local_folders: bool = True) -> PretrainedConfig:
-    """The config of `name` without loading its weights, checked to be a supported architecture."""
+def peek_config(name: str, local_folders: bool = True, token: str | bool | None = None) -> PretrainedConfig:
+    """The config of `name` without loading its weights, checked to be a supported architecture (`token`: Hub
+    access, as `LoadOptions.hub_token`)."""
     source, where, _description = _locate(name, local_folders)
-    if source == "hub" and not local_folders:
-        where = _hub_snapshot(name, HUB_CONFIG_FILES)
+    if source == "hub" and (not local_folders or token is not None):
+        where = _hub_snapshot(name, HUB_CONFIG_FILES, token)
     return _read_config(name, where)
 
 
@@ -294,12 +298,13 @@ def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) 
     device = resolve_device(options.device)
     kwargs = placement(name, options)
     source, where, description = _locate(name, options.local_folders)
-    from_hub = source == "hub" and not options.local_folders  # through the Hub's cache, never a folder named `name`
-    config = _read_config(name, _hub_snapshot(name, HUB_CONFIG_FILES) if from_hub else where)
+    # through the Hub's cache, never a folder named `name`, and with the token asked for
+    from_hub = source == "hub" and (not options.local_folders or options.hub_token is not None)
+    config = _read_config(name, _hub_snapshot(name, HUB_CONFIG_FILES, options.hub_token) if from_hub else where)
     if source == "hub":
         check_fits(config, device, kwargs["dtype"], name)
     if from_hub:
-        where = _hub_snapshot(name, HUB_MODEL_FILES)
+        where = _hub_snapshot(name, HUB_MODEL_FILES, options.hub_token)
     with _readable(name):
         model = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=False, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False)

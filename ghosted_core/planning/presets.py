@@ -198,9 +198,10 @@ def preset_statuses(options: RunOptions = RunOptions(), device: DeviceInfo | Non
 
 
 def check_preset(name: str, options: RunOptions = RunOptions(), device: DeviceInfo | None = None,
-                 depths: tuple[int, ...] | None = None) -> Preset:
-    """The preset, or a GhostedError saying why it cannot run here, before anything downloads."""
-    status = preset_status(get_preset(name), options, device, depths)
+                 depths: tuple[int, ...] | None = None, token: str | None = None) -> Preset:
+    """The preset, or a GhostedError saying why it cannot run here, before anything downloads (`token`: the
+    access to judge gating by; None: this machine's own, "": none)."""
+    status = preset_status(get_preset(name), options, device, depths, token)
     if not status.available:
         raise GhostedError(status.reason)
     return status.preset

@@ -379,14 +379,19 @@ def test_the_session_history_lists_each_run_restores_its_settings_and_downloads_
     (b"a" * (5 * 2**20 + 1), "huge.txt", "more than the 5 MB"),
     (b'{"title": "no text field"}\n', "notes.jsonl", "text"),
 ])
-def test_bad_uploads_are_refused_with_a_message_and_deleted(tmp_path, content, name, message):
+def test_bad_uploads_are_refused_with_a_message_read_once_and_deleted_with_the_session(tmp_path, content, name,
+                                                                                        message):
+    from studio.uploads import SESSION_UPLOADS
+
     upload = tmp_path / name
     upload.write_bytes(content)
     with pytest.raises(GhostedError, match=message):
-        user_input.read_user_text("", str(upload))
-    assert not upload.exists()  # an upload never outlives the run that read it
-    with pytest.raises(GhostedError, match="gone"):
-        user_input.read_user_text("", str(upload))
+        user_input.read_user_text("", str(upload), "session-x")
+    upload.write_bytes(b"good text " * 500)  # what a second read would see: the session's first reading stands
+    with pytest.raises(GhostedError, match=message):
+        user_input.read_user_text("", str(upload), "session-x")
+    SESSION_UPLOADS.end("session-x")
+    assert not upload.exists()  # an upload never outlives the session that read it
 
 
 def test_your_text_takes_the_roles_asked_for():

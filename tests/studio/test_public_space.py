@@ -98,3 +98,36 @@ def test_with_local_folders_off_a_model_name_never_reads_the_working_directory(t
         assert "cannot download" in answer[0] and "config.json" not in answer[0] and "decoder blocks" not in answer[0]
         kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, model=name))
         assert kind == "error" and "cannot download" in json.dumps(answer), answer
+
+
+def test_hub_access_is_the_visitors_own_or_none_and_the_servers_only_where_the_operator_lends_it(
+        tiny_server, run_parameters, monkeypatch):
+    import httpx
+    import huggingface_hub
+    from gradio_client import Client
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from ghosted_core.model import loading
+    from studio.access import SERVER_TOKEN_ENV
+
+    asked = []
+
+    def recording_download(repo_id, token=None, **kwargs):  # the Hub, as far as this test goes: who asks, with what
+        asked.append((repo_id, token))
+        raise RepositoryNotFoundError(f"{repo_id} not found", response=httpx.Response(
+            404, request=httpx.Request("GET", f"https://huggingface.co/api/models/{repo_id}")))
+
+    monkeypatch.setenv("HF_TOKEN", "hf_server_secret")  # what an operator sets for the gated presets
+    monkeypatch.setattr(loading, "hub_reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", recording_download)
+    monkeypatch.setenv(SERVER_TOKEN_ENV, "operator/lent-model")
+    kind, answer = tiny_server.call("model_info", ["operator/private-model"])  # a stranger, signed out
+    assert kind == "complete" and "is not a model on the Hugging Face Hub" in answer[0], answer
+    kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, model="operator/private-model"))
+    assert kind == "error" and "is not a model on the Hugging Face Hub" in json.dumps(answer), answer
+    signed_in = Client(tiny_server.url, verbose=False, oauth_token="hf_visitor_own")
+    signed_in.predict("operator/private-model", api_name="/model_info")
+    signed_in.predict("operator/lent-model", api_name="/model_info")
+    # False: huggingface_hub sends no token (None would send the server's HF_TOKEN); the visitor's own; the server's
+    assert asked == [("operator/private-model", False)] * 2 + [("operator/private-model", "hf_visitor_own"),
+                     ("operator/lent-model", None)]
