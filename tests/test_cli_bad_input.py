@@ -59,6 +59,7 @@ def table(tmp) -> list[tuple[list[str], str]]:
     manual = ["--pruning_method", "manual", "--layers"]
     return [
         (["--total_num_prune", "30"], "leaves none"),
+        ([*manual, ""], "needs the blocks to remove"),  # refused before the model and the corpus load
         (["--total_num_prune", "0"], "must be at least 1"),
         (["--total_num_prune", "seven"], "write a number of blocks"),
         (["--total_num_prune", "2:10:0"], "step must be at least 1"),

@@ -26,7 +26,7 @@ from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_opti
     resolve_device, resolve_dtype
 from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
-from ghosted_core.selection.criteria import SelectionRequest, check_request, get_criterion
+from ghosted_core.selection.criteria import SelectionRequest, check_blocks_listed, check_request, get_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes
 from ghosted_core.selection.similarity import similarity_bytes
 from ghosted_core.evaluation.tasks import parse_tasks
@@ -178,6 +178,7 @@ class RunOptions:
 def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
     """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
     get_criterion(options.criterion)
+    check_blocks_listed(options.criterion, options.layers)
     check_load_options(options.load)
     if options.bos not in corpora.BOS_RULES:
         raise GhostedError(f"unknown BOS rule {options.bos!r}; use one of: {', '.join(corpora.BOS_RULES)}")

@@ -183,8 +183,7 @@ def select_angular(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
                     memory=no_memory)
 def select_manual(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Exactly the blocks the user listed."""
-    if not request.layers:
-        raise GhostedError("the manual pruning method needs the blocks to remove, e.g. --layers 20,21,22")
+    check_blocks_listed("manual", request.layers)
     return PruningPlan(request.num_layers, request.layers, "manual")
 
 
@@ -207,6 +206,12 @@ def parse_layers(text: str) -> tuple[int, ...]:
     except ValueError:
         raise GhostedError(f"cannot read block list {text!r}; write e.g. 20,21,25-27") from None
     return tuple(layers)
+
+
+def check_blocks_listed(criterion: str, layers: tuple[int, ...]) -> None:
+    """The manual criterion's one check that needs no model: some blocks are listed (run before anything loads)."""
+    if criterion == "manual" and not layers:
+        raise GhostedError("the manual pruning method needs the blocks to remove, e.g. --layers 20,21,22")
 
 
 def check_request(criterion: str, request: SelectionRequest) -> None:
