@@ -32,8 +32,8 @@ from studio.access import hub_token
 from studio.cache import model_shape, num_blocks
 from studio.history import add_run, settings_of
 from studio.presets_view import find_preset, preset_note
-from studio.runner import QuickTasks, build_options, build_request, check_options, run_compare_job, run_job, \
-    run_sweep_job, settings_advice
+from studio.runner import QuickTasks, RunRequest, build_options, build_request, check_options, run_compare_job, \
+    run_job, run_sweep_job, settings_advice
 from studio import guard
 from studio.runs import RUNS, ActiveRun, client_gone
 from studio.saved import SAVED
@@ -48,9 +48,28 @@ from studio.outputs import SETTING_NAMES, TOAST_SECONDS, as_outputs, blank_outpu
 log = logging.getLogger(__name__)
 
 
-def on_submit() -> tuple[float, str]:
-    """Run pressed: note the time (queueing counts apart from running) and say the run waits for the server."""
-    return time.time(), "**Queued:** waiting for the server to start your run…"
+def prepare_run(values: dict, session: str) -> RunRequest:
+    """The checked request of one press of Run, from on_run's arguments by name: every check that needs no
+    weights (widget values, your text, the library's checks, the work budget). GhostedError when refused."""
+    v = values
+    text = read_user_text(guard.text(v.get("your_text"), "Paste text", user_text.MAX_BYTES), v.get("your_file"),
+                          session)
+    cal, evals = v["calibration"], tuple(v.get("eval_corpora") or ())
+    if text is not None:
+        cal, evals = corpora_with_text(v.get("text_use", "evaluation"), cal, evals)
+    options = replace(build_options(v["model"], v["criterion"], v["depth"], v["manual_blocks"], v["operators"], cal,
+                                    v["samples"], v["seqlen"], v["seed"], evals, v["eval_tokens"], v["prompt"],
+                                    v["new_tokens"], v.get("distill_on", DEFAULTS.distill_on),
+                                    v.get("distill_steps", DEFAULTS.distill_steps),
+                                    v.get("distill_train", DEFAULTS.distill_train),
+                                    hub_token(v["model"], v.get("oauth_token"))), user_text=text)
+    quick = QuickTasks(guard.flag(v["tasks_on"], "Score every variant on quick tasks"),
+                       guard.names(v["task_names"], "Tasks"),
+                       guard.whole(v["task_examples"], "Examples per task", 1, TASK_EXAMPLES[1]))
+    return build_request(options, quick, v.get("save_variant", NO_SAVE), v.get("export_format", "auto"),
+                         v.get("mode", "single depth"), v.get("depths", "2:10:2"),
+                         guard.names(v.get("compare_criteria"), "Criteria to compare"),
+                         guard.choice(v.get("gguf_type", "f16"), "GGUF weights", GGUF_OUTTYPES))
 
 
 def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str], calibration: str,
@@ -66,23 +85,13 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
     """Run button: stream a single-depth run, a sweep or a comparison into the page, with the session's state;
     failures become gr.Error."""
-    settings = {name: value for name, value in locals().items() if name in SETTING_NAMES}
+    values = dict(locals())
+    settings = {name: value for name, value in values.items() if name in SETTING_NAMES}
     start = time.perf_counter()
     queued = time.time() - submitted if submitted else None
     session = request.session_hash if request else ""
     try:
-        text = read_user_text(guard.text(your_text, "Paste text", user_text.MAX_BYTES), your_file, session)
-        cal, evals = calibration, tuple(eval_corpora or ())
-        if text is not None:
-            cal, evals = corpora_with_text(text_use, cal, evals)
-        options = replace(build_options(model, criterion, depth, manual_blocks, operators, cal, samples, seqlen, seed,
-                                        evals, eval_tokens, prompt, new_tokens, distill_on, distill_steps,
-                                        distill_train, hub_token(model, oauth_token)), user_text=text)
-        quick = QuickTasks(guard.flag(tasks_on, "Score every variant on quick tasks"), guard.names(task_names, "Tasks"),
-                           guard.whole(task_examples, "Examples per task", 1, TASK_EXAMPLES[1]))
-        job = build_request(options, quick, save_variant, export_format, mode, depths,
-                            guard.names(compare_criteria, "Criteria to compare"),
-                            guard.choice(gguf_type, "GGUF weights", GGUF_OUTTYPES))
+        job = prepare_run(values, session)
         stages, advice = job.stages(), job.advice() + [Advice(note) for note in job.notes]
     except GhostedError as err:  # refused before any work: the page keeps (and names) the previous results
         yield as_outputs({"status": refused_status(page_message(err), shown)})
@@ -234,20 +243,25 @@ def on_mode_change(mode: str, criterion: str) -> tuple:
             gr.update(visible=not compare), gr.update(visible=compare))
 
 
+def rerun_values(values: dict) -> dict:
+    """on_run's arguments for "rerun on your text": a comparison whose blocks your text chooses (your text takes
+    the calibration role, and keeps the evaluation role if it had it). GhostedError when no text is given."""
+    if not (values.get("your_text") or "").strip() and not values.get("your_file"):
+        raise GhostedError("paste or upload your text under 'Your text' first: the comparison then reruns with your "
+                           "text choosing the blocks")
+    use = values.get("text_use", "evaluation")
+    return values | {"mode": COMPARE, "text_use": "both" if use in ("evaluation", "both") else "calibration"}
+
+
 @functools.wraps(on_run)  # the same parameters, so Gradio passes the Run inputs, the request and the progress
 def on_rerun_on_your_text(*args, **kwargs) -> Iterator[tuple]:
-    """The comparison again, its blocks chosen (and operators fitted) on your text: one click.
-
-    Your text takes the calibration role (and keeps the evaluation role if it had it); refused when no
-    text is pasted or uploaded."""
+    """The comparison again, its blocks chosen (and operators fitted) on your text: one click."""
     values = inspect.signature(on_run).bind(*args, **kwargs).arguments
-    if not (values.get("your_text") or "").strip() and not values.get("your_file"):
-        message = ("paste or upload your text under 'Your text' first: the comparison then reruns with your text "
-                   "choosing the blocks")
-        yield as_outputs({"status": refused_status(message, values.get("shown"))})
-        raise gr.Error(message, duration=TOAST_SECONDS)
-    use = values.get("text_use", "evaluation")
-    values |= {"mode": COMPARE, "text_use": "both" if use in ("evaluation", "both") else "calibration"}
+    try:
+        values = rerun_values(values)
+    except GhostedError as err:
+        yield as_outputs({"status": refused_status(page_message(err), values.get("shown"))})
+        raise gr.Error(page_message(err), duration=TOAST_SECONDS) from err
     yield from on_run(**values)
 
 

@@ -16,7 +16,8 @@ from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES
 from ghosted_core.recovery.operators import OPERATORS
 from studio.outputs import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES
 from studio.handlers import depth_info, model_note, on_criterion_change, on_history_select, on_mode_change, \
-    on_model_change, on_rerun_on_your_text, on_run, on_settings_change, on_stop, on_submit
+    on_model_change, on_rerun_on_your_text, on_run, on_settings_change, on_stop
+from studio.admission import RUN_INPUT_COUNT, RUN_QUEUE, check_rerun, check_run, on_submit, on_submit_rerun
 from studio.push import on_push, on_space, push_available
 from studio.saved import SAVED
 from studio.history import history_table
@@ -253,10 +254,12 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                       "shown": shown, "history": history}
         inputs = [widgets[name] for name in INPUT_NAMES]
         outputs = [components[name] for name in (*OUTPUT_NAMES, *STATE_NAMES)]
-        submit = run_btn.click(on_submit, None, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
+        run_inputs = [*inputs, submitted, shown, history]
+        assert len(run_inputs) == RUN_INPUT_COUNT  # what the run events' validator answers for
+        submit = run_btn.click(on_submit, run_inputs, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
                                api_visibility="private")
-        run_event = submit.then(on_run, [*inputs, submitted, shown, history], outputs, api_name="run",
-                                concurrency_limit=concurrency, concurrency_id="run",
+        run_event = submit.then(on_run, run_inputs, outputs, api_name="run", validator=check_run,
+                                concurrency_limit=concurrency, concurrency_id=RUN_QUEUE,
                                 show_progress_on=[progress_slot])
         stop_btn.click(on_stop, [shown, history], [status, shown, history, history_df, history_file],
                        cancels=[run_event], api_name="stop", concurrency_limit=None, show_progress="hidden",
@@ -268,10 +271,10 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
         mode.change(on_mode_change, [mode, criterion], [depth, depths, single_box, sweep_box, compare_box, criterion,
                                                         compare_criteria],
                     api_visibility="private", concurrency_limit=None)
-        rerun = rerun_btn.click(on_submit, None, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
+        rerun = rerun_btn.click(on_submit_rerun, run_inputs, [submitted, status], queue=False, js=SCROLL_TO_STATUS,
                                 api_visibility="private")
-        rerun.then(on_rerun_on_your_text, [*inputs, submitted, shown, history], outputs, api_name="rerun_on_your_text",
-                   concurrency_limit=concurrency, concurrency_id="run", show_progress_on=[progress_slot])
+        rerun.then(on_rerun_on_your_text, run_inputs, outputs, api_name="rerun_on_your_text", validator=check_rerun,
+                   concurrency_limit=concurrency, concurrency_id=RUN_QUEUE, show_progress_on=[progress_slot])
         settings = [model, criterion, depth, manual_blocks, operators, samples, seqlen, mode, depths]
         for widget in settings:
             widget.change(on_settings_change, settings, run_advice, api_name="check" if widget is model else None,

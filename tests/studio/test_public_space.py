@@ -4,6 +4,7 @@ gradio_client against the served app (the tiny model), with made-up session ids 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -131,3 +132,50 @@ def test_hub_access_is_the_visitors_own_or_none_and_the_servers_only_where_the_o
     # False: huggingface_hub sends no token (None would send the server's HF_TOKEN); the visitor's own; the server's
     assert asked == [("operator/private-model", False)] * 2 + [("operator/private-model", "hf_visitor_own"),
                      ("operator/lent-model", None)]
+
+
+def test_requests_the_run_would_refuse_never_take_a_place_in_the_queue(tiny_server, run_parameters):
+    import httpx
+
+    from studio import layout
+
+    refused = []
+    for k in range(20):  # more than the queue holds (16), each from a made-up session, each refused by the page
+        body = {"data": run_data(tiny_server, run_parameters, seed=-1), "session_hash": f"flood-{k}-{uuid.uuid4().hex}"}
+        posted = httpx.post(f"{tiny_server.url}gradio_api/call/run", json=body, timeout=60)
+        refused.append((posted.status_code, posted.text))
+    assert all(code == 400 and "Seed" in text for code, text in refused), refused[:2]
+    assert len(tiny_server.demo._queue) == 0  # nothing held a place
+    kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters), session=f"honest-{uuid.uuid4().hex}")
+    assert kind == "complete" and "Run complete" in answer[0], answer
+    assert layout.QUEUE_SIZE == 16
+
+
+def test_one_session_holds_one_place_and_one_address_a_few(tiny_server, run_parameters, monkeypatch):
+    import httpx
+
+    from studio import admission
+
+    session = f"eager-{uuid.uuid4().hex}"
+    slow = run_data(tiny_server, run_parameters, eval_tokens=4096, eval_corpora=["ptb", "wiki", "books"])
+    first = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": slow, "session_hash": session}, timeout=60)
+    assert first.status_code == 200
+    second = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": slow, "session_hash": session},
+                        timeout=60)
+    assert second.status_code == 400 and "already have 1 run waiting or running" in second.text, second.text
+    monkeypatch.setattr(admission, "RUNS_PER_ADDRESS", 2)  # the same address: one more session fits, then none
+    other = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": slow, "session_hash": f"{session}-b"},
+                       timeout=60)
+    third = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": slow, "session_hash": f"{session}-c"},
+                       timeout=60)
+    assert other.status_code == 200 and third.status_code == 400 and "from your address" in third.text, third.text
+    for answer in (first, other):  # the places are given back when the runs end
+        with httpx.stream("GET", f"{tiny_server.url}gradio_api/call/run/{answer.json()['event_id']}", timeout=300) as s:
+            for _ in s.iter_lines():
+                pass
+    deadline = time.time() + 30
+    while admission.session_runs(tiny_server.demo._queue, session) and time.time() < deadline:
+        time.sleep(0.2)
+    again = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": run_data(tiny_server, run_parameters),
+                                                                       "session_hash": session}, timeout=60)
+    assert again.status_code == 200, again.text
