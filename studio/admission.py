@@ -18,8 +18,8 @@ sets (GHOSTED_APP_TRUST_FORWARDED=1 trusts that header elsewhere, e.g. behind on
 
 from __future__ import annotations
 
-import functools
 import inspect
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -30,6 +30,8 @@ from ghosted_core.errors import GhostedError
 from studio.handlers import on_run, prepare_run, rerun_values
 from studio.outputs import INPUT_NAMES, TOAST_SECONDS, page_message
 from studio.status import refused_status
+
+log = logging.getLogger(__name__)
 
 RUNS_PER_SESSION = int(os.environ.get("GHOSTED_APP_RUNS_PER_SESSION", "1"))
 RUNS_PER_ADDRESS = int(os.environ.get("GHOSTED_APP_RUNS_PER_ADDRESS", "4"))
@@ -120,8 +122,9 @@ def _admission(prepare: Callable[[dict], dict]) -> tuple[Callable, Callable]:
         values = inspect.signature(on_run).bind(*args, **kwargs).arguments
         try:
             admit(prepare(values), values.get("request"))
-        except GhostedError as err:
-            return None, refused_status(page_message(err), values.get("shown"))
+        except Exception as err:  # GhostedError, or a bug the validator logs and refuses in words
+            message = page_message(err) if isinstance(err, GhostedError) else "the server could not check this request"
+            return None, refused_status(message, values.get("shown"))
         return time.time(), "**Queued:** waiting for the server to start your run…"
 
     def validator(*args, **kwargs) -> list[dict]:
@@ -133,6 +136,10 @@ def _admission(prepare: Callable[[dict], dict]) -> tuple[Callable, Callable]:
             admit(prepare(values), values.get("request"))
         except GhostedError as err:
             raise gr.Error(page_message(err), duration=TOAST_SECONDS, print_exception=False) from err
+        except Exception as err:  # a bug of ours: logged, and the request refused with a plain message
+            log.exception("checking a run request failed")
+            raise gr.Error("the server could not check this request (an internal error, logged)",
+                           print_exception=False) from err
         return [gr.validate(True, "")] * RUN_INPUT_COUNT
 
     for fn in (submit, validator):

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 def prepare_run(values: dict, session: str) -> RunRequest:
     """The checked request of one press of Run, from on_run's arguments by name: every check that needs no
     weights (widget values, your text, the library's checks, the work budget). GhostedError when refused."""
-    v = values
+    v = values | {"model": guard.model_name(values.get("model"))[0]}
     text = read_user_text(guard.text(v.get("your_text"), "Paste text", user_text.MAX_BYTES), v.get("your_file"),
                           session)
     cal, evals = v["calibration"], tuple(v.get("eval_corpora") or ())

@@ -8,15 +8,17 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from transformers import PretrainedConfig
+
 from ghosted_core.planning.advice import Advice, calibration_advice, cut_advice
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
-from ghosted_core.planning.estimate import zerogpu
+from ghosted_core.planning.estimate import check_work_budget, zerogpu
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import archive_export, check_export, export_variant, zip_export
 from ghosted_core.export.gguf import GGUF_FORMAT, export_gguf, find_llamacpp
 from ghosted_core.model.embedded import needs_conversion
-from ghosted_core.model.loading import LoadedModel, LoadOptions
+from ghosted_core.model.loading import LoadedModel, LoadOptions, peek_config
 from ghosted_core.plan import MAX_BLOCKS
 from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.recovery.assessment import Diagnostics
@@ -35,7 +37,7 @@ from ghosted_core.run.compare import check_compare, compare_stages
 from ghosted_core.run.compare import planned_stages as compare_planned
 from studio import guard
 from studio.settings import COMPARE, DEFAULTS, DISTILL_STEPS, DISTILL_TRAIN, EVAL_TOKENS, MAX_SAMPLES, NEW_TOKENS, \
-    NO_SAVE, SEQLENS, SWEEP, gpu_compare, gpu_run, gpu_sweep
+    NO_SAVE, RUN_BUDGET_ENV, SEQLENS, SWEEP, gpu_compare, gpu_run, gpu_sweep, run_budget_seconds
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,19 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
         check_preset(preset.hub_id, options, device(), request.depths or None, preset_token(options.load.hub_token))
     if zerogpu():
         gpu_seconds(options, request.depths or None)  # refuses a run longer than a ZeroGPU call may hold
+    budget = run_budget_seconds()
+    if budget:
+        check_work_budget(run_config(options), options, device(), budget, request.depths or None,
+                          runs=max(1, len(request.criteria)), setting=f"{RUN_BUDGET_ENV}={budget:g} s")
     return request
+
+
+def run_config(options: RunOptions) -> PretrainedConfig:
+    """The config of the run's model, with the request's Hub access (a preset's written-down numbers: no download)."""
+    preset = find_preset(options.model)
+    if preset is not None:
+        return preset.config()
+    return peek_config(options.model, options.load.local_folders, options.load.hub_token)
 
 
 def preset_token(token: str | bool | None) -> str | None:

@@ -71,6 +71,18 @@ os.environ.setdefault("GRADIO_HEARTBEAT_INTERVAL", "2")
 CACHE_SIZE = int(os.environ.get("GHOSTED_APP_CACHE_MODELS", "2"))  # models held in memory at once
 RUN_CONCURRENCY = int(os.environ.get("GHOSTED_APP_CONCURRENCY", "1"))  # runs computing at once
 QUEUE_SIZE = int(os.environ.get("GHOSTED_APP_QUEUE", "16"))  # runs waiting at most
+RUN_BUDGET_ENV = "GHOSTED_APP_RUN_BUDGET"
+
+
+def run_budget_seconds() -> float:
+    """The most a run may be estimated to take here (`planning.estimate.check_work_budget`), 0 for no limit: the
+    operator's GHOSTED_APP_RUN_BUDGET (seconds), else 15 minutes on a Space without a GPU, else none."""
+    value = os.environ.get(RUN_BUDGET_ENV, "").strip()
+    if value:
+        return max(0.0, float(value))
+    import torch
+
+    return 900.0 if os.environ.get("SPACE_ID") and not torch.cuda.is_available() else 0.0
 STOP_WAIT_SECONDS = 30  # Stop waits this long for a run to reach its next batch before answering
 
 CRITERION_HELP = {  # short dropdown labels; the registry's paper names are longer

@@ -234,3 +234,22 @@ def gpu_duration(config: PretrainedConfig, options: RunOptions, depths: Sequence
                            f"{ZEROGPU_MAX_SECONDS} s a ZeroGPU call may hold; use fewer calibration sequences, "
                            "fewer depths or a smaller perplexity cap")
     return int(max(ZEROGPU_MIN_SECONDS, math.ceil(seconds)))
+
+
+def check_work_budget(config: PretrainedConfig, options: RunOptions, device: DeviceInfo, budget_seconds: float,
+                      depths: Sequence[int] | None = None, runs: int = 1, setting: str = "the work budget") -> float:
+    """Refuse, before any work, a run whose estimated time on `device` exceeds `budget_seconds` (an operator's
+    limit on what one request may cost a shared server); the estimate otherwise. `runs`: how many such runs the
+    request makes (a comparison: one per criterion). The estimate counts loading, scoring, calibration, fits and
+    perplexity (`estimate_time`), not quick tasks or distillation, which have limits of their own."""
+    seconds = runs * estimate_time(config, options, device, depths).total
+    if seconds > budget_seconds:
+        raise GhostedError(f"this run would take about {_minutes(seconds)} on {device.name}, more than the "
+                           f"{_minutes(budget_seconds)} this server allows a run ({setting}); use fewer calibration "
+                           "sequences or shorter ones, fewer perplexity tokens or corpora, fewer operators, depths "
+                           "or criteria")
+    return seconds
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"

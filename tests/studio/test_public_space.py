@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,30 @@ def test_one_session_holds_one_place_and_one_address_a_few(tiny_server, run_para
     again = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": run_data(tiny_server, run_parameters),
                                                                        "session_hash": session}, timeout=60)
     assert again.status_code == 200, again.text
+
+
+def test_a_cpu_space_refuses_a_run_over_its_work_budget_before_it_queues(tiny_server, run_parameters, monkeypatch):
+    import httpx
+
+    from ghosted_core.recovery.operators import OPERATORS
+    from studio import runner, settings
+
+    monkeypatch.setenv("SPACE_ID", "someone/ghosted-layers")  # a Space without a GPU: the default budget applies
+    monkeypatch.delenv(settings.RUN_BUDGET_ENV, raising=False)
+    assert settings.run_budget_seconds() == 900
+    page_maximums = dict(model="smollm2-135m", samples=settings.MAX_SAMPLES, seqlen=max(settings.SEQLENS),
+                         operators=list(OPERATORS), eval_corpora=corpora.corpus_names(),
+                         eval_tokens=settings.EVAL_TOKENS[1])
+    posted = httpx.post(f"{tiny_server.url}gradio_api/call/run", timeout=60,
+                        json={"data": run_data(tiny_server, run_parameters, **page_maximums),
+                              "session_hash": f"greedy-{uuid.uuid4().hex}"})
+    assert posted.status_code == 400 and "this run would take about" in posted.text, posted.text
+    assert "more than the 15 min this server allows a run (GHOSTED_APP_RUN_BUDGET=900 s)" in posted.text
+    assert len(tiny_server.demo._queue) == 0
+    d = settings.DEFAULTS  # the page's defaults fit the budget
+    options = runner.build_options(d.model, d.criterion, d.depth, "", list(d.operators), d.calibration, d.samples,
+                                   d.seqlen, d.seed, list(d.eval_corpora), d.eval_tokens, "", d.new_tokens)
+    runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", d.mode, d.depths)
+    monkeypatch.setenv(settings.RUN_BUDGET_ENV, "0")  # the operator lifts it
+    runner.build_request(replace(options, train_size=settings.MAX_SAMPLES, seqlen=2048), runner.QuickTasks(),
+                         settings.NO_SAVE, "auto", d.mode, d.depths)
