@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import gradio as gr
+from starlette.middleware import Middleware
 
 from ghosted_core.data import corpora
 from ghosted_core.run.options import SEQUENTIAL_SUFFIX
@@ -26,6 +27,7 @@ from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, DISTILL_STEPS, DIS
     MODES, NEW_TOKENS, NO_SAVE, QUEUE_SIZE, RUN_CONCURRENCY, SEQLENS, TASK_EXAMPLES
 from ghosted_core.run.options import DISTILL_CHOICES, OPERATOR_CHOICES
 from studio.user_input import USES
+from studio.disk import UploadQuota
 from studio.session_files import DELETE_CACHE, SESSION_FILES
 from studio.uploads import SESSION_UPLOADS
 from ghosted_core.data.user_text import MAX_BYTES
@@ -319,6 +321,7 @@ def launch_options() -> dict:
     handler runs (a file path that was never uploaded, a malformed value) answered with their message, not a bare
     "Error" (the handlers turn every error of their own into a gr.Error message)."""
     return {"theme": gr.themes.Soft(primary_hue="indigo", neutral_hue="slate"),
-            "css_paths": [ASSETS / "app.css"], "max_file_size": MAX_BYTES, "show_error": True}
+            "css_paths": [ASSETS / "app.css"], "max_file_size": MAX_BYTES, "show_error": True,
+            "app_kwargs": {"middleware": [Middleware(UploadQuota)]}}  # uploads per request, address and in total
 
 

@@ -31,18 +31,32 @@ class SessionFiles:
 
     def __init__(self) -> None:
         self._files: dict[str, set[str]] = {}
+        self._latest: dict[tuple[str, str], str] = {}  # (session, output) → the copy it shows now
         self._lock = threading.Lock()
 
-    def serve(self, session: str, path: str | None) -> str | None:
-        """The cached copy of `path` for `session` to download (None stays None)."""
+    def serve(self, session: str, path: str | None, output: str = "") -> str | None:
+        """The cached copy of `path` for `session` to download (None stays None). With `output` named, the copy
+        it replaces in that output (a run's earlier results.json, the previous run's model zip) is removed at
+        once, unless another session holds it: a session keeps one file per output, not one per update."""
         if not path:
             return path
         cached = processing_utils.save_file_to_cache(path, get_upload_folder())
         with self._lock:
             self._files.setdefault(session, set()).add(cached)
+            previous = self._latest.get((session, output)) if output else None
+            if output:
+                self._latest[(session, output)] = cached
+            superseded = previous is not None and previous != cached and previous not in {
+                f for (s, o), f in self._latest.items() if (s, o) != (session, output)}
+            if superseded:
+                self._files[session].discard(previous)
+                superseded = not any(previous in files for files in self._files.values())
             if len(self._files) > PRUNE_ABOVE:  # sessions no unload reaches (API calls): forget the aged-out ones
                 self._files = {name: files for name, files in self._files.items()
                                if any(Path(f).exists() for f in files)}
+                self._latest = {key: f for key, f in self._latest.items() if key[0] in self._files}
+        if superseded:
+            _remove(Path(previous))
         return cached
 
     def held(self, session: str) -> set[str]:
@@ -53,19 +67,24 @@ class SessionFiles:
         """Remove the copies served to `session` that no other session holds; how many were removed."""
         with self._lock:
             mine = self._files.pop(session, set())
+            self._latest = {key: f for key, f in self._latest.items() if key[0] != session}
             shared = set().union(*self._files.values()) if self._files else set()
         removed = 0
         for name in mine - shared:
-            path = Path(name)
-            path.unlink(missing_ok=True)
+            _remove(Path(name))
             removed += 1
-            try:
-                path.parent.rmdir()  # the content-hash folder Gradio made for it, once empty
-            except OSError:
-                pass
         if removed:
             log.info("session ended: removed %d of its files", removed)
         return removed
+
+
+def _remove(path: Path) -> None:
+    """Remove a served copy and the content-hash folder Gradio made for it, once empty."""
+    path.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass
 
 
 SESSION_FILES = SessionFiles()
@@ -74,5 +93,5 @@ FILE_OUTPUTS = ("results_file", "model_file", "history_file")  # the outputs tha
 
 def serve_outputs(session: str, values: dict) -> dict:
     """`values` with every file output replaced by its cached copy for `session`."""
-    return values | {name: SESSION_FILES.serve(session, values[name]) for name in FILE_OUTPUTS
+    return values | {name: SESSION_FILES.serve(session, values[name], name) for name in FILE_OUTPUTS
                      if isinstance(values.get(name), str)}

@@ -207,3 +207,51 @@ def test_a_cpu_space_refuses_a_run_over_its_work_budget_before_it_queues(tiny_se
     monkeypatch.setenv(settings.RUN_BUDGET_ENV, "0")  # the operator lifts it
     runner.build_request(replace(options, train_size=settings.MAX_SAMPLES, seqlen=2048), runner.QuickTasks(),
                          settings.NO_SAVE, "auto", d.mode, d.depths)
+
+
+def test_strangers_cannot_fill_the_disk_with_uploads(tiny_server, tmp_path, monkeypatch):
+    import httpx
+    from gradio.utils import get_upload_folder
+
+    from studio import disk
+
+    url = f"{tiny_server.url}gradio_api/upload"
+    files = [tmp_path / f"part{k}.txt" for k in range(40)]
+    for k, path in enumerate(files):
+        path.write_bytes(f"{k} ".encode() * (2**20 // 2))  # 1 MB each, each different
+    many = httpx.post(url, files=[("files", (p.name, p.read_bytes())) for p in files], timeout=120)
+    assert many.status_code == 413 and "one file of at most 5 MB per upload" in many.text
+    assert not list(Path(get_upload_folder()).rglob("part*.txt"))  # refused before anything was stored
+
+    monkeypatch.setenv("GHOSTED_APP_TRUST_FORWARDED", "1")  # as behind a Space's proxy: each address its own
+    monkeypatch.setenv(disk.UPLOADS_ENV, "3")
+    stranger = {"x-forwarded-for": f"203.0.113.{uuid.uuid4().int % 250}"}
+    answers = [httpx.post(url, files={"files": (p.name, p.read_bytes())}, headers=stranger, timeout=120).status_code
+               for p in files[:5]]
+    assert answers == [200, 200, 200, 429, 429]
+    other = httpx.post(url, files={"files": (files[5].name, files[5].read_bytes())}, timeout=120,
+                       headers={"x-forwarded-for": "198.51.100.7"})
+    assert other.status_code == 200  # another visitor still uploads
+
+    monkeypatch.setattr(disk, "SCAN_SECONDS", 0.0)
+    stored = disk.folder_bytes(Path(get_upload_folder()))
+    monkeypatch.setenv(disk.UPLOAD_DISK_ENV, str((stored + 2**20 // 2) / 2**20))  # room for half a file more
+    full = httpx.post(url, files={"files": (files[6].name, files[6].read_bytes())}, timeout=120,
+                      headers={"x-forwarded-for": "198.51.100.8"})
+    assert full.status_code == 507 and "upload space is full" in full.text
+
+
+def test_a_sessions_superseded_downloads_are_removed_at_once(tiny_server, run_parameters):
+    session = f"saver-{uuid.uuid4().hex}"
+    served = []
+    for seed in (1, 2):
+        kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, seed=seed, criterion="manual",
+                                                        manual_blocks="2,3", operators=["none", "magcomp_refit"],
+                                                        save_variant="magcomp_refit", export_format="stock"),
+                                        session=session)
+        assert kind == "complete" and "Run complete" in answer[0], answer
+        served.append({name: answer[outputs.OUTPUT_NAMES.index(name)]["path"] for name in ("model_file", "results_file")})
+    first, second = served
+    assert first["model_file"] != second["model_file"] and first["model_file"].endswith(".zip")
+    assert not Path(first["model_file"]).exists() and not Path(first["results_file"]).exists()
+    assert Path(second["model_file"]).is_file() and Path(second["results_file"]).is_file()
