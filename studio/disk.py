@@ -46,12 +46,12 @@ SCAN_SECONDS = 2.0  # the upload folder's size is measured at most this often
 def folder_bytes(folder: Path) -> int:
     """Bytes of the files under `folder` (files removed while counting are skipped)."""
     total = 0
-    for path in folder.rglob("*"):
-        try:
-            if path.is_file():
-                total += path.stat().st_size
-        except OSError:
-            continue
+    for root, _dirs, names in os.walk(folder):  # os.walk skips a folder removed while it walks
+        for name in names:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
     return total
 
 

@@ -169,17 +169,19 @@ def canary_text(canary: str) -> str:
     return "\n\n".join(f"{canary} {paragraph}" for paragraph in book.split("\n\n"))
 
 
-def uploads_holding(canary: str) -> list[Path]:
-    """The files of Gradio's upload folder that hold `canary` (files removed while we look are skipped)."""
+def uploads_holding(canary: str, root: Path | None = None) -> list[Path]:
+    """The files under `root` (default: Gradio's upload folder) that hold `canary` (files removed while we look
+    are skipped)."""
     from gradio.utils import get_upload_folder
 
     found = []
-    for path in Path(get_upload_folder()).rglob("*"):
-        try:
-            if path.is_file() and canary.encode() in path.read_bytes():
-                found.append(path)
-        except OSError:
-            continue
+    for folder, _dirs, names in os.walk(root or get_upload_folder()):  # skips a folder removed while it walks
+        for path in (Path(folder) / name for name in names):
+            try:
+                if canary.encode() in path.read_bytes():
+                    found.append(path)
+            except OSError:
+                continue
     return found
 
 
@@ -216,9 +218,7 @@ def test_a_canary_in_an_upload_is_nowhere_after_the_run(tiny_server, tmp_path, c
     found = [where for where, text in places.items() if canary in text]
     roots = [Path(get_upload_folder()), cache_dir(), tmp_path, *Path(os.environ.get("TMPDIR", "/tmp")).glob("ghosted-*")]
     for root in roots:
-        for file in (p for p in root.rglob("*") if p.is_file()):
-            if canary.encode() in file.read_bytes():
-                found.append(str(file))
+        found += map(str, uploads_holding(canary, root))
     assert not found, found
     assert "your text (mine.txt" in json.loads(Path(result[outputs.OUTPUT_NAMES.index("results_file")])
                                                .read_text())["calibration"]["label"]
