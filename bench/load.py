@@ -42,6 +42,12 @@ TINY = dict(criterion="streamline", samples=2, seqlen=64, eval_corpora=["ptb"], 
             operators=["none", "ghost"], new_tokens=4, prompt="")
 
 
+def address_of(user: int) -> dict[str, str]:
+    """The header a Space's proxy would set for user `user`: each simulated user comes from an address of its own
+    (the server caps runs per address: studio.admission)."""
+    return {"x-forwarded-for": f"10.{user // 65536 % 256}.{user // 256 % 256}.{user % 256}"}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -137,7 +143,7 @@ def one_user(url: str, user: int, runs: int, timeout: float, folder: Path) -> li
     """A user's runs, one after the other, in one session; a record per run."""
     from gradio_client import Client
 
-    client = Client(url, verbose=False, download_files=str(folder / f"user-{user}"))
+    client = Client(url, verbose=False, download_files=str(folder / f"user-{user}"), headers=address_of(user))
     records = []
     for number in range(runs):
         kind, settings, upload = request(user, number, folder)
@@ -276,7 +282,8 @@ def main() -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="ghosted-load-"))
     port, stats = free_port(), folder / "stats.json"
-    env = os.environ | {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1"}
+    env = os.environ | {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
+                        "GHOSTED_APP_TRUST_FORWARDED": "1"}  # each user its own address, as behind a Space's proxy
     env.pop("GHOSTED_APP_LOCAL_MODELS", None)  # as on a Space
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(stats)], env=env,
                               stdout=open(folder / "server.log", "w"), stderr=subprocess.STDOUT)
