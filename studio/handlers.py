@@ -36,6 +36,7 @@ from studio.runner import QuickTasks, RunRequest, build_options, build_request, 
     run_job, run_sweep_job, settings_advice
 from studio import guard
 from studio.runs import RUNS, ActiveRun, client_gone
+from studio.push import saving_account
 from studio.saved import SAVED
 from studio.session_files import serve_outputs
 from studio.user_input import corpora_with_text, read_user_text
@@ -81,7 +82,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
            distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train,
            submitted: float | None = None, shown: dict | None = None,
            history: list[dict] | None = None, oauth_token: gr.OAuthToken | None = None,
-           request: gr.Request | None = None,
+           profile: gr.OAuthProfile | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
     """Run button: stream a single-depth run, a sweep or a comparison into the page, with the session's state;
     failures become gr.Error."""
@@ -111,7 +112,8 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
             elif job.sweep:
                 updates, draw = run_sweep_job(job.options, job.depths, should_stop), render_sweep
             else:
-                keep = str(SAVED.new_folder(session)) if job.save_variant else None  # for the push
+                owner = saving_account(oauth_token, profile) if job.save_variant else None
+                keep = str(SAVED.new_folder(session, owner)) if job.save_variant else None  # for the push
                 updates = run_job(job.options, job.quick, job.save_variant, folder, should_stop, job.export_format,
                                   job.gguf_type, keep)
                 draw = render

@@ -59,6 +59,41 @@ def push_token(pasted: str | None, oauth_token: gr.OAuthToken | None) -> str:
     raise GhostedError("paste a Hugging Face write token to push (huggingface.co/settings/tokens)")
 
 
+def hub_account(oauth_token: gr.OAuthToken | None, profile: gr.OAuthProfile | None = None) -> str | None:
+    """The Hub account of a signed-in visitor: the sign-in's profile, else whose the OAuth token is (the Hub
+    says); None when signed out or the Hub cannot tell."""
+    name = getattr(profile, "username", None) if profile is not None else None
+    if name:
+        return name
+    token = getattr(oauth_token, "token", None) if oauth_token is not None else None
+    if not token or not hub_reachable():
+        return None
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi(token=token).whoami().get("name")
+    except Exception:  # an expired or bad token, the Hub down: nobody we can name
+        log.info("the Hub could not say whose the sign-in token is")
+        return None
+
+
+def saving_account(oauth_token: gr.OAuthToken | None, profile: gr.OAuthProfile | None = None) -> str | None:
+    """Who saves a model now, as the push will check it: the signed-in account on a Space, None elsewhere."""
+    return hub_account(oauth_token, profile) if on_space() else None
+
+
+def check_owner(saver: str | None, pusher: str | None) -> None:
+    """On a Space, only the account that ran and saved a model may push it (a session id alone proves nothing)."""
+    if not on_space():
+        return
+    if saver is None:
+        raise GhostedError("on this Space a model is pushed by the account that saved it: sign in with Hugging "
+                           "Face, then run and save again")
+    if pusher != saver:
+        raise GhostedError("this model was saved by another Hugging Face account; sign in as that account, or run "
+                           "and save your own")
+
+
 def repo_name(repo_id: str, profile: gr.OAuthProfile | None) -> str:
     """The new repo's id: `org/name` as given; a bare name goes to the signed-in user's namespace (or, with a
     pasted token, to the token owner's, which the Hub picks)."""
@@ -75,10 +110,13 @@ def on_push(repo_id: str, private: bool, token: str, oauth_token: gr.OAuthToken 
     try:
         repo_id, token = guard.text(repo_id, "New Hub repo", guard.FIELD_CHARS), guard.text(token, "token", guard.FIELD_CHARS)
         private = guard.flag(private, "Private repo")
-        folder = SAVED.latest(request.session_hash if request else "")
+        session = request.session_hash if request else ""
+        folder = SAVED.latest(session)
         if folder is None:
             raise GhostedError("save a model first: choose a variant under 'Save a recovered model' and run")
-        url = upload_export(folder, repo_name(repo_id, profile), push_token(token, oauth_token), private=bool(private))
+        token = push_token(token, oauth_token)
+        check_owner(SAVED.owner(session), saving_account(oauth_token, profile))
+        url = upload_export(folder, repo_name(repo_id, profile), token, private=bool(private))
     except GhostedError as err:
         return f"**Push refused:** {page_message(err)}", ""
     except Exception:  # a bug of ours: logged without the token (no local holds it in the message), the box cleared

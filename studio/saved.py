@@ -28,6 +28,7 @@ class SavedModels:
         self.capacity = capacity
         self.root = root
         self._folders: OrderedDict[str, Path] = OrderedDict()
+        self._owners: dict[str, str | None] = {}  # session → the Hub account that saved its model (None: unknown)
         self._lock = threading.Lock()
 
     def _root(self) -> Path:
@@ -35,16 +36,20 @@ class SavedModels:
             self.root = Path(tempfile.mkdtemp(prefix="ghosted-saved-"))
         return self.root
 
-    def new_folder(self, session: str) -> Path:
-        """An empty folder for `session`'s next saved model; its previous one (and the oldest session's beyond
-        the capacity) is deleted."""
+    def new_folder(self, session: str, owner: str | None = None) -> Path:
+        """An empty folder for `session`'s next saved model, saved by Hub account `owner` (on a Space: the
+        signed-in visitor; None when unknown); its previous one (and the oldest session's beyond the capacity)
+        is deleted."""
         with self._lock:
             old = self._folders.pop(session, None)
             folder = Path(tempfile.mkdtemp(prefix="save-", dir=self._root()))
             self._folders[session] = folder
+            self._owners[session] = owner
             evicted = [old] if old is not None else []
             while len(self._folders) > self.capacity:
-                evicted.append(self._folders.popitem(last=False)[1])
+                gone, path = self._folders.popitem(last=False)
+                self._owners.pop(gone, None)
+                evicted.append(path)
         for path in evicted:
             shutil.rmtree(path, ignore_errors=True)
         return folder
@@ -53,8 +58,14 @@ class SavedModels:
         """The session has ended (its tab closed): its saved model goes."""
         with self._lock:
             folder = self._folders.pop(session, None)
+            self._owners.pop(session, None)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def owner(self, session: str) -> str | None:
+        """The Hub account that saved `session`'s model (None: unknown, or nothing saved)."""
+        with self._lock:
+            return self._owners.get(session)
 
     def latest(self, session: str) -> Path | None:
         """The export folder `session` saved last (the one folder inside its save folder), None if none."""

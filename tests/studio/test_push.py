@@ -191,6 +191,7 @@ def test_a_signed_out_user_is_refused_with_a_message(served, online, tiny_model_
     message, _ = client.predict("pruned-tiny", False, "", api_name="/push")
     assert "Push refused" in message and "sign in with Hugging Face first" in message
     assert online.calls == []  # the Hub was never called
+    monkeypatch.setattr(push, "on_space", lambda: False)
     message, _ = client.predict("pruned-tiny", False, "hf_pasted_token", api_name="/push")  # a local run's paste
     assert "Pushed" in message and online.calls[0][3] == "hf_pasted_token"
 
@@ -231,3 +232,24 @@ def test_every_push_error_is_one_message_and_clears_the_token_box(served, online
         assert message.startswith("**Push refused:** upload to pruned-tiny failed (") and token_box == "", (name, message)
         assert token not in message and "Traceback" not in message and len(message.splitlines()) == 1, (name, message)
         assert type(failure).__name__ in message, (name, message)
+
+
+def test_on_a_space_only_the_account_that_saved_a_model_pushes_it(served, online, tiny_model_folder, monkeypatch):
+    import httpx
+
+    accounts = {"tok-alice": "alice", "tok-mallory": "mallory"}
+    monkeypatch.setattr(online, "whoami", lambda self: {"name": accounts[self.token]}, raising=False)
+    monkeypatch.setattr(push, "on_space", lambda: True)
+    alice = served(oauth_token="tok-alice")
+    assert "Run complete" in tiny_run(alice, tiny_model_folder)["status"]
+    # a stranger who learnt alice's session id, signed in as themselves, asks to push alice's saved model
+    body = {"data": ["stolen", False, ""], "session_hash": alice.session_hash, "oauth_token": "tok-mallory"}
+    posted = httpx.post(f"{alice.src.rstrip('/')}/gradio_api/call/push", json=body, timeout=60)
+    with httpx.stream("GET", f"{alice.src.rstrip('/')}/gradio_api/call/push/{posted.json()['event_id']}",
+                      timeout=60) as stream:
+        data = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    message, token_box = json.loads(data[-1].removeprefix("data: "))
+    assert "Push refused" in message and "saved by another Hugging Face account" in message and token_box == ""
+    assert online.calls == []  # nothing reached the Hub
+    message, _ = alice.predict("mine", False, "", api_name="/push")  # alice herself
+    assert "Pushed" in message and online.calls[0][1] == "mine" and online.calls[0][3] == "tok-alice"
