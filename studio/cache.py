@@ -11,7 +11,7 @@ from ghosted_core.model.embedded import EMBEDDED, convert_embedded, needs_conver
 from ghosted_core.model.loading import LoadedModel, LoadOptions, load_model, peek_config
 from studio import guard
 from studio.presets_view import find_preset
-from studio.settings import CACHE_SIZE
+from studio.settings import CACHE_SIZE, hub_cache_bytes
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ class ModelCache:
             self._loading.add(key)
             self._evict(keep=len(self._loading))
         try:
-            loaded = load_model(name, LoadOptions(local_folders=guard.model_name(name)[1], hub_token=token))
+            loaded = load_model(name, LoadOptions(local_folders=guard.model_name(name)[1], hub_token=token,
+                                                  hub_cache_bytes=hub_cache_bytes()))
         except BaseException:
             with self._changed:
                 self._loading.discard(key)

@@ -72,6 +72,17 @@ CACHE_SIZE = int(os.environ.get("GHOSTED_APP_CACHE_MODELS", "2"))  # models held
 RUN_CONCURRENCY = int(os.environ.get("GHOSTED_APP_CONCURRENCY", "1"))  # runs computing at once
 QUEUE_SIZE = int(os.environ.get("GHOSTED_APP_QUEUE", "16"))  # runs waiting at most
 RUN_BUDGET_ENV = "GHOSTED_APP_RUN_BUDGET"
+HUB_CACHE_ENV = "GHOSTED_APP_HUB_CACHE_GB"
+
+
+def hub_cache_bytes() -> int | None:
+    """The most huggingface_hub's model cache may hold after a visitor's download (least recently used out first)
+    and the check of free disk before one: the operator's GHOSTED_APP_HUB_CACHE_GB, else 20 GB on a Space (whose
+    disk is shared by every visitor), else no cap."""
+    value = os.environ.get(HUB_CACHE_ENV, "").strip()
+    if value:
+        return int(float(value) * 1e9)
+    return int(20e9) if os.environ.get("SPACE_ID") else None
 
 
 def run_budget_seconds() -> float:

@@ -26,6 +26,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.hub import hub_reachable
 from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED, converted_embedded
 from ghosted_core.memory import check_fits
+from ghosted_core.model import hub_cache
 from ghosted_core.architectures import ARCHITECTURES, families
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class LoadOptions:
     # Hub access: None, huggingface_hub's own (this machine's login or HF_TOKEN: the command line); False, none
     # (anonymous); a string, that token (a Space visitor's own). Never shown in a repr.
     hub_token: str | bool | None = field(default=None, repr=False)
+    # a model loaded from the Hub: refuse a download the disk cannot hold, and keep huggingface_hub's cache under
+    # this many bytes afterwards, least recently used repositories first (None: neither; `model.hub_cache`)
+    hub_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.device != "map" and (self.max_memory or self.offload_folder):
@@ -246,16 +250,12 @@ HUB_CONFIG_FILES = ("config.json",)
 HUB_MODEL_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt")  # no .bin, no .gguf
 
 
-def _hub_snapshot(name: str, patterns: tuple[str, ...], token: str | bool | None = None) -> str:
-    """The files `patterns` of Hub repo `name`, downloaded into (or found in) huggingface_hub's cache; the folder.
-
-    A name typed where local folders are off resolves here, never through the working directory:
-    `from_pretrained("org/name")` would load a folder `./org/name` first if one existed.
-    """
-    from huggingface_hub import snapshot_download
-
+def _hub_guarded(name: str, call):
+    """`call()`, with what the Hub raises for `name` turned into one line (as `_hub_snapshot` does)."""
     try:
-        return snapshot_download(repo_id=name, repo_type="model", allow_patterns=list(patterns), token=token)
+        return call()
+    except GhostedError:
+        raise
     except GatedRepoError:
         raise GhostedError(f"{name} is a gated model on the Hugging Face Hub: request access at "
                            f"https://huggingface.co/{name} and log in (hf auth login or HF_TOKEN)") from None
@@ -265,6 +265,18 @@ def _hub_snapshot(name: str, patterns: tuple[str, ...], token: str | bool | None
     except Exception as err:  # offline, a refused connection, a full disk: one line
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise GhostedError(f"cannot download {name} from the Hugging Face Hub ({type(err).__name__}: {first})") from None
+
+
+def _hub_snapshot(name: str, patterns: tuple[str, ...], token: str | bool | None = None) -> str:
+    """The files `patterns` of Hub repo `name`, downloaded into (or found in) huggingface_hub's cache; the folder.
+
+    A name typed where local folders are off resolves here, never through the working directory:
+    `from_pretrained("org/name")` would load a folder `./org/name` first if one existed.
+    """
+    from huggingface_hub import snapshot_download
+
+    return _hub_guarded(name, lambda: snapshot_download(repo_id=name, repo_type="model",
+                                                        allow_patterns=list(patterns), token=token))
 
 
 def _read_config(name: str, where: str) -> PretrainedConfig:
@@ -304,7 +316,11 @@ def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) 
     if source == "hub":
         check_fits(config, device, kwargs["dtype"], name)
     if from_hub:
+        if options.hub_cache_bytes is not None:
+            _hub_guarded(name, lambda: hub_cache.check_room(name, HUB_MODEL_FILES, options.hub_token))
         where = _hub_snapshot(name, HUB_MODEL_FILES, options.hub_token)
+        if options.hub_cache_bytes is not None:
+            hub_cache.trim(options.hub_cache_bytes, keep=name)
     with _readable(name):
         model = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=False, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
