@@ -178,6 +178,39 @@ def one_user(url: str, user: int, runs: int, timeout: float, folder: Path) -> li
 # ---------------------------------------------------------------- the driver
 
 
+def start_server(folder: Path, warm_models: tuple[str, ...], env: dict | None = None) -> tuple[subprocess.Popen,
+                                                                                                str, Path]:
+    """(the server process, its URL, its stats file): the app as on a Space (local folders off, each client its
+    own address from X-Forwarded-For), once it answers, with `warm_models` loaded and the corpora read."""
+    from gradio_client import Client
+    import httpx
+
+    port, stats = free_port(), folder / "stats.json"
+    env = os.environ | {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
+                        "GHOSTED_APP_TRUST_FORWARDED": "1"} | (env or {})
+    env.pop("GHOSTED_APP_LOCAL_MODELS", None)  # as on a Space
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(stats)], env=env,
+                              stdout=open(folder / "server.log", "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.time() > deadline:
+            server.terminate()
+            raise SystemExit(f"the server did not start; see {folder / 'server.log'}")
+        time.sleep(1)
+    warm = Client(url, verbose=False, download_files=str(folder / "warm"), headers=address_of(65535))
+    for model in warm_models:  # load each and read the corpora once, outside the figures
+        warm.predict(api_name="/run", **TINY | {"model": model, "depth": 3})
+    warm.close()
+    return server, url, stats
+
+
+
 def percentile(values: list[float], share: float) -> float | None:
     if not values:
         return None
@@ -281,31 +314,8 @@ def main() -> int:
         return 0
 
     folder = Path(tempfile.mkdtemp(prefix="ghosted-load-"))
-    port, stats = free_port(), folder / "stats.json"
-    env = os.environ | {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
-                        "GHOSTED_APP_TRUST_FORWARDED": "1"}  # each user its own address, as behind a Space's proxy
-    env.pop("GHOSTED_APP_LOCAL_MODELS", None)  # as on a Space
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(stats)], env=env,
-                              stdout=open(folder / "server.log", "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
+    server, url, stats = start_server(folder, ("smollm2-135m", "gemma3-270m"))
     try:
-        import httpx
-        from gradio_client import Client
-
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(url, timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"the server did not start; see {folder / 'server.log'}")
-            time.sleep(1)
-        warm = Client(url, verbose=False, download_files=str(folder / "warm"))
-        for model in ("smollm2-135m", "gemma3-270m"):  # load both and read the corpora once, outside the figures
-            warm.predict(api_name="/run", **TINY | {"model": model, "depth": 3})
-        warm.close()
         started = time.perf_counter()
         rows, records = [], {}
         for users in (int(n) for n in args.users.split(",")):

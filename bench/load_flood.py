@@ -1,0 +1,182 @@
+"""One stranger floods a public server while honest visitors use it: the app as on a CPU Space, over plain HTTP.
+
+    flock /tmp/ghosted-heavy.lock .venv/bin/python bench/load_flood.py --json bench/results/load_flood.json
+
+The server runs as `bench/load.py` starts it (local folders off, a queue of 16, one run at a time,
+each client's address from X-Forwarded-For as a Space's proxy sets it) with a CPU Space's run
+budget (GHOSTED_APP_RUN_BUDGET=900 s). While `--honest` visitors (each its own session and
+address) run the page's defaults on SmolLM2 one after the other (`--honest_settings tiny`: the
+load bench's tiny runs, for a quick check), one flooder, from one address, keeps sending until
+they are done, each request from a made-up session id:
+- invalid runs (`seed = -1`, a value the page never sends);
+- maximal runs (the page's own maximums: 128 × 2048 calibration tokens, every operator, 16,384
+  perplexity tokens on every corpus);
+- valid runs of its own, as many as it can;
+- 5 MB uploads, and one upload of 40 files.
+
+Reported: every honest run's outcome and wait; the flooder's requests by kind and what each was
+answered (HTTP status, or the run's end); the server's peak resident memory and the peak size of
+Gradio's upload folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from load import TINY, address_of, percentile, rss, start_server  # noqa: E402
+
+FLOODER = {"x-forwarded-for": "203.0.113.66"}
+
+
+def run_defaults(url: str) -> dict:
+    """The /run endpoint's defaults, by parameter name (what the page sends untouched)."""
+    from gradio_client import Client
+
+    api = Client(url, verbose=False).view_api(return_format="dict", print_info=False)
+    return {p["parameter_name"]: p.get("parameter_default") for p in api["named_endpoints"]["/run"]["parameters"]}
+
+
+def honest_user(url: str, user: int, settings: dict, timeout: float, folder: Path) -> dict:
+    """One honest visitor's run: its outcome, queue wait and run time."""
+    from gradio_client import Client
+
+    client = Client(url, verbose=False, download_files=str(folder / f"honest-{user}"), headers=address_of(user))
+    submitted = time.perf_counter()
+    record = {"user": user}
+    try:
+        job = client.submit(api_name="/run", **settings)
+        first = None
+        while not job.done() and time.perf_counter() - submitted < timeout:
+            if first is None and job.outputs():
+                first = time.perf_counter()
+            time.sleep(0.1)
+        if not job.done():
+            record["outcome"] = "hung"
+            job.cancel()
+        else:
+            outputs = job.result(timeout=10)
+            end = time.perf_counter()
+            first = first or end
+            record |= {"outcome": "complete" if "Run complete" in outputs[0] else "failed",
+                       "wait": first - submitted, "run": end - first}
+    except Exception as err:  # what the visitor was told
+        record |= {"outcome": "refused or error", "message": str(err)[:300]}
+    client.close()
+    return record
+
+
+def flood(url: str, values: list, names: list[str], stop: threading.Event, folder: Path, own: dict) -> dict:
+    """Requests of each kind until `stop` (its own valid runs: `own`, the honest visitors' settings); answers
+    counted per kind ("HTTP 400", …)."""
+    import httpx
+
+    from ghosted_core.data import corpora
+    from ghosted_core.recovery.operators import OPERATORS
+
+    def data(**changes) -> list:
+        merged = dict(zip(names, values)) | changes
+        return [merged[n] for n in names]
+
+    maximal = data(samples=128, seqlen=2048, operators=list(OPERATORS), eval_corpora=corpora.corpus_names(),
+                   eval_tokens=16384)
+    kinds = {"invalid run (seed -1)": data(seed=-1), "maximal run (the page's maximums)": maximal,
+             "valid run of its own": data(**own)}
+    answers: dict[str, collections.Counter] = {k: collections.Counter() for k in (*kinds, "5 MB upload",
+                                                                                   "40 files in one upload")}
+    big = folder / "flood.txt"
+    big.write_bytes(b"flood " * (5 * 2**20 // 6 - 100))
+    with httpx.Client(timeout=120, headers=FLOODER) as http:
+        answer = http.post(f"{url}gradio_api/upload", files=[("files", (f"f{k}.txt", b"x" * 2**20)) for k in range(40)])
+        answers["40 files in one upload"][f"HTTP {answer.status_code}"] += 1
+        while not stop.is_set():
+            for kind, body in kinds.items():
+                posted = http.post(f"{url}gradio_api/call/run",
+                                   json={"data": body, "session_hash": f"flood-{uuid.uuid4().hex}"})
+                answers[kind][f"HTTP {posted.status_code}"] += 1
+            upload = http.post(f"{url}gradio_api/upload", files={"files": (f"{uuid.uuid4().hex}.txt",
+                                                                           big.read_bytes())})
+            answers["5 MB upload"][f"HTTP {upload.status_code}"] += 1
+            stop.wait(0.5)
+    return {kind: dict(counter) for kind, counter in answers.items()}
+
+
+def folder_size(path: Path) -> int:
+    from studio.disk import folder_bytes
+
+    return folder_bytes(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--honest", type=int, default=8, help="honest visitors, each with one run")
+    parser.add_argument("--honest_settings", choices=("defaults", "tiny"), default="defaults")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds an honest run may take before it hangs")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    folder = Path(tempfile.mkdtemp(prefix="ghosted-flood-"))
+    uploads = folder / "gradio"  # this server's own upload folder, measured
+    server, url, _stats = start_server(folder, ("smollm2-135m",), {"GHOSTED_APP_RUN_BUDGET": "900",
+                                                                    "GRADIO_TEMP_DIR": str(uploads)})
+    try:
+        defaults = run_defaults(url)
+        names = list(defaults)
+        honest = defaults if args.honest_settings == "defaults" else defaults | TINY | {"model": "smollm2-135m",
+                                                                                      "depth": 3}
+        honest = {k: v for k, v in honest.items() if v is not None}
+        peak = {"rss": rss(server.pid), "uploads": folder_size(uploads)}
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(0.5):
+                peak["rss"] = max(peak["rss"], rss(server.pid))
+                peak["uploads"] = max(peak["uploads"], folder_size(uploads))
+
+        threading.Thread(target=sample, daemon=True).start()
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=args.honest + 1) as pool:
+            flooder = pool.submit(flood, url, [defaults[n] for n in names], names, stop, folder, honest)
+            time.sleep(2)  # the flood first
+            users = [pool.submit(honest_user, url, user, honest, args.timeout, folder) for user in range(args.honest)]
+            records = [u.result() for u in users]
+            stop.set()
+            answers = flooder.result()
+        elapsed = time.perf_counter() - started
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    completed = [r for r in records if r["outcome"] == "complete"]
+    waits = [r["wait"] for r in completed]
+    print(f"honest visitors: {len(completed)} of {len(records)} runs complete ({args.honest_settings} settings); "
+          f"queue wait p50 {percentile(waits, 0.5) or 0:.1f} s, p95 {percentile(waits, 0.95) or 0:.1f} s")
+    for record in records:
+        if record["outcome"] != "complete":
+            print(f"  visitor {record['user']}: {record['outcome']} {record.get('message', '')}")
+    print("| the flooder sent | answered |\n|---|---|")
+    for kind, counter in answers.items():
+        print(f"| {kind} | " + ", ".join(f"{n} × {answer}" for answer, n in sorted(counter.items())) + " |")
+    print(f"server peak RSS {peak['rss'] / 2**30:.2f} GiB; Gradio's upload folder at most "
+          f"{peak['uploads'] / 2**20:.0f} MiB; {elapsed:.0f} s in all, load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"honest": records, "flood": answers, "peak_rss": peak["rss"],
+                                               "peak_uploads": peak["uploads"], "seconds": elapsed,
+                                               "settings": args.honest_settings, "cores": os.cpu_count()}, indent=2))
+    return 0 if len(completed) == len(records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
