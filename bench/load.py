@@ -139,6 +139,26 @@ def history_rows(outputs: tuple) -> int:
     return len(outputs[OUTPUT_NAMES.index("history_table")]["data"])
 
 
+def follow(client, settings: dict, timeout: float) -> tuple[dict, tuple | None]:
+    """Submit one /run and follow it: ({outcome, wait (submit to first update), run (first to last update)}, the
+    final outputs), or ({"outcome": "hung"}, None) past `timeout` seconds. A refusal raises, as gradio_client does."""
+    submitted = time.perf_counter()
+    job = client.submit(api_name="/run", **settings)
+    first = None
+    while not job.done() and time.perf_counter() - submitted < timeout:
+        if first is None and job.outputs():
+            first = time.perf_counter()
+        time.sleep(0.05)
+    if not job.done():
+        job.cancel()
+        return {"outcome": "hung"}, None
+    outputs = job.result(timeout=10)
+    end = time.perf_counter()
+    first = first or end
+    return {"outcome": "complete" if "Run complete" in outputs[0] else "failed", "wait": first - submitted,
+            "run": end - first}, outputs
+
+
 def one_user(url: str, user: int, runs: int, timeout: float, folder: Path) -> list[dict]:
     """A user's runs, one after the other, in one session; a record per run."""
     from gradio_client import Client
@@ -150,24 +170,12 @@ def one_user(url: str, user: int, runs: int, timeout: float, folder: Path) -> li
         record = {"user": user, "number": number, "kind": kind, "settings": {k: v for k, v in settings.items()
                                                                              if k != "your_file"},
                   "upload": upload.name if upload else None}
-        submitted = time.perf_counter()
         try:
-            job = client.submit(api_name="/run", **settings)
-            first = None
-            while not job.done() and time.perf_counter() - submitted < timeout:
-                if first is None and job.outputs():
-                    first = time.perf_counter()
-                time.sleep(0.05)
-            if not job.done():
-                record["outcome"] = "hung"
-                job.cancel()
-            else:
-                outputs = job.result(timeout=10)
-                end = time.perf_counter()
-                first = first or end
-                record |= {"outcome": "complete" if "Run complete" in outputs[0] else "failed",
-                           "wait": first - submitted, "run": end - first, "numbers": numbers(outputs),
-                           "shown": everything_shown(outputs), "history_rows": history_rows(outputs)}
+            outcome, outputs = follow(client, settings, timeout)
+            record |= outcome
+            if outputs is not None:
+                record |= {"numbers": numbers(outputs), "shown": everything_shown(outputs),
+                           "history_rows": history_rows(outputs)}
         except Exception as err:  # a refusal (queue full) or an error message: keep what the user was told
             record |= {"outcome": "refused" if "queue" in str(err).lower() else "error", "message": str(err)[:300]}
         records.append(record)

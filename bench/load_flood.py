@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from load import TINY, address_of, percentile, rss, start_server  # noqa: E402
+from load import TINY, address_of, follow, percentile, rss, start_server  # noqa: E402
 
 FLOODER = {"x-forwarded-for": "203.0.113.66"}
 
@@ -55,24 +55,9 @@ def honest_user(url: str, user: int, settings: dict, timeout: float, folder: Pat
     from gradio_client import Client
 
     client = Client(url, verbose=False, download_files=str(folder / f"honest-{user}"), headers=address_of(user))
-    submitted = time.perf_counter()
     record = {"user": user}
     try:
-        job = client.submit(api_name="/run", **settings)
-        first = None
-        while not job.done() and time.perf_counter() - submitted < timeout:
-            if first is None and job.outputs():
-                first = time.perf_counter()
-            time.sleep(0.1)
-        if not job.done():
-            record["outcome"] = "hung"
-            job.cancel()
-        else:
-            outputs = job.result(timeout=10)
-            end = time.perf_counter()
-            first = first or end
-            record |= {"outcome": "complete" if "Run complete" in outputs[0] else "failed",
-                       "wait": first - submitted, "run": end - first}
+        record |= follow(client, settings, timeout)[0]
     except Exception as err:  # what the visitor was told
         record |= {"outcome": "refused or error", "message": str(err)[:300]}
     client.close()
