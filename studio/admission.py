@@ -28,7 +28,7 @@ import gradio as gr
 
 from ghosted_core.errors import GhostedError
 from studio.handlers import on_run, prepare_run, rerun_values
-from studio.outputs import INPUT_NAMES, TOAST_SECONDS, page_message
+from studio.outputs import INPUT_NAMES, page_message
 from studio.status import refused_status
 
 log = logging.getLogger(__name__)
@@ -129,18 +129,19 @@ def _admission(prepare: Callable[[dict], dict]) -> tuple[Callable, Callable]:
 
     def validator(*args, **kwargs) -> list[dict]:
         """Called by Gradio before the event takes a place in the queue (`Queue.push`): a request the run would
-        refuse, or one beyond the visitor's share, never holds a place (HTTP 400 with the message). Accepted: one
-        "valid" per input, as Gradio expects of a validator."""
+        refuse, or one beyond the visitor's share, never holds a place. Answered as Gradio answers a validator,
+        one verdict per input: HTTP 422 with the message on the first (gradio_client raises ValidationError
+        with it; the page has shown it in the status already)."""
         values = inspect.signature(on_run).bind(*args, **kwargs).arguments
+        message = ""
         try:
             admit(prepare(values), values.get("request"))
         except GhostedError as err:
-            raise gr.Error(page_message(err), duration=TOAST_SECONDS, print_exception=False) from err
-        except Exception as err:  # a bug of ours: logged, and the request refused with a plain message
+            message = page_message(err)
+        except Exception:  # a bug of ours: logged, and the request refused with a plain message
             log.exception("checking a run request failed")
-            raise gr.Error("the server could not check this request (an internal error, logged)",
-                           print_exception=False) from err
-        return [gr.validate(True, "")] * RUN_INPUT_COUNT
+            message = "the server could not check this request (an internal error, logged)"
+        return [gr.validate(not message, message)] + [gr.validate(True, "")] * (RUN_INPUT_COUNT - 1)
 
     for fn in (submit, validator):
         fn.__signature__ = inspect.signature(on_run)

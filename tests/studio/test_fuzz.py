@@ -72,15 +72,18 @@ def hostile_files(server, outside: Path, tmp: Path) -> list:
 
 def refusal(kind: str, answer: object) -> str | None:
     """The message of a refused call: the run's gr.Error, or the refusal before the request takes a place in the
-    queue (the run events' validator, and Gradio's own checks of the values: HTTP 400 with a detail); None when
+    queue (the run events' validator: HTTP 422; Gradio's own checks of the values: HTTP 400); None when
     the answer is neither."""
     if kind == "error" and isinstance(answer, dict):
         return answer.get("error")
-    if kind == "http 400":
+    if kind in ("http 400", "http 422"):  # Gradio's own refusal of a value; the validator's verdict per input
         try:
-            return str(json.loads(answer).get("detail") or "") or None
+            detail = json.loads(answer).get("detail")
         except (ValueError, AttributeError):
             return None
+        if isinstance(detail, list):
+            detail = " ".join(v.get("message", "") for v in detail if isinstance(v, dict) and v.get("is_valid") is False)
+        return str(detail or "") or None
     return None
 
 

@@ -38,11 +38,16 @@ def run_data(server, parameters: list[str], **changes) -> list:
 
 
 def refused(kind: str, answer: object) -> str:
-    """The message of a refused /run: before it takes a place in the queue (the validator: HTTP 400 and its
-    detail), or as the run's gr.Error; '' when the call was not refused."""
-    if kind == "http 400":
-        return str(json.loads(answer)["detail"])
+    """The message of a refused /run: before it takes a place in the queue (the validator: HTTP 422 and a verdict
+    per input), or as the run's gr.Error; '' when the call was not refused."""
+    if kind == "http 422":
+        return validator_message(answer)
     return str(answer.get("error") or "") if kind == "error" and isinstance(answer, dict) else ""
+
+
+def validator_message(body: str) -> str:
+    """The refusal in a validator's HTTP 422 answer ('' when every input passed)."""
+    return " ".join(v.get("message", "") for v in json.loads(body)["detail"] if v.get("is_valid") is False)
 
 
 def results_of(answer: list) -> dict:
@@ -73,8 +78,8 @@ def test_a_refusal_or_another_visitors_run_never_costs_an_upload(tiny_server, ru
     assert mine["path"] == theirs["path"]  # the premise: the same content is one file for both visitors
     a, b = (f"visitor-{name}-{uuid.uuid4().hex[:8]}" for name in "ab")
     kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, your_file=mine, text_use="both",
-                                                    depth=99), session=a)
-    assert "99" in refused(kind, answer)  # refused (a typo): the upload must survive it
+                                                    depth=6), session=a)
+    assert "leaves none" in refused(kind, answer)  # refused after reading the text (a typo): the upload must survive
     kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, your_file=mine, text_use="both"),
                                     session=a)
     assert kind == "complete" and "Run complete" in answer[0], answer
@@ -154,7 +159,7 @@ def test_requests_the_run_would_refuse_never_take_a_place_in_the_queue(tiny_serv
         body = {"data": run_data(tiny_server, run_parameters, seed=-1), "session_hash": f"flood-{k}-{uuid.uuid4().hex}"}
         posted = httpx.post(f"{tiny_server.url}gradio_api/call/run", json=body, timeout=60)
         refused.append((posted.status_code, posted.text))
-    assert all(code == 400 and "Seed" in text for code, text in refused), refused[:2]
+    assert all(code == 422 and "Seed" in validator_message(text) for code, text in refused), refused[:2]
     assert len(tiny_server.demo._queue) == 0  # nothing held a place
     kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters), session=f"honest-{uuid.uuid4().hex}")
     assert kind == "complete" and "Run complete" in answer[0], answer
@@ -172,13 +177,13 @@ def test_one_session_holds_one_place_and_one_address_a_few(tiny_server, run_para
     assert first.status_code == 200
     second = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": slow, "session_hash": session},
                         timeout=60)
-    assert second.status_code == 400 and "already have 1 run waiting or running" in second.text, second.text
+    assert second.status_code == 422 and "already have 1 run waiting or running" in second.text, second.text
     monkeypatch.setattr(admission, "RUNS_PER_ADDRESS", 2)  # the same address: one more session fits, then none
     other = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": slow, "session_hash": f"{session}-b"},
                        timeout=60)
     third = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": slow, "session_hash": f"{session}-c"},
                        timeout=60)
-    assert other.status_code == 200 and third.status_code == 400 and "from your address" in third.text, third.text
+    assert other.status_code == 200 and third.status_code == 422 and "from your address" in third.text, third.text
     for answer in (first, other):  # the places are given back when the runs end
         with httpx.stream("GET", f"{tiny_server.url}gradio_api/call/run/{answer.json()['event_id']}", timeout=300) as s:
             for _ in s.iter_lines():
@@ -206,7 +211,7 @@ def test_a_cpu_space_refuses_a_run_over_its_work_budget_before_it_queues(tiny_se
     posted = httpx.post(f"{tiny_server.url}gradio_api/call/run", timeout=60,
                         json={"data": run_data(tiny_server, run_parameters, **page_maximums),
                               "session_hash": f"greedy-{uuid.uuid4().hex}"})
-    assert posted.status_code == 400 and "this run would take about" in posted.text, posted.text
+    assert posted.status_code == 422 and "this run would take about" in posted.text, posted.text
     assert "more than the 15 min this server allows a run (GHOSTED_APP_RUN_BUDGET=900 s)" in posted.text
     assert len(tiny_server.demo._queue) == 0
     d = settings.DEFAULTS  # the page's defaults fit the budget

@@ -104,10 +104,10 @@ def test_default_run_streams_and_fills_every_output(client, all_threads):
     (dict(criterion="manual", manual_blocks="27-31"), "out of range"),
 ])
 def test_bad_input_gives_a_clear_message(client, changes, message):
-    from gradio_client.exceptions import AppError
+    from gradio_client.exceptions import ValidationError
 
     start = time.perf_counter()
-    with pytest.raises(AppError, match=message) as caught:
+    with pytest.raises(ValidationError, match=message) as caught:  # refused before it takes a place in the queue
         client.predict(api_name="/run", **run_kwargs(**changes))
     assert "--" not in str(caught.value)
     assert time.perf_counter() - start < 60  # refused before any model work
@@ -270,7 +270,7 @@ def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads)
 @pytest.mark.slow
 def test_four_bad_uploads_each_get_a_message_and_then_your_text_calibrates_and_evaluates(client, tmp_path, all_threads):
     from gradio_client import handle_file
-    from gradio_client.exceptions import AppError
+    from gradio_client.exceptions import ValidationError
 
     from ghosted_core.data import corpora
 
@@ -280,7 +280,7 @@ def test_four_bad_uploads_each_get_a_message_and_then_your_text_calibrates_and_e
     for name, (content, message) in bad.items():
         path = tmp_path / name
         path.write_bytes(content)
-        with pytest.raises(ValueError if name == "huge.txt" else AppError, match=message):
+        with pytest.raises(ValueError if name == "huge.txt" else ValidationError, match=message):
             client.predict(api_name="/run", **run_kwargs(your_file=handle_file(str(path)), text_use="both",
                                                          eval_corpora=["ptb"], prompt=""))
     good = tmp_path / "mine.txt"
