@@ -7,7 +7,9 @@ with (`layout.launch_options`), refuses before a byte is stored:
 - a request larger than one file of the server's upload limit (the page uploads one file at a
   time), or without a Content-Length (411);
 - an address's uploads beyond `uploads_per_address()` in the last hour (429);
-- any upload once Gradio's upload folder would hold more than `upload_disk_bytes()` (507).
+- any upload once the uploads in Gradio's upload folder would hold more than `upload_disk_bytes()`
+  (507); the folder also holds the copies served to sessions (results, model zips), which are
+  bounded apart (one per output per session, `studio.session_files`) and not counted here.
 Operators set them with GHOSTED_APP_UPLOADS_PER_ADDRESS and GHOSTED_APP_UPLOAD_DISK_MB (read at
 each upload).
 """
@@ -25,6 +27,7 @@ from gradio.utils import get_upload_folder
 
 from ghosted_core.data.user_text import MAX_BYTES
 from studio.admission import trust_forwarded
+from studio.session_files import SESSION_FILES
 
 UPLOADS_ENV, UPLOAD_DISK_ENV = "GHOSTED_APP_UPLOADS_PER_ADDRESS", "GHOSTED_APP_UPLOAD_DISK_MB"
 
@@ -35,7 +38,7 @@ def uploads_per_address() -> int:
 
 
 def upload_disk_bytes() -> int:
-    """Bytes Gradio's upload folder may hold (GHOSTED_APP_UPLOAD_DISK_MB, default 512 MB)."""
+    """Bytes of uploads Gradio's upload folder may hold (GHOSTED_APP_UPLOAD_DISK_MB, default 512 MB)."""
     return int(float(os.environ.get(UPLOAD_DISK_ENV, "512")) * 2**20)
 
 MULTIPART_SLACK = 64 * 2**10  # a multipart body's boundaries and headers around the one file
@@ -88,8 +91,9 @@ class UploadQuota:
         address = self.address(scope, headers)
         now = time.time()
         with self._lock:
-            if now - self._measured > SCAN_SECONDS:
-                self._stored, self._measured = folder_bytes(Path(get_upload_folder())), now
+            if now - self._measured > SCAN_SECONDS:  # uploads only: the copies served to sessions have their own bound
+                stored = folder_bytes(Path(get_upload_folder())) - SESSION_FILES.served_bytes()
+                self._stored, self._measured = max(0, stored), now
             if self._stored + int(length) > upload_disk_bytes():
                 return 507, ("this server's upload space is full; try again later (uploads are removed when their "
                              "sessions end, or after an hour)")

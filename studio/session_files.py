@@ -59,6 +59,18 @@ class SessionFiles:
             _remove(Path(previous))
         return cached
 
+    def served_bytes(self) -> int:
+        """Bytes of every copy served to a live session (they share Gradio's cache folder with the uploads)."""
+        with self._lock:
+            files = set().union(*self._files.values()) if self._files else set()
+        total = 0
+        for name in files:
+            try:
+                total += Path(name).stat().st_size
+            except OSError:
+                continue
+        return total
+
     def held(self, session: str) -> set[str]:
         with self._lock:
             return set(self._files.get(session, ()))

@@ -14,6 +14,7 @@ import pytest
 
 from ghosted_core.data import corpora
 from studio import outputs
+from studio.session_files import SESSION_FILES
 from studio.uploads import SESSION_UPLOADS
 
 
@@ -230,13 +231,14 @@ def test_strangers_cannot_fill_the_disk_with_uploads(tiny_server, tmp_path, monk
     from studio import disk
 
     url = f"{tiny_server.url}gradio_api/upload"
-    files = [tmp_path / f"part{k}.txt" for k in range(40)]
+    tag = uuid.uuid4().hex[:8]  # the upload folder outlives one test run: names of this run only
+    files = [tmp_path / f"part{k}-{tag}.txt" for k in range(40)]
     for k, path in enumerate(files):
         path.write_bytes(f"{k} ".encode() * (2**20 // 2))  # 1 MB each, each different
     many = httpx.post(url, files=[("files", (p.name, p.read_bytes())) for p in files], timeout=120)
     assert many.status_code == 413 and "one file of at most 5 MB per upload" in many.text
     stored = [name for _root, _dirs, names in os.walk(get_upload_folder()) for name in names]  # (os.walk: races skipped)
-    assert not [name for name in stored if name.startswith("part")]  # refused before anything was stored
+    assert not [name for name in stored if name.endswith(f"-{tag}.txt")]  # refused before anything was stored
 
     monkeypatch.setenv("GHOSTED_APP_TRUST_FORWARDED", "1")  # as behind a Space's proxy: each address its own
     monkeypatch.setenv(disk.UPLOADS_ENV, "3")
@@ -249,7 +251,7 @@ def test_strangers_cannot_fill_the_disk_with_uploads(tiny_server, tmp_path, monk
     assert other.status_code == 200  # another visitor still uploads
 
     monkeypatch.setattr(disk, "SCAN_SECONDS", 0.0)
-    stored = disk.folder_bytes(Path(get_upload_folder()))
+    stored = disk.folder_bytes(Path(get_upload_folder())) - SESSION_FILES.served_bytes()  # uploads only
     monkeypatch.setenv(disk.UPLOAD_DISK_ENV, str((stored + 2**20 // 2) / 2**20))  # room for half a file more
     full = httpx.post(url, files={"files": (files[6].name, files[6].read_bytes())}, timeout=120,
                       headers={"x-forwarded-for": "198.51.100.8"})
