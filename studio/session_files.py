@@ -24,6 +24,8 @@ DELETE_CACHE = (600, 3600)  # gr.Blocks(delete_cache=…): every 10 min, remove 
 
 
 PRUNE_ABOVE = 1000  # sessions remembered before those whose files delete_cache removed are forgotten
+KEPT_UPDATES = 3  # copies of a streamed output (results.json, the history CSV) kept per session
+KEPT_COPIES = {"model_file": 1}  # a model zip: only the newest (it is hundreds of MB)
 
 
 class SessionFiles:
@@ -31,32 +33,36 @@ class SessionFiles:
 
     def __init__(self) -> None:
         self._files: dict[str, set[str]] = {}
-        self._latest: dict[tuple[str, str], str] = {}  # (session, output) → the copy it shows now
+        self._latest: dict[tuple[str, str], list[str]] = {}  # (session, output) → its newest copies, oldest first
         self._lock = threading.Lock()
 
     def serve(self, session: str, path: str | None, output: str = "") -> str | None:
-        """The cached copy of `path` for `session` to download (None stays None). With `output` named, the copy
-        it replaces in that output (a run's earlier results.json, the previous run's model zip) is removed at
-        once, unless another session holds it: a session keeps one file per output, not one per update."""
+        """The cached copy of `path` for `session` to download (None stays None). With `output` named, the copies
+        it supersedes in that output are removed at once, unless another session holds them: the previous run's
+        model zip when a new one is served (a zip comes with a run's last update only), and a streamed
+        results.json or history CSV once KEPT_UPDATES newer ones have been served (an API client that downloads
+        every update's files lags a little behind the stream)."""
         if not path:
             return path
         cached = processing_utils.save_file_to_cache(path, get_upload_folder())
+        stale: list[str] = []
         with self._lock:
             self._files.setdefault(session, set()).add(cached)
-            previous = self._latest.get((session, output)) if output else None
             if output:
-                self._latest[(session, output)] = cached
-            superseded = previous is not None and previous != cached and previous not in {
-                f for (s, o), f in self._latest.items() if (s, o) != (session, output)}
-            if superseded:
-                self._files[session].discard(previous)
-                superseded = not any(previous in files for files in self._files.values())
+                recent = self._latest.setdefault((session, output), [])
+                if cached not in recent:
+                    recent.append(cached)
+                while len(recent) > KEPT_COPIES.get(output, KEPT_UPDATES):
+                    old = recent.pop(0)
+                    self._files[session].discard(old)
+                    if not any(old in files for files in self._files.values()):
+                        stale.append(old)
             if len(self._files) > PRUNE_ABOVE:  # sessions no unload reaches (API calls): forget the aged-out ones
                 self._files = {name: files for name, files in self._files.items()
                                if any(Path(f).exists() for f in files)}
                 self._latest = {key: f for key, f in self._latest.items() if key[0] in self._files}
-        if superseded:
-            _remove(Path(previous))
+        for old in stale:
+            _remove(Path(old))
         return cached
 
     def served_bytes(self) -> int:

@@ -33,10 +33,10 @@ def test_nothing_a_user_or_the_model_writes_runs_in_the_page(tiny_server, browse
     shown = page.locator("body").inner_text()
     assert XSS in shown and FOLDER_XSS in shown  # shown as text: in the generations, the status, the history
 
-    choose_model(page, f"nowhere/{FOLDER_XSS}")  # a refusal quotes the name: in the note, the status and the toast
-    page.get_by_text("Cannot use this model").first.wait_for(timeout=30_000)
+    choose_model(page, f"nowhere/{FOLDER_XSS}")  # a refusal quotes the name: in the note, the status and the
+    page.get_by_text("Cannot use this model").first.wait_for(timeout=30_000)  # validator's message on the Model box
     press_run(page)
-    page.locator(".toast-body").first.wait_for(timeout=30_000)
+    wait_for_status(page, "Run refused", 30)
     page.wait_for_timeout(500)
     assert page.evaluate(RAN) == {"xss": None, "onerror": 0, "scripts": 0, "imgs": 0}
     page.close()
