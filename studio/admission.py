@@ -9,8 +9,8 @@ it reaches the front. Here:
   run itself (`handlers.prepare_run`), in Gradio's event `validator`, which Gradio calls before it
   queues the event (`Queue.push`), and in the page's own Run press, which shows the refusal in
   the status panel.
-- A run whose planned time exceeds the operator's budget (`studio.settings.RUN_BUDGET_SECONDS`) is
-  refused up front with the estimate and the setting to lower (`ghosted_core.planning.budget`).
+- A run whose planned time exceeds the operator's budget (`studio.settings.run_budget_seconds`) is
+  refused up front with the estimate and the setting to lower (`planning.estimate.check_work_budget`).
 
 The client address is the socket's, or on a Space the first X-Forwarded-For entry that its proxy
 sets (GHOSTED_APP_TRUST_FORWARDED=1 trusts that header elsewhere, e.g. behind one's own proxy).
@@ -45,16 +45,18 @@ def trust_forwarded() -> bool:
     return value in ("1", "true", "yes", "on") or (value == "" and bool(os.environ.get("SPACE_ID")))
 
 
+def client_host(forwarded_for: str, socket_host: str) -> str:
+    """The client's address from the X-Forwarded-For header (when trusted) and the socket's peer."""
+    forwarded = forwarded_for.split(",")[0].strip() if trust_forwarded() else ""
+    return forwarded or socket_host or ""
+
+
 def client_address(request: gr.Request | None) -> str:
     """The client's address as this server can tell it ('' when unknown)."""
     if request is None:
         return ""
-    if trust_forwarded():
-        forwarded = (request.headers.get("x-forwarded-for") or "").split(",")[0].strip()
-        if forwarded:
-            return forwarded
     client = getattr(request, "client", None)
-    return getattr(client, "host", "") or ""
+    return client_host(request.headers.get("x-forwarded-for") or "", getattr(client, "host", "") or "")
 
 
 def _events(queue) -> list:

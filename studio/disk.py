@@ -26,7 +26,7 @@ from pathlib import Path
 from gradio.utils import get_upload_folder
 
 from ghosted_core.data.user_text import MAX_BYTES
-from studio.admission import trust_forwarded
+from studio.admission import client_host
 from studio.session_files import SESSION_FILES
 
 UPLOADS_ENV, UPLOAD_DISK_ENV = "GHOSTED_APP_UPLOADS_PER_ADDRESS", "GHOSTED_APP_UPLOAD_DISK_MB"
@@ -110,6 +110,4 @@ class UploadQuota:
 
     @staticmethod
     def address(scope, headers: dict[str, str]) -> str:
-        forwarded = headers.get("x-forwarded-for", "").split(",")[0].strip() if trust_forwarded() else ""
-        client = scope.get("client") or ("", 0)
-        return forwarded or client[0]
+        return client_host(headers.get("x-forwarded-for", ""), (scope.get("client") or ("", 0))[0])

@@ -219,6 +219,16 @@ def _locate(name: str, local_folders: bool = True) -> tuple[str, str, str]:
     )
 
 
+def _gated(name: str) -> str:
+    return (f"{name} is a gated model on the Hugging Face Hub: request access at https://huggingface.co/{name} "
+            "and log in (hf auth login or HF_TOKEN)")
+
+
+def _not_found(name: str, instead: str) -> str:
+    return (f"{name} is not a model on the Hugging Face Hub (or it is private and you are not logged in); check "
+            f"the id, or use {instead}")
+
+
 @contextlib.contextmanager
 def _readable(name: str) -> Iterator[None]:
     """Turn what transformers raises for an unusable model (missing, gated, custom code, unreadable) into one line."""
@@ -230,11 +240,9 @@ def _readable(name: str) -> Iterator[None]:
     except (OSError, ValueError) as err:
         cause, text = err.__cause__, str(err)
         if isinstance(cause, GatedRepoError) or isinstance(err, GatedRepoError):
-            raise GhostedError(f"{name} is a gated model on the Hugging Face Hub: request access at "
-                               f"https://huggingface.co/{name} and log in (hf auth login or HF_TOKEN)") from None
+            raise GhostedError(_gated(name)) from None
         if isinstance(cause, RepositoryNotFoundError) or isinstance(err, RepositoryNotFoundError):
-            raise GhostedError(f"{name} is not a model on the Hugging Face Hub (or it is private and you are not "
-                               "logged in); check the id, or use a local folder or an embedded model") from None
+            raise GhostedError(_not_found(name, "a local folder or an embedded model")) from None
         if "trust_remote_code" in text or "custom code" in text:
             raise GhostedError(f"{name} needs its own modelling code (trust_remote_code), which Ghosted Layers does "
                                f"not run; use a {families()} checkpoint") from None
@@ -257,11 +265,9 @@ def _hub_guarded(name: str, call):
     except GhostedError:
         raise
     except GatedRepoError:
-        raise GhostedError(f"{name} is a gated model on the Hugging Face Hub: request access at "
-                           f"https://huggingface.co/{name} and log in (hf auth login or HF_TOKEN)") from None
+        raise GhostedError(_gated(name)) from None
     except RepositoryNotFoundError:
-        raise GhostedError(f"{name} is not a model on the Hugging Face Hub (or it is private and you are not "
-                           "logged in); check the id, or use an embedded model") from None
+        raise GhostedError(_not_found(name, "an embedded model")) from None
     except Exception as err:  # offline, a refused connection, a full disk: one line
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise GhostedError(f"cannot download {name} from the Hugging Face Hub ({type(err).__name__}: {first})") from None
