@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the Hub, and s
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GHOSTED_APP_LOCAL_MODELS", "1")  # the app tests open the tiny model folders (as `make app` does)
 os.environ.setdefault("GHOSTED_APP_UPLOADS_PER_ADDRESS", "100000")  # every test client uploads from one address
+os.environ.setdefault("GHOSTED_SPEED", "0")  # runs measure sizes only unless a test asks for speed (tests/export/test_gain.py)
 os.environ.setdefault("GHOSTED_APP_UPLOAD_DISK_MB", "100000")  # test servers share one upload folder (their own tests set it)
 
 ALL_THREADS = torch.get_num_threads()

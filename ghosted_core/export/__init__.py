@@ -5,4 +5,5 @@
 - `checkpoint`: offload-aware tensor reading, safetensors shards, a clean config.json.
 - `model_card`: the export's README.md and the run facts it states.
 - `gguf`: a stock export converted to GGUF by llama.cpp's own converter; llama.cpp generation and perplexity.
+- `gain`: what pruning buys: each variant's size as it would be saved, and its speed in transformers, against dense.
 """

@@ -18,6 +18,7 @@ import torch
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
+from ghosted_core.export.gain import SpeedOptions
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.memory import MemoryPlan, PlanRequest, plan_memory, resident_bytes
 from ghosted_core.memory_parts import dtype_bytes, inner_width, max_boundaries, min_calibration_sequences
@@ -146,6 +147,7 @@ class RunOptions:
     task_batch_size: int = 8
     prompt: str | None = None  # generation prompt (None: no generation)
     generation: GenerationOptions = GenerationOptions()
+    speed: SpeedOptions = dataclasses.field(default_factory=SpeedOptions)  # each variant's size, and its prefill and decode speed against dense
     fit: FitOptions = FitOptions()
     distill: DistillOptions = DistillOptions()  # the budget and schedule of the distilled (`+kd`) variants
     calibrate: CalibrationOptions = CalibrationOptions()

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import HeldoutRows, collect_stats, make_batches
+from ghosted_core.export.gain import measure_gain
 from ghosted_core.evaluation.perplexity import block_drift, perplexity
 from ghosted_core.evaluation.generation import generate
 from ghosted_core.memory_parts import min_calibration_sequences
@@ -145,6 +146,11 @@ def _stages(options: RunOptions, loaded: LoadedModel | None,
         result.tasks[name] = evaluate_tasks(model, tokenizer, options.tasks, options.task_limit, options.seed,
                                             options.task_batch_size, progress=not options.quiet)
         yield done("tasks")
+
+    # last, so that its timings do not slow the other stages' and no other stage's buffers are alive
+    check_stop(should_stop, "size and speed")
+    result.gain = measure_gain(result.models, options.speed, should_stop)
+    yield done("size and speed")
 
 
 def calibration_size_notes(tokens: int, width: int, options: RunOptions) -> list[str]:

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.calibration.collect import collect_stats
 from ghosted_core.data import corpora
+from ghosted_core.export.gain import REFERENCE, GainReport, measure_gain
 from ghosted_core.evaluation.perplexity import PrefixStates, dense_prefix_states, perplexity, perplexity_from_states, \
     shared_prefix
 from ghosted_core.memory import MemoryPlan
@@ -126,6 +127,7 @@ class PlanResult:
     fits: dict[str, list[FitReport]] = field(default_factory=dict)  # variant → one report per boundary
     perplexity: dict[str, dict[str, float]] = field(default_factory=dict)  # corpus → variant → ppl
     extra_passes: int = 0  # calibration passes beyond the shared one (+seq variants), for this plan
+    gain: GainReport | None = None  # size and speed of the variants, and of dense timed in the same rounds
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -143,7 +145,11 @@ class PlanResult:
             ppl = {corpus: table[name] for corpus, table in self.perplexity.items() if name in table}
             recovered = {corpus: self.recovered(corpus, name, dense.get(corpus)) for corpus in ppl}
             variants[name] = {"ppl": ppl, "recovered": recovered} | fit_json(reports)
-        return {
+            if self.gain is not None:
+                variants[name]["gain"] = self.gain.variant_json(name)
+        gain = {} if self.gain is None else {"dense_gain": self.gain.variant_json(REFERENCE),
+                                             "gain": self.gain.settings_json()}
+        return gain | {
             "n": self.n,
             "removed_layers": list(self.plan.removed),
             "boundaries": [[b.start, b.end] for b in self.plan.boundaries],
@@ -274,6 +280,8 @@ def evaluate_plan(dense: PreTrainedModel, options: RunOptions, plan: PruningPlan
             result.perplexity[corpus] |= table
         result.perplexity[corpus] = {name: result.perplexity[corpus][name] for name in models}  # the variants' order
     clock.tick("perplexity")
+    result.gain = measure_gain({REFERENCE: dense, **models}, options.speed, should_stop)  # dense in the same rounds
+    clock.tick("size and speed")
     return result
 
 

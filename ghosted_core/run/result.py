@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedModel
 
 from ghosted_core.distill.train import DistillReport
+from ghosted_core.export.gain import GainReport
 from ghosted_core.evaluation.perplexity import BlockDrift
 from ghosted_core.memory import MemoryPlan
 from ghosted_core.recovery.assessment import FitReport
@@ -40,6 +41,7 @@ class RunResult:
     generations: dict[str, str] = field(default_factory=dict)
     tasks: dict[str, TaskResults] = field(default_factory=dict)  # variant → zero-shot task scores
     distill: dict[str, DistillReport] = field(default_factory=dict)  # distilled variant → what its training did
+    gain: GainReport | None = None  # each variant's size and speed against dense
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     memory_plan: MemoryPlan | None = None
@@ -66,6 +68,8 @@ class RunResult:
                 entry["tasks"] = self.tasks[name].to_json()
             if name in self.distill:
                 entry["distill"] = self.distill[name].to_json()
+            if self.gain is not None and name in self.gain.sizes:
+                entry["gain"] = self.gain.variant_json(name)
             variants[name] = entry
         plan = self.plan.to_json() if self.plan else {}
         return run_json(self) | {
@@ -74,6 +78,7 @@ class RunResult:
             "scores": plan.get("scores", []),
             "score_label": plan.get("score_label", ""),
             "prompt": opts.prompt,
+            "gain": self.gain.settings_json() if self.gain is not None else None,
             "variants": variants,
         }
 

@@ -1,0 +1,116 @@
+"""What pruning buys: sizes equal the files an export writes; speeds are measured, positive, and relative to dense."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from conftest import FAMILIES, make_tiny_model, recovered_variants
+from ghosted_core.errors import GhostedError
+from ghosted_core.export.folder import export_variant
+from ghosted_core.export.gain import REFERENCE, SpeedOptions, measure_gain, variant_size
+from ghosted_core.run.options import RunOptions, parse_variants
+from ghosted_core.run.pipeline import run
+from ghosted_core.run.sweep import run_sweep
+
+QUICK = SpeedOptions(measure=True, prefill_tokens=16, decode_tokens=4, repeats=2)
+
+
+def written_tensors(folder) -> tuple[int, int]:
+    """(elements, bytes) of every tensor in the export's safetensors files, read by safetensors itself."""
+    elements = size = 0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                elements += tensor.numel()
+                size += tensor.numel() * tensor.element_size()
+    return elements, size
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sizes_equal_the_tensors_each_export_writes(family, tmp_path):
+    """Stock variants (plain pruning, a map folded into down_proj, magcomp's scales) and remote-code ones (ghost,
+    diag): parameters and bytes are those of the checkpoint the export writes, in the format it chooses."""
+    model = make_tiny_model(family)
+    _plan, variants = recovered_variants(model, (1, 2, 5))
+    for name in ("none", "replaceme", "magcomp", "ghost", "diag"):
+        size = variant_size(variants[name])
+        done = export_variant(variants[name], None, tmp_path / name, mode="auto")
+        assert size.format == done.mode, name
+        assert (size.parameters, size.weight_bytes) == written_tensors(done.folder), name
+        assert size.blocks == 3
+    dense = variant_size(model)
+    assert dense.format == "stock" and dense.parameters == sum(p.numel() for p in model.parameters())  # tied: once
+    # a remote-code variant carries its operators: C×C (+ its bias, if any) more per boundary than plain pruning
+    width, boundaries = model.config.hidden_size, 2
+    extra = variant_size(variants["ghost"]).parameters - variant_size(variants["none"]).parameters
+    assert boundaries * width * width <= extra <= boundaries * (width * width + width)
+
+
+def test_measured_speeds_are_positive_and_relative_to_dense(tiny_llama):
+    _plan, variants = recovered_variants(tiny_llama, (1, 2, 5))
+    models = {REFERENCE: tiny_llama, "none": variants["none"], "ghost": variants["ghost"]}
+    report = measure_gain(models, QUICK)
+    for name in models:
+        entry = report.variant_json(name)
+        for key in ("prefill", "decode"):
+            rate = entry[f"{key}_tokens_per_s"]
+            assert 0 < rate["min"] <= rate["median"] <= rate["max"] and rate["samples"] == QUICK.repeats
+            assert entry[f"{key}_vs_dense"] > 0
+    dense = report.variant_json(REFERENCE)
+    assert dense["prefill_vs_dense"] == dense["decode_vs_dense"] == dense["size_vs_dense"] == 1.0
+    assert report.variant_json("none")["size_vs_dense"] < 1.0
+    settings = report.settings_json()
+    assert settings["measured"] and settings["reference"] == REFERENCE and settings["batch"] == 1
+    assert settings["measured_on"]["threads"] >= 1 and settings["measured_on"]["device"] == "cpu"
+
+
+def test_speed_off_reports_sizes_only(tiny_llama):
+    report = measure_gain({REFERENCE: tiny_llama}, SpeedOptions(measure=False))
+    entry = report.variant_json(REFERENCE)
+    assert entry["parameters"] > 0 and "decode_tokens_per_s" not in entry and not report.settings_json()["measured"]
+
+
+def test_speed_default_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("GHOSTED_SPEED", "0")
+    assert not RunOptions().speed.measure
+    monkeypatch.setenv("GHOSTED_SPEED", "1")
+    assert RunOptions().speed.measure and SpeedOptions(measure=False).measure is False
+
+
+@pytest.mark.parametrize("bad", [dict(prefill_tokens=0), dict(decode_tokens=1), dict(repeats=0)])
+def test_impossible_speed_settings_are_refused(bad):
+    with pytest.raises(GhostedError, match="speed measurement needs"):
+        SpeedOptions(**bad)
+
+
+def test_results_json_carries_size_and_speed_for_every_variant(tiny_model_folder):
+    options = RunOptions(model=str(tiny_model_folder), criterion="streamline", num_prune=2,
+                         variants=parse_variants("none,ghost,magcomp"), calibration="ptb", train_size=4, seqlen=32,
+                         eval_corpora=("ptb",), eval_max_tokens=128, drift_windows=0, quiet=True, speed=QUICK)
+    report = json.loads(json.dumps(run(options).to_json()))
+    assert set(report["variants"]) == {"dense", "none", "ghost", "magcomp"}
+    for name, entry in report["variants"].items():
+        gain = entry["gain"]
+        assert gain["parameters"] > 0 and gain["weight_bytes"] > 0
+        assert gain["prefill_tokens_per_s"]["median"] > 0 and gain["decode_tokens_per_s"]["median"] > 0
+        assert gain["blocks"] == (6 if name == "dense" else 4)
+    dense = report["variants"]["dense"]["gain"]
+    assert dense["prefill_vs_dense"] == dense["decode_vs_dense"] == dense["size_vs_dense"] == 1.0
+    assert report["variants"]["ghost"]["gain"]["format"] == "remote_code"
+    assert report["variants"]["magcomp"]["gain"]["format"] == "stock"
+    assert report["gain"]["prefill_tokens"] == QUICK.prefill_tokens and "size and speed" in report["timings"]
+
+
+def test_every_depth_of_a_sweep_carries_size_and_speed(tiny_model_folder):
+    options = RunOptions(model=str(tiny_model_folder), criterion="streamline", variants=parse_variants("none,ghost"),
+                         calibration="ptb", train_size=4, seqlen=32, eval_corpora=("ptb",), eval_max_tokens=128,
+                         quiet=True, speed=QUICK)
+    report = run_sweep(options, (1, 3)).to_json()
+    for depth in report["sweep"]["results"]:
+        assert depth["dense_gain"]["decode_vs_dense"] == 1.0 and depth["dense_gain"]["blocks"] == 6
+        for entry in depth["variants"].values():
+            assert entry["gain"]["blocks"] == 6 - depth["n"] and entry["gain"]["decode_tokens_per_s"]["median"] > 0
