@@ -17,21 +17,23 @@ from pathlib import Path
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES
-from ghosted_core.cli_distill import add_distill_arguments, distill_lines, distill_options, insert_types
+from ghosted_core.cli_distill import add_distill_arguments, distill_options, insert_types
+from ghosted_core.cli_summary import summary, sweep_summary
 from ghosted_core.errors import GhostedError
 from ghosted_core.files import check_new_folder, check_writable_folder, write_text
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
+from ghosted_core.export.gain import SpeedOptions
 from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES, export_gguf, find_llamacpp
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
-from ghosted_core.recovery.assessment import HELDOUT_FLAG, SHOWN, Diagnostics
+from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS
 from ghosted_core.recovery.operators import OPERATORS, FitOptions
 from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run
-from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, criterion_title, parse_layers
+from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, parse_layers
 from ghosted_core.run.compare import CompareResult, parse_criteria, run_compare
 from ghosted_core.run.sweep import SweepResult, parse_depths, run_sweep
 from ghosted_core.evaluation.tasks import parse_tasks
@@ -150,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload_folder", default=None, metavar="DIR",
                    help="with --device map: folder for weights that must be re-saved to be offloaded to disk "
                         "(default: the cache folder's offload/<model>)")
+    p.add_argument("--no_speed", action="store_true",
+                   help="report each variant's size only, without timing its prefill and decode against dense "
+                        "(a few seconds per variant and depth)")
+    p.add_argument("--speed_repeats", type=int, default=SpeedOptions.repeats,
+                   help="rounds of the speed measurement (each variant and dense once per round; the median is kept)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_distill_arguments(p)
     return p
@@ -203,6 +210,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
         task_batch_size=args.task_batch_size,
         prompt=args.prompt,
         generation=GenerationOptions(max_new_tokens=args.max_new_tokens, seed=args.seed),
+        speed=SpeedOptions(measure=False) if args.no_speed else SpeedOptions(repeats=args.speed_repeats),
         fit=FitOptions(epsilon=args.epsilon, ridge=args.ridge, ridge_lambda=args.ridge_lambda,
                        magcomp_form=args.magcomp_form, condition_number=args.diagnostics),
         diagnostics=Diagnostics() if args.diagnostics else SHOWN,
@@ -212,119 +220,6 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
                                      products="float32" if args.fp32_products else "float64"),
         quiet=args.quiet,
     )
-
-
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}" if abs(value) < 1e4 else f"{value:.3g}"
-
-
-def _corpus_tag(report: dict, corpus: str) -> str:
-    """'ptb (exact)', 'wiki (stand-in)' or 'your text': the short form for column headers."""
-    info = report["corpora"].get(corpus, {})
-    if info.get("user"):
-        return corpus
-    return f"{corpus} ({'exact' if info.get('real') else 'stand-in'})"
-
-
-def _corpus_lines(report: dict, corpora: list[str]) -> list[str]:
-    """The calibration corpus and every evaluation corpus with its full label and size."""
-    lines = []
-    if report["calibration"]["label"]:
-        cal = report["calibration"]
-        lines.append(f"calibration: {cal['label']}, {cal['sequences']} x {cal['seqlen']} tokens (seed {cal['seed']})")
-    bos = report.get("bos") or {}
-    if bos.get("applied") == "window":
-        lines.append(f"windows: each starts with {bos['token']} (--bos {bos['rule']}), never scored")
-    for name in corpora:
-        info = report["corpora"][name]
-        lines.append(f"  {name}: {info['label']}, {info.get('windows')} windows, {info.get('tokens')} tokens, "
-                     f"{info.get('predicted_tokens')} predicted")
-    return lines
-
-
-def _block_runs(blocks: list[int]) -> str:
-    """[3, 12, 13, 14] → '3,12-14'."""
-    runs: list[list[int]] = []
-    for b in blocks:
-        if runs and runs[-1][1] == b - 1:
-            runs[-1][1] = b
-        else:
-            runs.append([b, b])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def sweep_summary(result: SweepResult) -> str:
-    """Depth × operator: perplexity and damage recovered per corpus (labelled), held-out boundary error."""
-    report = result.to_json()
-    sweep = report["sweep"]
-    stats = sweep["statistics"]
-    corpora = list(result.dense)
-    lines = [f"sweep: {report['model']} ({report['num_layers']} blocks) | criterion: {report['criterion']} | "
-             f"depths: {', '.join(map(str, sweep['depths']))} | one calibration pass over "
-             f"{stats['distinct_boundaries']} distinct boundaries (statistics {stats['bytes'] / 2**20:.1f} MiB)"]
-    lines += _corpus_lines(report, corpora)
-    tags = {c: _corpus_tag(report, c) for c in corpora}
-    header = ["n", "removed", "variant", *(f"ppl {tags[c]}" for c in corpora), *(f"recovered {c}" for c in corpora),
-              "boundary err (held-out, all / ordinary)"]
-    rows = [["0", "-", "dense", *(_fmt(sweep["dense"]["ppl"][c], 2) for c in corpora), *("-" for _ in corpora), "-"]]
-    for entry in sweep["results"]:
-        for name, variant in entry["variants"].items():
-            err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])} / {_fmt(e['heldout_ordinary'])}"
-                            for e in variant["boundary_error"]) or "-"
-            recovered = [variant["recovered"].get(c) for c in corpora]
-            rows.append([str(entry["n"]), _block_runs(entry["removed_layers"]), name,
-                         *(_fmt(variant["ppl"].get(c), 2) for c in corpora),
-                         *("-" if r is None else f"{100 * r:.0f}%" for r in recovered), err])
-    lines += _table(header, rows)
-    lines.append("recovered = (ppl_none - ppl_op) / (ppl_none - ppl_dense): 100% is the dense model, 0% plain pruning")
-    lines += [f"note: {note}" for note in report["notes"]]
-    return "\n".join(lines)
-
-
-def summary(result: RunResult) -> str:
-    """A plain-text table of perplexity and boundary error per variant, with corpus labels."""
-    report = result.to_json()
-    lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {criterion_title(report['criterion'])} | "
-             f"removed: {report['removed_layers']} | boundaries: {report['boundaries']}"]
-    corpora = list(result.perplexity)
-    lines += _corpus_lines(report, corpora)
-    header = ["variant", *(f"ppl {c}" for c in corpora), "boundary err (held-out, all / ordinary)", "antisym"]
-    rows = []
-    flagged = False
-    for name, entry in report["variants"].items():
-        errors = entry.get("boundary_error", [])
-        flagged = flagged or any(e.get("heldout_worse_than_pruning") for e in errors)
-        err = "; ".join(f"{e['boundary']}: {_fmt(e['heldout'])}{' !' if e.get('heldout_worse_than_pruning') else ''}"
-                        f" / {_fmt(e['heldout_ordinary'])}" for e in errors) or "-"
-        anti = ", ".join(_fmt(a, 2) for a in entry.get("antisym_fraction", [])) or "-"
-        rows.append([name, *(_fmt(entry["ppl"].get(c), 2) for c in corpora), err, anti])
-    lines += _table(header, rows)
-    if flagged:
-        lines.append(f"  ! = {HELDOUT_FLAG} (held-out boundary error above 1)")
-    lines += distill_lines(report)
-    if result.tasks:
-        lines += _task_table(result)
-    lines += [f"note: {note}" for note in report["notes"]]
-    return "\n".join(lines)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows]]
-
-
-def _task_table(result: RunResult) -> list[str]:
-    """Zero-shot accuracy per variant and task, with where the data came from."""
-    first = next(iter(result.tasks.values()))
-    names = [s.task for s in first.scores]
-    lines = [f"zero-shot acc ± standard error (lm-eval's acc and acc_stderr; {first.source} data, "
-             f"{first.limit or 'all'} examples per task, seed {first.seed}):"]
-    rows = [[variant, *(f"{r.score(t).acc:.3f} ± {r.score(t).acc_stderr:.3f}" for t in names),
-             f"{_fmt(r.mean_acc)} ± {_fmt(r.mean_acc_stderr)}"] for variant, r in result.tasks.items()]
-    lines += _table(["variant", *names, "mean"], rows)
-    lines.append(f"  chance level (mean over tasks): {_fmt(first.mean_chance)}")
-    lines += [f"  {u.task}: unavailable ({u.reason})" for u in first.unavailable]
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ LAYERS = (
     ("ghosted_core.run",),
     ("ghosted_core.planning",),
     ("ghosted_core.report",),
-    ("ghosted_core.cli_distill", "ghosted_core.cli", "ghosted_core.__main__"),
+    ("ghosted_core.cli_distill", "ghosted_core.cli_summary", "ghosted_core.cli", "ghosted_core.__main__"),
     ("studio",),
 )
 

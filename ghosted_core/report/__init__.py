@@ -4,4 +4,5 @@
 - `charts`: plotly figures of a run (scores, boundary errors, drift, structure, tasks).
 - `sweep`: a depth sweep's curve, damage-recovered chart and table; `sweep.html` for the CLI.
 - `compare`: a criteria comparison: the layer-similarity map, each criterion's scores, the criterion × operator table; `compare.html`.
+- `tradeoff`: what pruning buys: perplexity against measured speed and size, one point per variant and depth, the Pareto front.
 """

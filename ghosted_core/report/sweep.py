@@ -14,8 +14,9 @@ import plotly.graph_objects as go
 
 from ghosted_core.files import write_text
 from ghosted_core.report.charts import base_figure, empty_figure
-from ghosted_core.report.tables import DENSE_COLOR, blocks_text, corpus_tag, esc, fmt, ppl_columns, tokens_text, \
-    variant_colors, worse_boundaries
+from ghosted_core.report.tables import DENSE_COLOR, SIZE_COLUMN, SPEED_COLUMN, blocks_text, corpus_tag, esc, fmt, \
+    gain_caption, gain_cells, ppl_columns, tokens_text, variant_colors, worse_boundaries
+from ghosted_core.report.tradeoff import tradeoff_figure
 
 CORPUS_DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
 
@@ -109,7 +110,8 @@ def recovered_figure(report: dict) -> go.Figure:
 def sweep_table(report: dict) -> pd.DataFrame:
     """One row per depth and operator: removed blocks, perplexity and damage recovered per corpus, held-out boundary error."""
     corpora = _corpora(report)
-    columns = ["blocks removed", "which", "operator", *ppl_columns(report, corpora), "held-out boundary error"]
+    columns = ["blocks removed", "which", "operator", *ppl_columns(report, corpora), "held-out boundary error",
+               SIZE_COLUMN, SPEED_COLUMN]
     rows = []
     for result in _depth_results(report):
         which = blocks_text(result["removed_layers"])
@@ -120,7 +122,7 @@ def sweep_table(report: dict) -> pd.DataFrame:
                 row += [fmt(entry.get("ppl", {}).get(corpus)), "–" if share is None or name == "none" else f"{share:.0%}"]
             errors = ", ".join(fmt(e.get("heldout"), 3) for e in entry.get("boundary_error", [])) or "–"
             row.append(f"{errors} ⚠" if worse_boundaries(entry) else errors)
-            rows.append(row)
+            rows.append(row + gain_cells(entry))
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -135,7 +137,9 @@ def sweep_caption(report: dict) -> str:
         f"; still to come: {', '.join(map(str, pending))}" if pending else "")
     return (f"**{esc(report.get('model', ''))}** ({report.get('num_layers', '?')} blocks) · {report.get('criterion', '')} "
             f"sweep · {state}  \n{corpora}  \nrecovered = (ppl_none − ppl_op) / (ppl_none − ppl_dense); ⚠ held-out "
-            "boundary error above 1 (worse than plain pruning on held-out calibration text)")
+            "boundary error above 1 (worse than plain pruning on held-out calibration text)"
+            + (f"  \n{gain}" if (gain := gain_caption(next((r.get("gain") for r in sweep.get("results", [])), None)))
+               else ""))
 
 
 def write_sweep_html(report: dict, path: str | Path) -> Path:
@@ -143,7 +147,7 @@ def write_sweep_html(report: dict, path: str | Path) -> Path:
     (plotly.js inlined, so it opens offline): what the CLI leaves beside results.json."""
     caption = sweep_caption(report).replace("  \n", "<br>").replace("**", "")  # its model and labels come escaped
     charts = [figure.to_html(full_html=False, include_plotlyjs=k == 0)
-              for k, figure in enumerate((curve_figure(report), recovered_figure(report)))]
+              for k, figure in enumerate((curve_figure(report), recovered_figure(report), tradeoff_figure(report)))]
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>Depth sweep · {html.escape(report.get('model', ''))}"
             f"</title></head><body style='font-family:sans-serif;max-width:1100px;margin:auto'><h1>Depth sweep</h1>"
             f"<p>{caption}</p>{''.join(charts)}{sweep_table(report).to_html(index=False, border=0)}</body></html>")

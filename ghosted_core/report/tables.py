@@ -173,6 +173,35 @@ def boundary_cell(entry: dict) -> str:
     return f"{text} {WORSE_MARK}" if worse_boundaries(entry) else text
 
 
+SIZE_COLUMN = "size as saved"
+SPEED_COLUMN = "speed × dense (prefill / decode)"
+
+
+def gain_cells(entry: dict) -> list[str]:
+    """A variant's size ('433 MB · 0.80×', with '(remote code)' where it cannot be stock) and its speed against dense."""
+    gain = entry.get("gain")
+    if not gain:
+        return ["–", "–"]
+    size = f"{gain['weight_bytes'] / 1e6:,.0f} MB · {gain.get('size_vs_dense', 1.0):.2f}×" + \
+        (" (remote code)" if gain.get("format") == "remote_code" else "")
+    speed = f"{gain['prefill_vs_dense']:.2f}× / {gain['decode_vs_dense']:.2f}×" if "decode_vs_dense" in gain else "–"
+    return [size, speed]
+
+
+def gain_caption(settings: dict | None) -> str:
+    """How the size and speed columns were measured: tokens, repeats, device, threads and load."""
+    if not settings:
+        return ""
+    if not settings.get("measured"):
+        return f"{SIZE_COLUMN}: weights as the export writes them, at the model's dtype; speed not measured"
+    machine = settings.get("measured_on") or {}
+    return (f"{SIZE_COLUMN}: weights as the export writes them (stock where the variant folds), at the model's dtype · "
+            f"speed: transformers, batch 1, prefill {settings['prefill_tokens']} tokens, greedy decode "
+            f"{settings['decode_tokens']} tokens, median of {settings['repeats']} rounds against dense in the same rounds, "
+            f"{esc(machine.get('device', '?'))} ({esc(machine.get('cpu', ''))}), {machine.get('threads', '?')} threads, "
+            f"load {machine.get('load_average', '?')}")
+
+
 def perplexity_table(report: dict) -> pd.DataFrame:
     """Variant × corpus perplexity, each operator's share of pruning damage recovered, and its held-out boundary error."""
     variants = report.get("variants", {})
@@ -183,6 +212,8 @@ def perplexity_table(report: dict) -> pd.DataFrame:
                     f"{corpus_tag(report, corpus)} recovered"]
     with_errors = any("boundary_error" in e for e in variants.values())
     columns += [HELD_OUT_COLUMN] if with_errors else []
+    with_gain = any("gain" in e for e in variants.values())
+    columns += [SIZE_COLUMN, SPEED_COLUMN] if with_gain else []
     rows = []
     for name, entry in variants.items():
         row = [name]
@@ -194,6 +225,7 @@ def perplexity_table(report: dict) -> pd.DataFrame:
                                         variants["dense"]["ppl"].get(corpus))
             row += [fmt(value), "–" if share is None else f"{share:.0%}"]
         row += [boundary_cell(entry)] if with_errors else []
+        row += gain_cells(entry) if with_gain else []
         rows.append(row)
     return pd.DataFrame(rows, columns=columns)
 
@@ -215,7 +247,8 @@ def perplexity_caption(report: dict) -> str:
     errors = (f"{HELD_OUT_COLUMN}: ‖X_pre W − X_post‖ / ‖X_post − X_pre‖ at each cut on "
               f"{plural(held, 'held-out calibration sequence') if held else 'held-out calibration text'} "
               f"(1 = plain pruning; {WORSE_MARK} above 1)")
-    return f"{context_line(report)}  \n{corpora_caption(report)}  \n{note}  \n{errors}"
+    gain = gain_caption(report.get("gain"))
+    return f"{context_line(report)}  \n{corpora_caption(report)}  \n{note}  \n{errors}" + (f"  \n{gain}" if gain else "")
 
 
 TASK_NAMES = {  # what each task's data is, for the captions (lm-eval's names are terse)

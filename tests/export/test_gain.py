@@ -114,3 +114,35 @@ def test_every_depth_of_a_sweep_carries_size_and_speed(tiny_model_folder):
         assert depth["dense_gain"]["decode_vs_dense"] == 1.0 and depth["dense_gain"]["blocks"] == 6
         for entry in depth["variants"].values():
             assert entry["gain"]["blocks"] == 6 - depth["n"] and entry["gain"]["decode_tokens_per_s"]["median"] > 0
+
+
+@pytest.mark.parametrize("depth", ["2", "1:2"])
+def test_cli_prints_and_records_size_and_speed(depth, tiny_model_folder, tmp_path, capsys, monkeypatch):
+    from ghosted_core.cli import main
+
+    monkeypatch.setenv("GHOSTED_SPEED", "1")  # the suite turns speed off by default; a user's run measures it
+    code = main(["--model", str(tiny_model_folder), "--pruning_method", "streamline", "--total_num_prune", depth,
+                 "--insert_type", "none,ghost", "--calibration_data", "ptb", "--train_size", "4", "--seqlen", "32",
+                 "--eval_ppl", "ptb", "--eval_max_tokens", "128", "--speed_repeats", "2", "--outdir", str(tmp_path),
+                 "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "size MB (x dense)" in out and "median of 2 rounds beside dense" in out
+    report = json.loads((tmp_path / "results.json").read_text())
+    gains = [r["variants"]["ghost"]["gain"] for r in report["sweep"]["results"]] if ":" in depth else \
+        [report["variants"]["ghost"]["gain"]]
+    assert all(g["decode_tokens_per_s"]["samples"] == 2 and g["format"] == "remote_code" for g in gains)
+    ghost_row = next(line for line in out.splitlines() if line.split()[:1] == ["ghost"] or " ghost " in f" {line} ")
+    assert "remote code" in ghost_row
+
+
+def test_cli_no_speed_keeps_sizes(tiny_model_folder, tmp_path, monkeypatch):
+    from ghosted_core.cli import main
+
+    monkeypatch.setenv("GHOSTED_SPEED", "1")
+    assert main(["--model", str(tiny_model_folder), "--pruning_method", "streamline", "--total_num_prune", "2",
+                 "--insert_type", "none", "--calibration_data", "ptb", "--train_size", "4", "--seqlen", "32",
+                 "--eval_ppl", "ptb", "--eval_max_tokens", "128", "--no_speed", "--outdir", str(tmp_path),
+                 "--quiet"]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["gain"]["measured"] is False and report["variants"]["none"]["gain"]["weight_bytes"] > 0
+    assert "decode_vs_dense" not in report["variants"]["none"]["gain"]
