@@ -63,7 +63,8 @@ def prepare_run(values: dict, session: str) -> RunRequest:
                                     v["new_tokens"], v.get("distill_on", DEFAULTS.distill_on),
                                     v.get("distill_steps", DEFAULTS.distill_steps),
                                     v.get("distill_train", DEFAULTS.distill_train),
-                                    hub_token(v["model"], v.get("oauth_token"))), user_text=text)
+                                    hub_token(v["model"], v.get("oauth_token")),
+                                    v.get("speed_on", DEFAULTS.speed_on)), user_text=text)
     quick = QuickTasks(guard.flag(v["tasks_on"], "Score every variant on quick tasks"),
                        guard.names(v["task_names"], "Tasks"),
                        guard.whole(v["task_examples"], "Examples per task", 1, TASK_EXAMPLES[1]))
@@ -80,7 +81,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
            your_text: str | None = None, your_file: str | None = None, text_use: str = "evaluation",
            compare_criteria: list[str] | None = None, distill_on: bool = DEFAULTS.distill_on,
            distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train,
-           submitted: float | None = None, shown: dict | None = None,
+           speed_on: bool = DEFAULTS.speed_on, submitted: float | None = None, shown: dict | None = None,
            history: list[dict] | None = None, oauth_token: gr.OAuthToken | None = None,
            profile: gr.OAuthProfile | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:

@@ -147,6 +147,10 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                                                     label="Perplexity corpora")
                     eval_tokens = gr.Slider(*EVAL_TOKENS, value=DEFAULTS.eval_tokens, step=256,
                                             label="Perplexity tokens per corpus")
+                    speed_on = gr.Checkbox(DEFAULTS.speed_on, label="Measure each variant's speed against dense",
+                                           elem_id="speed-on",
+                                           info="prefill and decode in transformers, batch 1, median of 3 rounds "
+                                                "(seconds per variant); sizes are always shown")
                 with gr.Accordion("Generation", open=True):
                     prompt = gr.Textbox(prompts[0], label="Prompt", lines=2)
                     gr.Examples([[p] for p in prompts], inputs=[prompt], label="Example prompts")
@@ -194,6 +198,8 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     ppl_caption = gr.Markdown("", elem_classes="caption")
                     ppl_table = gr.Dataframe(empty_perplexity_table(), label="Perplexity by corpus and variant",
                                              interactive=False, elem_id="ppl-table", show_label=False, wrap=True)
+                    gr.Markdown("### What it buys", elem_classes="section-title")
+                    tradeoff_plot = gr.Plot(label="Trade-off", elem_id="plot-tradeoff", show_label=False)
                     gr.Markdown("### Charts", elem_classes="section-title")
                     scores_plot = gr.Plot(label="Criterion scores", elem_id="plot-scores", show_label=False)
                     errors_plot = gr.Plot(label="Boundary error", elem_id="plot-errors", show_label=False)
@@ -212,6 +218,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                                                    elem_classes="caption")
                     curve_plot = gr.Plot(show_label=False, elem_id="plot-curve")
                     recovered_plot = gr.Plot(show_label=False, elem_id="plot-recovered")
+                    sweep_tradeoff_plot = gr.Plot(show_label=False, elem_id="plot-sweep-tradeoff")
                     sweep_table_df = gr.Dataframe(sweep_table({}), interactive=False, show_label=False,
                                                   elem_id="sweep-table", wrap=True)
                 with gr.Column(visible=False) as compare_box:
@@ -243,7 +250,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                    "gguf_type": gguf_type,
                    "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use,
                    "compare_criteria": compare_criteria, "distill_on": distill_on, "distill_steps": distill_steps,
-                   "distill_train": distill_train}
+                   "distill_train": distill_train, "speed_on": speed_on}
         components = {"status": status, "generations": generations, "ppl_caption": ppl_caption, "ppl_table": ppl_table,
                       "scores": scores_plot, "errors": errors_plot, "drift": drift_plot, "structure": structure_plot,
                       "tasks_caption": tasks_caption_md, "tasks_table": tasks_table_df, "tasks_plot": tasks_plot,
@@ -252,7 +259,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                       "sweep_table": sweep_table_df, "history_table": history_df, "history_file": history_file,
                       "compare_caption": compare_caption_md, "similarity_map": map_plot,
                       "criterion_scores": criterion_scores_plot, "compare_table": compare_table_df,
-                      "distill_plot": distill_plot,
+                      "distill_plot": distill_plot, "tradeoff": tradeoff_plot, "sweep_tradeoff": sweep_tradeoff_plot,
                       "shown": shown, "history": history}
         inputs = [widgets[name] for name in INPUT_NAMES]
         outputs = [components[name] for name in (*OUTPUT_NAMES, *STATE_NAMES)]

@@ -16,6 +16,7 @@ from studio.history import history_csv, history_table
 from ghosted_core.report.compare import compare_caption, compare_table, criterion_scores_figure, \
     similarity_map_figure
 from ghosted_core.report.sweep import curve_figure, recovered_figure, sweep_caption, sweep_table
+from ghosted_core.report.tradeoff import tradeoff_figure
 from ghosted_core.report.tables import empty_perplexity_table, generations_html, perplexity_caption, \
     perplexity_table, tasks_caption, tasks_table
 
@@ -28,13 +29,14 @@ TOAST_SECONDS = 12  # the error pop-up goes after this; the status panel keeps t
 OUTPUT_NAMES = ("status", "generations", "ppl_caption", "ppl_table", "scores", "errors", "drift", "structure",
                 "tasks_caption", "tasks_table", "tasks_plot", "results_file", "model_file", "save_note",
                 "sweep_caption", "curve", "recovered", "sweep_table", "history_table", "history_file",
-                "compare_caption", "similarity_map", "criterion_scores", "compare_table", "distill_plot")
+                "compare_caption", "similarity_map", "criterion_scores", "compare_table", "distill_plot",
+                "tradeoff", "sweep_tradeoff")
 STATE_NAMES = ("shown", "history")  # per-session state, after the components (hidden from the API)
 # The Run inputs, in order (the /run endpoint's parameters). History restores all but your text.
 INPUT_NAMES = ("model", "criterion", "depth", "manual_blocks", "operators", "calibration", "samples", "seqlen", "seed",
                "eval_corpora", "eval_tokens", "prompt", "new_tokens", "tasks_on", "task_names", "task_examples",
                "save_variant", "export_format", "gguf_type", "mode", "depths", "your_text", "your_file", "text_use",
-               "compare_criteria", "distill_on", "distill_steps", "distill_train")
+               "compare_criteria", "distill_on", "distill_steps", "distill_train", "speed_on")
 SETTING_NAMES = tuple(name for name in INPUT_NAMES if name not in ("your_text", "your_file"))  # never kept
 
 
@@ -67,13 +69,15 @@ def render(report: dict, status: str, results_path: str | None) -> dict:
         "model_file": app.get("saved_model"),
         "save_note": save_note(app) if app.get("saved_model") else gr.skip(),
         "distill_plot": distill_figure(report) if has_distill else empty_figure(DISTILL_HINT),
+        "tradeoff": tradeoff_figure(report),
     }
 
 
 def render_sweep(report: dict, status: str, results_path: str | None) -> dict:
     """The sweep outputs for one snapshot: the curve, damage recovered, the depth × operator table."""
     return {"status": status, "sweep_caption": sweep_caption(report), "curve": curve_figure(report),
-            "recovered": recovered_figure(report), "sweep_table": sweep_table(report), "results_file": results_path}
+            "recovered": recovered_figure(report), "sweep_table": sweep_table(report), "results_file": results_path,
+            "sweep_tradeoff": tradeoff_figure(report)}
 
 
 def render_compare(report: dict, status: str, results_path: str | None) -> dict:
@@ -94,7 +98,7 @@ def blank_outputs(status: str) -> dict:
             "sweep_caption": "A sweep's curve and table appear here depth by depth.", "curve": waiting,
             "recovered": waiting, "sweep_table": sweep_table({}), "compare_caption": COMPARE_HINT,
             "similarity_map": waiting, "criterion_scores": waiting, "compare_table": compare_table({}),
-            "distill_plot": empty_figure(DISTILL_HINT)}
+            "distill_plot": empty_figure(DISTILL_HINT), "tradeoff": waiting, "sweep_tradeoff": waiting}
 
 
 DISTILL_HINT = "distillation curves appear here while it trains (switch it on under 'Distillation')"

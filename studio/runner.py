@@ -16,6 +16,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.planning.estimate import check_work_budget, zerogpu
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import archive_export, check_export, export_variant, zip_export
+from ghosted_core.export.gain import SpeedOptions
 from ghosted_core.export.gguf import GGUF_FORMAT, export_gguf, find_llamacpp
 from ghosted_core.model.embedded import needs_conversion
 from ghosted_core.model.loading import LoadedModel, LoadOptions, peek_config
@@ -65,7 +66,7 @@ def build_options(model: str, criterion: str, depth: float, manual_blocks: str, 
                   calibration: str, samples: float, seqlen: float | str, seed: float, eval_corpora: Sequence[str],
                   eval_tokens: float, prompt: str, new_tokens: float, distill_on: bool = False,
                   distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train,
-                  hub_token: str | bool | None = False) -> RunOptions:
+                  hub_token: str | bool | None = False, speed_on: bool = DEFAULTS.speed_on) -> RunOptions:
     """The library's options from the widgets' values; GhostedError on input no run could use. `hub_token`: the
     Hub access of the request (`studio.access.hub_token`; anonymous unless given).
 
@@ -98,6 +99,7 @@ def build_options(model: str, criterion: str, depth: float, manual_blocks: str, 
         drift_windows=DEFAULTS.drift_windows,
         prompt=guard.text(prompt, "Prompt", guard.PROMPT_CHARS).strip() or None,
         generation=GenerationOptions(max_new_tokens=guard.whole(new_tokens, "New tokens", 1, NEW_TOKENS[1]), seed=seed),
+        speed=SpeedOptions(measure=guard.flag(speed_on, "Measure speed")),
         calibrate=CalibrationOptions(quiet=False),
         diagnostics=Diagnostics(fit_errors=False, singular_values=True),  # the structure chart shows them
     )

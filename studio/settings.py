@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ghosted_core.export.gain import speed_by_default
 from ghosted_core.planning.advice import default_depth
 from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED
 from ghosted_core.planning.presets import gpu_seconds
@@ -50,6 +51,8 @@ class Defaults:
     distill_on: bool = False  # distillation trains: minutes on a CPU (bench/distill.py)
     distill_steps: int = 12  # optimizer steps per distilled variant, 2 × seqlen tokens each
     distill_train: str = "operator"  # see DISTILL_TRAIN
+    # each variant's size, and its speed against dense (~20 s for the default run here); $GHOSTED_SPEED=0: off
+    speed_on: bool = field(default_factory=speed_by_default)
 
 
 DEFAULTS = Defaults()

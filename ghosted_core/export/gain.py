@@ -48,8 +48,8 @@ class SpeedOptions:
     """How the speed of every variant is measured (sizes are always reported; they cost no forward pass)."""
 
     measure: bool = field(default_factory=lambda: speed_by_default())  # False: sizes only (--no_speed)
-    prefill_tokens: int = 128
-    decode_tokens: int = 16
+    prefill_tokens: int = 64
+    decode_tokens: int = 8  # a run's quick figure (~0.6 s a round for SmolLM2 on 2 cores); bench/gain.py times more
     repeats: int = 3
     seed: int = 0  # of the prompt's token ids (speed does not depend on the text, only on its length)
 

@@ -36,6 +36,11 @@ from ghosted_core.run.options import RunOptions, memory_plan, sized
 # Share of the measured matmul rate a forward pass reaches. CPU: SmolLM2's forward (8 × 256 tokens) ran at
 # 0.65-0.85 of a 1024² float32 matmul on this project's 2-core machine.
 EFFICIENCY = {"cpu": 0.7, "cuda": 0.4}
+# A one-token decode step reads every weight for a few FLOPs each: it reaches a small share of the matmul rate.
+# CPU: SmolLM2's greedy decode (batch 1, KV cache, `generate`) ran at 12.7 tokens/s on this project's 2-core
+# machine (bench/results/inference.json), ~0.05 of what the fp32 matmul rate gives its 2 × 135 M FLOPs per token;
+# GPUs are further from it (launch-bound).
+DECODE_EFFICIENCY = {"cpu": 0.05, "cuda": 0.005}
 LOAD_BYTES_PER_SECOND = 1.0e9  # reading safetensors from a local disk or the Hub cache
 FIT_FLOPS_PER_C3 = 23.0  # eigenvalues for the condition number (~9 C³), the solve (~3 C³), singular values as eig(MᵀM) (~2 + 9 C³)
 
@@ -180,10 +185,11 @@ class TimeEstimate:
     fit: float
     perplexity: float
     device: str
+    speed: float = 0.0  # the size-and-speed stage (`export.gain`): every variant and dense, timed in rounds
 
     @property
     def total(self) -> float:
-        return self.load + self.score + self.calibrate + self.fit + self.perplexity
+        return self.load + self.score + self.calibrate + self.fit + self.perplexity + self.speed
 
     def to_json(self) -> dict:
         return asdict(self) | {"total": self.total}
@@ -213,7 +219,15 @@ def estimate_time(config: PretrainedConfig, options: RunOptions, device: DeviceI
     fits = len(work.depths) * work.least_squares * per_depth * FIT_FLOPS_PER_C3 * c**3
     # each refit candidate: a Cholesky factorization (I³/3), its solve and its calibration error (~4·I²·C)
     fits += len(work.depths) * work.refits * per_depth * work.refit_candidates * (i**3 / 3 + 4 * i * i * c)
+    speed = 0.0
+    if options.speed.measure:  # warm-up + repeats rounds of (variants + dense) per depth: a prefill and a decode
+        opts = options.speed
+        kept = max(layers - mean_depth, 1)
+        step = forward(1, kept, head=True) * EFFICIENCY[device.kind] / DECODE_EFFICIENCY[device.kind]
+        speed = len(work.depths) * (work.variants + 1) * (opts.repeats + 1) * (
+            forward(opts.prefill_tokens, kept) + opts.decode_tokens * step)
     return TimeEstimate(
+        speed=speed,
         load=params * device.dtype_bytes / LOAD_BYTES_PER_SECOND,
         score=forward(work.fit_tokens, layers),
         calibrate=forward(work.fit_tokens + work.heldout_tokens, layers) + stats,
@@ -241,7 +255,8 @@ def check_work_budget(config: PretrainedConfig, options: RunOptions, device: Dev
     """Refuse, before any work, a run whose estimated time on `device` exceeds `budget_seconds` (an operator's
     limit on what one request may cost a shared server); the estimate otherwise. `runs`: how many such runs the
     request makes (a comparison: one per criterion). The estimate counts loading, scoring, calibration, fits and
-    perplexity (`estimate_time`), not quick tasks or distillation, which have limits of their own."""
+    perplexity and the speed measurement (`estimate_time`), not quick tasks or distillation, which have limits of
+    their own."""
     seconds = runs * estimate_time(config, options, device, depths).total
     if seconds > budget_seconds:
         raise GhostedError(f"this run would take about {_minutes(seconds)} on {device.name}, more than the "

@@ -58,7 +58,7 @@ def plot_title(output: dict) -> str:
 
 @pytest.mark.slow
 def test_default_run_streams_and_fills_every_output(client, all_threads):
-    job = client.submit(api_name="/run", **run_kwargs())
+    job = client.submit(api_name="/run", **run_kwargs(speed_on=True))  # the page's default (the suite turns it off)
     outputs = dict(zip(OUTPUT_NAMES, job.result(timeout=900)))
     streamed = job.outputs()
     variants = ["dense", *settings.DEFAULTS.operators]
@@ -77,8 +77,17 @@ def test_default_run_streams_and_fills_every_output(client, all_threads):
     table = outputs["ppl_table"]
     assert [row[0] for row in table["data"]] == variants
     assert table["headers"][1:] == ["ptb (exact) ppl (254 tokens)", "ptb (exact) recovered", "wiki (stand-in) ppl (254 tokens)",
-                                    "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN]
+                                    "wiki (stand-in) recovered", tables.HELD_OUT_COLUMN, tables.SIZE_COLUMN,
+                                    tables.SPEED_COLUMN]
     assert all(float(row[1]) > 1 and float(row[3]) > 1 for row in table["data"])
+    sizes = {row[0]: row[-2] for row in table["data"]}
+    speeds = {row[0]: re.findall(r"([0-9.]+)×", row[-1]) for row in table["data"]}
+    assert sizes["dense"].endswith("MB · 1.00×") and speeds["dense"] == ["1.00", "1.00"]
+    assert all(len(speeds[name]) == 2 and all(float(x) > 0 for x in speeds[name]) for name in variants)
+    assert "remote code" in sizes["ghost"] and "remote code" not in sizes["magcomp_refit"]
+    assert "median of 3 rounds" in outputs["ppl_caption"]
+    tradeoff = plot_traces(outputs["tradeoff"])
+    assert {t["name"] for t in tradeoff} >= {"dense", "Pareto front", *settings.DEFAULTS.operators}
     for text in ("PTB (valid split, exact)", "stand-in for WikiText-2", "smollm2-135m", "removed"):
         assert text in outputs["ppl_caption"]
 
@@ -94,6 +103,11 @@ def test_default_run_streams_and_fills_every_output(client, all_threads):
     assert list(report["variants"]) == variants
     for name, entry in report["variants"].items():
         assert set(entry["ppl"]) == {"ptb", "wiki"} and entry["generation"].strip(), name
+        gain = entry["gain"]
+        assert gain["weight_bytes"] > 0 and gain["prefill_tokens_per_s"]["median"] > 0, name
+        assert gain["decode_tokens_per_s"]["median"] > 0 and gain["decode_vs_dense"] > 0, name
+    dense = report["variants"]["dense"]["gain"]
+    assert dense["size_vs_dense"] == dense["prefill_vs_dense"] == dense["decode_vs_dense"] == 1.0
     assert report["corpora"]["wiki"]["real"] is False and report["corpora"]["ptb"]["real"] is True
 
 
@@ -265,6 +279,8 @@ def test_a_sweep_of_five_depths_streams_its_curve_and_table(client, all_threads)
     assert points[:5] == [1, 2, 3, 4, 5]  # the curve grew depth by depth
     report = json.loads(Path(outputs["results_file"]).read_text())
     assert report["sweep"]["statistics"]["calibration_passes"] == 1 and len(report["sweep"]["results"]) == 5
+    front = [t for t in plot_traces(outputs["sweep_tradeoff"]) if t["name"] == "Pareto front"]
+    assert len(front) == 1 and front[0]["text"][-1] == "dense"  # sizes only: the suite does not time speed
 
 
 @pytest.mark.slow
