@@ -142,7 +142,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     seqlen = gr.Dropdown(list(SEQLENS), value=DEFAULTS.seqlen, label="Sequence length (tokens)",
                                          info="also the perplexity window; the paper: 2048")
                     seed = gr.Number(DEFAULTS.seed, precision=0, label="Seed")
-                with gr.Accordion("Evaluation", open=False):
+                with gr.Accordion("Evaluation", open=False, elem_id="evaluation-box"):
                     eval_corpora = gr.CheckboxGroup(corpus_choices("evaluation"), value=list(DEFAULTS.eval_corpora),
                                                     label="Perplexity corpora")
                     eval_tokens = gr.Slider(*EVAL_TOKENS, value=DEFAULTS.eval_tokens, step=256,

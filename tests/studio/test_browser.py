@@ -5,8 +5,8 @@ switching to Gemma-3 and back (the depth slider follows within seconds, nothing 
 input (a message in the page, the app keeps serving), Stop during perplexity (the status says
 where the run stopped; the next run completes and fills every panel), a run on a 390 px phone
 screen (nothing wider than the screen, the status in view after Run, no overlapping titles),
-a small depth sweep whose curve chart has data and whose row in the session history, clicked,
-puts its settings back, and a criteria comparison whose map, score chart and table are filled.
+a small depth sweep whose curve chart has data, whose trade-off chart places every depth × operator by
+measured speed with its Pareto front, and whose row in the session history, clicked, puts its settings back, and a criteria comparison whose map, score chart and table are filled.
 """
 
 from __future__ import annotations
@@ -257,9 +257,19 @@ def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_ur
     depths = page.locator("#depths textarea, #depths input").first
     depths.wait_for(state="visible", timeout=10_000)
     depths.fill("2:4:2")
+    page.locator("#evaluation-box").get_by_text("Evaluation", exact=True).click()  # the suite turns speed off
+    page.locator("#speed-on input[type=checkbox]").check()
     press_run(page)
     wait_for_status(page, "Run complete")
     page.wait_for_timeout(1500)
+    # what pruning buys: one point per depth × operator on the speed panel, dense at 1.0, the front named
+    tradeoff = page.evaluate("""() => (document.querySelector('#plot-sweep-tradeoff .js-plotly-plot')?.data || [])
+        .map(trace => ({name: trace.name, x: trace.x, yaxis: trace.yaxis || 'y', text: trace.text}))""")
+    speed = {t["name"]: t for t in tradeoff if t["yaxis"] == "y"}
+    assert list(speed["dense"]["x"]) == [1] and all(len(speed[op]["x"]) == 2 and min(speed[op]["x"]) > 0
+                                                    for op in ("none", "ghost_capped")), speed
+    assert speed["Pareto front"]["text"] and all(isinstance(label, str) for label in speed["Pareto front"]["text"])
+    page.locator("#plot-sweep-tradeoff").screenshot(path=str(ARTIFACTS / "app-sweep-tradeoff.png"))
     curve = page.evaluate("""() => (document.querySelector('#plot-curve .js-plotly-plot')?.data || [])
         .filter(trace => trace.legendgroup !== 'dense' && !trace.legendgroup.startsWith('corpus'))
         .map(trace => trace.x)""")
