@@ -71,6 +71,8 @@ class ProgressEvent:
 
 Sink = Callable[[ProgressEvent], None]
 
+PROGRESS = "progress"  # the stage name of a progress item among a run's (stage, result) items (`staged`)
+
 _SINK: contextvars.ContextVar[Sink | None] = contextvars.ContextVar("ghosted_progress_sink", default=None)
 
 
@@ -151,9 +153,11 @@ class _Closed(Exception):
     """The consumer of `interleave` stopped listening."""
 
 
-def interleave(start: Callable[[Sink], Iterator[T]], every: float = 1.0) -> Iterator[T | ProgressEvent]:
+def interleave(start: Callable[[Sink], Iterator[T]], every: float = 1.0,
+               after: float = 2.0) -> Iterator[T | ProgressEvent]:
     """Run `start(sink)`'s generator in a worker thread; yield its items, and between them the newest
-    `ProgressEvent` at most every `every` seconds, so that a long stage is not silent.
+    `ProgressEvent` at most every `every` seconds once its loop has run `after` seconds, so that a long
+    stage is not silent and a short one adds no update.
 
     Exceptions of the generator are raised here. When the caller closes this iterator, the worker
     stops at its next progress report or stage, whichever comes first.
@@ -192,7 +196,7 @@ def interleave(start: Callable[[Sink], Iterator[T]], every: float = 1.0) -> Iter
             except queue.Empty:
                 with lock:
                     event = latest[0]
-                if event is not None and event != shown:
+                if event is not None and event != shown and event.elapsed >= after:
                     shown = event
                     yield event
                 continue
@@ -205,6 +209,13 @@ def interleave(start: Callable[[Sink], Iterator[T]], every: float = 1.0) -> Iter
             yield value
     finally:
         closed.set()
+
+
+def staged(start: Callable[[Sink], Iterator[tuple[str, T]]], every: float = 1.0,
+           after: float = 2.0) -> Iterator[tuple[str, T | ProgressEvent]]:
+    """`interleave` for a run's (stage, result) generator: progress comes as (PROGRESS, event) items between them."""
+    for item in interleave(start, every, after):
+        yield (PROGRESS, item) if isinstance(item, ProgressEvent) else item
 
 
 class StderrSink:

@@ -82,7 +82,7 @@ def test_interleave_yields_progress_while_a_stage_runs_and_raises_its_errors():
             time.sleep(0.3)
         yield "score swap_kl"
 
-    items = list(interleave(start, every=0.1))
+    items = list(interleave(start, every=0.1, after=0.0))
     assert items[0] == "load model" and items[-1] == "score swap_kl"
     between = [i for i in items[1:-1] if isinstance(i, ProgressEvent)]
     assert between and all(e.what == "score swap_kl" for e in between) and len(between) == len(items) - 2
@@ -91,6 +91,9 @@ def test_interleave_yields_progress_while_a_stage_runs_and_raises_its_errors():
     def broken(_sink):
         yield "load model"
         raise ValueError("bug")
+
+    slow = list(interleave(start, every=0.1, after=5.0))
+    assert slow == ["load model", "score swap_kl"]  # a loop shorter than `after` adds no update
 
     with pytest.raises(ValueError, match="bug"):
         list(interleave(broken, every=0.1))
