@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ghosted_core.progress import StderrSink, reporting
+from ghosted_core.report.summary import run_headline
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES
@@ -287,6 +288,7 @@ def summary(result: RunResult) -> str:
     report = result.to_json()
     lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {criterion_title(report['criterion'])} | "
              f"removed: {report['removed_layers']} | boundaries: {report['boundaries']}"]
+    lines += [line.replace("**", "") for line in run_headline(report)]  # the answer first
     corpora = list(result.perplexity)
     lines += _corpus_lines(report, corpora)
     header = ["variant", *(f"ppl {c}" for c in corpora), "boundary err (held-out, all / ordinary)", "antisym"]
