@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ghosted_core.progress import StderrSink, reporting
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES
@@ -235,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from_args(args)
         outdir = check_outputs(args, options)
-        if is_comparison(args):
-            result = run_compare(options, parse_criteria(args.pruning_method))
-        else:
-            result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
+        with reporting(None if args.quiet else StderrSink()):  # long loops: a progress line on stderr
+            if is_comparison(args):
+                result = run_compare(options, parse_criteria(args.pruning_method))
+            else:
+                result = run_sweep(options, parse_depths(args.total_num_prune)) if is_sweep(args) else run(options)
         report = result.to_json()
         write_text(outdir / "results.json", json.dumps(report, indent=2))
         if isinstance(result, CompareResult):

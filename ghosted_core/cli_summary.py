@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ghosted_core.cli_distill import distill_lines
 from ghosted_core.recovery.assessment import HELDOUT_FLAG
+from ghosted_core.report.summary import run_headline
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.sweep import SweepResult
 from ghosted_core.selection.criteria import criterion_title
@@ -84,6 +85,7 @@ def summary(result: RunResult) -> str:
     report = result.to_json()
     lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {criterion_title(report['criterion'])} | "
              f"removed: {report['removed_layers']} | boundaries: {report['boundaries']}"]
+    lines += [line.replace("**", "") for line in run_headline(report)]  # the answer first
     corpora = list(result.perplexity)
     lines += _corpus_lines(report, corpora)
     header = ["variant", *(f"ppl {c}" for c in corpora), "boundary err (held-out, all / ordinary)", "antisym",

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import TypeVar
 
 from ghosted_core.errors import GhostedError
+from ghosted_core.progress import PROGRESS
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def guard_stages(stages: Iterator[tuple[str, T]], first: str) -> Iterator[tuple[
     failed = None
     try:
         for stage, result in stages:
-            where = f"after {stage}"
+            where = where if stage == PROGRESS else f"after {stage}"
             yield stage, result
     except BaseException as err:  # noqa: BLE001 (re-raised unless it is an allocation failure)
         if not is_out_of_memory(err):

@@ -25,6 +25,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.export.gguf import GGUF_OUTTYPES
 from ghosted_core.hub import hub_reachable
 from ghosted_core.oom import guard_stages
+from ghosted_core.progress import PROGRESS
 from ghosted_core.stopping import RunStopped
 from ghosted_core.run.pipeline import LIVE_STAGES
 from ghosted_core.run.sweep import check_sweep, parse_depths
@@ -120,11 +121,18 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                 draw = render
             updates = guard_stages(updates, stages[0])  # out of memory: one message
             done, last = 0, None
-            for stage, report in updates:
+            for stage, item in updates:
+                elapsed = time.perf_counter() - start
+                if stage == PROGRESS:  # a loop inside the stage in progress: its count and estimate in the status
+                    current = stages[min(done, len(stages) - 1)]
+                    progress(min((done + (item.fraction or 0.0)) / len(stages), 1.0), desc=f"{current}… {item.text()}")
+                    yield as_outputs({"status": running_status(current, done, len(stages), elapsed, report or None,
+                                                               advice, queued, item)})
+                    continue
+                report = item
                 done += not (stage == last and stage in LIVE_STAGES)  # a live stage's updates are one planned stage
                 last = stage
                 run.done, run.report = done, report
-                elapsed = time.perf_counter() - start
                 following = stages[done] if done < len(stages) else None
                 progress(min(done / len(stages), 1.0), desc=f"{following}…" if following else "done")
                 if report.get("removed_layers"):

@@ -138,7 +138,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     calibration = gr.Dropdown(corpus_choices("calibration"), value=DEFAULTS.calibration,
                                               label="Calibration corpus")
                     samples = gr.Slider(1, MAX_SAMPLES, value=DEFAULTS.samples, step=1, label="Sequences",
-                                        info="the paper: 128")
+                                        info="the paper: 128", elem_id="samples")
                     seqlen = gr.Dropdown(list(SEQLENS), value=DEFAULTS.seqlen, label="Sequence length (tokens)",
                                          info="also the perplexity window; the paper: 2048")
                     seed = gr.Number(DEFAULTS.seed, precision=0, label="Seed")
@@ -146,7 +146,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                     eval_corpora = gr.CheckboxGroup(corpus_choices("evaluation"), value=list(DEFAULTS.eval_corpora),
                                                     label="Perplexity corpora")
                     eval_tokens = gr.Slider(*EVAL_TOKENS, value=DEFAULTS.eval_tokens, step=256,
-                                            label="Perplexity tokens per corpus")
+                                            label="Perplexity tokens per corpus", elem_id="eval-tokens")
                     speed_on = gr.Checkbox(DEFAULTS.speed_on, label="Measure each variant's speed against dense",
                                            elem_id="speed-on",
                                            info="prefill and decode in transformers, batch 1, median of 3 rounds "

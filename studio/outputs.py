@@ -83,8 +83,16 @@ def render_sweep(report: dict, status: str, results_path: str | None) -> dict:
 def render_compare(report: dict, status: str, results_path: str | None) -> dict:
     """The comparison outputs for one snapshot: the map, each criterion's scores, the criterion × operator table."""
     return {"status": status, "compare_caption": compare_caption(report), "similarity_map": similarity_map_figure(report),
-            "criterion_scores": criterion_scores_figure(report), "compare_table": compare_table(report),
+            "criterion_scores": criterion_scores_figure(report), "compare_table": fitted_table(compare_table(report)),
             "results_file": results_path}
+
+
+def fitted_table(table) -> dict:
+    """The criteria × operators table with column widths that add up to the table's box (cells wrap): left to
+    content, Gradio sizes each column to its widest cell unwrapped, and six operators run past a 1280 px page."""
+    operators = len(table.columns) - 3  # criterion, blocks removed, …operators…, scoring cost
+    share = f"{66 / max(operators, 1):.1f}%"
+    return gr.update(value=table, column_widths=["13%", "11%", *[share] * operators, "10%"])
 
 
 def blank_outputs(status: str) -> dict:

@@ -21,6 +21,7 @@ from ghosted_core.export.gguf import GGUF_FORMAT, export_gguf, find_llamacpp
 from ghosted_core.model.embedded import needs_conversion
 from ghosted_core.model.loading import LoadedModel, LoadOptions, peek_config
 from ghosted_core.plan import MAX_BLOCKS
+from ghosted_core.progress import ProgressEvent, staged
 from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.distill.options import DistillOptions
@@ -300,8 +301,9 @@ def snapshot(result: RunResult, options: RunOptions, timings: dict[str, float]) 
 @gpu_run
 def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None, folder: str | None = None,
             should_stop: StopCheck = None, export_format: str = "auto", gguf_type: str = "f16",
-            keep: str | None = None) -> Iterator[tuple[str, dict]]:
-    """(Convert →) load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each.
+            keep: str | None = None) -> Iterator[tuple[str, dict | ProgressEvent]]:
+    """(Convert →) load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each,
+    and (PROGRESS, event) while a stage's loop runs (`progress.staged`: the run computes in a worker thread).
 
     Refuses bad input before loading any weights. A first use of an embedded model whose GGUF
     was not converted at setup converts it as its own stage. `should_stop` is polled between
@@ -309,6 +311,12 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
     GGUF in `folder`, its export folder in `keep` for the Hub push), so it can run in a ZeroGPU
     worker process.
     """
+    yield from staged(lambda _sink: _run(options, quick, save_variant, folder, should_stop, export_format, gguf_type,
+                                         keep))  # a generator function still, as spaces.GPU wants
+
+
+def _run(options: RunOptions, quick: QuickTasks, save_variant: str | None, folder: str | None, should_stop: StopCheck,
+         export_format: str, gguf_type: str, keep: str | None) -> Iterator[tuple[str, dict]]:
     check_options(options)
     timings: dict[str, float] = {}
     loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
@@ -354,24 +362,31 @@ def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, ex
 
 @gpu_compare
 def run_compare_job(options: RunOptions, criteria: tuple[str, ...],
-                    should_stop: StopCheck = None) -> Iterator[tuple[str, dict]]:
+                    should_stop: StopCheck = None) -> Iterator[tuple[str, dict | ProgressEvent]]:
     """Criteria compared: (convert →) load → each criterion's blocks → one calibration pass → each criterion's
     operators, yielding (stage, the comparison's results.json so far): the map, scores and table grow criterion by
-    criterion."""
-    timings: dict[str, float] = {}
-    loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
-    yield from _reports(compare_stages(options, criteria, loaded, should_stop=should_stop), timings)
+    criterion; (PROGRESS, event) while a stage's loop runs."""
+    def stages(_sink) -> Iterator[tuple[str, dict]]:
+        timings: dict[str, float] = {}
+        loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
+        yield from _reports(compare_stages(options, criteria, loaded, should_stop=should_stop), timings)
+
+    yield from staged(stages)
 
 
 @gpu_sweep
-def run_sweep_job(options: RunOptions, depths: tuple[int, ...], should_stop: StopCheck = None) -> Iterator[tuple[str, dict]]:
+def run_sweep_job(options: RunOptions, depths: tuple[int, ...],
+                  should_stop: StopCheck = None) -> Iterator[tuple[str, dict | ProgressEvent]]:
     """A depth sweep: (convert →) load → score once → calibrate once → dense perplexity → one update per depth.
 
-    Yields (stage, the sweep's results.json so far): the curve grows depth by depth.
+    Yields (stage, the sweep's results.json so far): the curve grows depth by depth; (PROGRESS, event) between.
     """
-    timings: dict[str, float] = {}
-    loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
-    yield from _reports(sweep_stages(options, depths, loaded, should_stop=should_stop), timings)
+    def stages(_sink) -> Iterator[tuple[str, dict]]:
+        timings: dict[str, float] = {}
+        loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
+        yield from _reports(sweep_stages(options, depths, loaded, should_stop=should_stop), timings)
+
+    yield from staged(stages)
 
 
 def _reports(stages: Iterator, timings: dict[str, float]) -> Iterator[tuple[str, dict]]:

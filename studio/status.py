@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ghosted_core.planning.advice import Advice, calibration_advice, cut_advice, disagreements
-from ghosted_core.report.tables import context_line, held_out_error, worse_boundaries
+from ghosted_core.progress import ProgressEvent
+from ghosted_core.report.summary import headline
+from ghosted_core.report.tables import context_line, held_out_error, plural, worse_boundaries
 
 NOTHING_SHOWN = {"context": "", "state": "", "stages": []}  # the page before any run
 
@@ -74,24 +76,43 @@ def report_advice(report: dict) -> list[Advice]:
     return advice
 
 
+def diagnostics(report: dict | None) -> str:
+    """The run's notes (each fit's candidates, scales, fallbacks) and stage times, folded away under one summary
+    line: one click shows them, and they never push the answer out of view (results.json has them too)."""
+    if not report:
+        return ""
+    notes = report.get("notes", [])
+    lines = _stage_times(report) + [f"*Note:* {note}" for note in notes]
+    if not lines:
+        return ""
+    summary = f"Diagnostics: {plural(len(notes), 'note')} on the fits and calibration, stage times"
+    items = "\n".join(f"- {line}" for line in lines)
+    return f"<details id='status-diagnostics'><summary>{summary}</summary>\n\n{items}\n\n</details>"
+
+
 def _body(report: dict | None, advice: Sequence[Advice]) -> list[str]:
-    lines = []
+    """Under the head line: the answer (report.summary), the run's context, the advice, then the diagnostics."""
+    lines = headline(report) if report else []
     if report and report.get("model"):
         lines.append(context_line(report))
     lines += advice_lines(advice)
-    if report:
-        lines += _stage_times(report)
-        lines += [f"*Note:* {note}" for note in report.get("notes", [])]
-    return lines
+    folded = diagnostics(report)
+    return lines + ([folded] if folded else [])
+
+
+def progress_line(event: ProgressEvent | None) -> str:
+    """The loop a stage is in, with its count and estimate ("score swap_kl: 84 of 252 variants (33%) · …")."""
+    return f"⏳ {event.text()}" if event is not None else ""
 
 
 def running_status(next_stage: str, done: int, total: int, elapsed: float, report: dict | None,
-                   advice: Sequence[Advice], queued: float | None = None) -> str:
-    """While a run computes: the stage in progress and the stages done so far."""
+                   advice: Sequence[Advice], queued: float | None = None, progress: ProgressEvent | None = None) -> str:
+    """While a run computes: the stage in progress (with its loop's count and estimate when it reported one),
+    the answer so far, and the stages done so far."""
     hint = " (first use of this model: converting its GGUF once, about a minute or two)" \
         if next_stage == "convert model" else ""
     head = f"**Running:** {next_stage}{hint} (stage {done + 1} of {total}) · {elapsed:.1f} s{_queue_note(queued)}"
-    return "\n\n".join([head, *_body(report, advice)])
+    return "\n\n".join([head, *filter(None, [progress_line(progress)]), *_body(report, advice)])
 
 
 def complete_status(elapsed: float, report: dict, advice: Sequence[Advice], queued: float | None = None) -> str:

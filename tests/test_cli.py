@@ -245,6 +245,30 @@ def test_a_comma_list_compares_every_criterion_in_one_process_with_one_calibrati
     assert "sleb" in out and "ghost_capped" in out and "inspired by WRP" in out
 
 
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_comparison_reports_each_long_criterion_on_stderr_with_a_count_and_an_estimate(tiny_model_folder, tmp_path,
+                                                                                       monkeypatch, capsys, quiet):
+    from ghosted_core import cli, progress
+
+    monkeypatch.setattr(progress, "MIN_INTERVAL", 0.0)  # the tiny model's loops take milliseconds: every step
+    monkeypatch.setattr(cli, "StderrSink", lambda: progress.StderrSink(interval=0.0, min_seconds=0.0))
+    code = main(["--model", str(tiny_model_folder), "--pruning_method", "swap_kl,kl", "--total_num_prune", "2",
+                 "--insert_type", "none,ghost_capped", "--calibration_data", "ptb", "--train_size", "4", "--seqlen",
+                 "32", "--eval_ppl", "ptb", "--eval_max_tokens", "64", "--outdir", str(tmp_path)]
+                + (["--quiet"] if quiet else []))
+    assert code == 0
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("score swap_kl (both probes): ")]
+    if quiet:
+        assert lines == [] and "elapsed" not in captured.err
+        return
+    assert lines[-1].startswith("score swap_kl (both probes): 36 of 36 variants (100%)")  # 3 × 12 pairs, 1 batch
+    assert "elapsed" in lines[-1]  # the estimate while it runs: tests/test_progress.py (here one group runs all 36)
+    for what in ("score kl: ", "calibrate: ", "fit operators: ", "perplexity ptb"):
+        assert what in captured.err, what
+    assert captured.out.splitlines()[1].startswith("Best: ")  # stdout: the answer first, no progress
+
+
 @pytest.mark.parametrize("args, message", [
     (["--pruning_method", "streamline,random"], "invalid choice: 'random'"),
     (["--pruning_method", "streamline,sleb", "--total_num_prune", "2:4"], "one depth"),

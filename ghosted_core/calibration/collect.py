@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghosted_core.progress import track
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES, get_pipeline
 from ghosted_core.calibration.capture import capture, inner_folds, run_forward
 from ghosted_core.errors import GhostedError
@@ -271,7 +271,7 @@ def collect_boundary_stats(source: PreTrainedModel, source_start: int, dense: Pr
     before = {source_start - 1} if boundary.start > 0 else set()
     branches = before if needs.branch else set()
     inners = before if needs.inner and inner_folds(source) else set()
-    for batch in tqdm(fit_batches, desc=f"calibrate {boundary} (sequential)", disable=options.quiet, leave=False):
+    for batch in track(fit_batches, f"calibrate {boundary} (sequential)", unit="batches", quiet=options.quiet):
         with capture(dense, {boundary.end}) as target:
             run_forward(dense, batch.input_ids, batch.attention_mask)
         with capture(source, {source_start}, branches, inners=inners) as seen:

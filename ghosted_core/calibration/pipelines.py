@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghosted_core.progress import track
 from ghosted_core.calibration.capture import StopForward, branch_module, capture, down_projection, inner_folds, \
     run_forward
 from ghosted_core.plan import Boundary
@@ -87,7 +87,7 @@ def full_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], branch
     """Per batch: capture every needed residual, branch and intermediate in one early-stopped forward."""
     residuals, branch_blocks = _needed(boundaries, branches)
     inner_blocks = _inner_blocks(model, boundaries, inner)
-    for batch in tqdm(batches, desc="calibrate", disable=quiet, leave=False):
+    for batch in track(batches, "calibrate", unit="batches", quiet=quiet):
         with capture(model, residuals, branch_blocks, inners=inner_blocks) as seen:
             run_forward(model, batch.input_ids, batch.attention_mask)
         for k, b in enumerate(boundaries):
@@ -262,7 +262,7 @@ def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], bran
         for key in [key for key in kept if key not in wanted]:
             del kept[key]
 
-    for j in tqdm(range(last + 1), desc="calibrate (block by block)", disable=quiet, leave=False):
+    for j in track(range(last + 1), "calibrate (block by block)", unit="blocks", quiet=quiet):
         for k, b in enumerate(boundaries):
             if b.end == j:
                 for n, batch in enumerate(batches):

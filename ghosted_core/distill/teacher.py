@@ -19,9 +19,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghosted_core.progress import track
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.distill.loss import chunk_tokens, head_logits, teacher_log_probs
 from ghosted_core.errors import GhostedError
@@ -109,7 +109,7 @@ def build_teacher(dense: PreTrainedModel, train_ids: torch.Tensor, val_ids: torc
     prefix = {j: torch.empty(windows, seqlen, dense.config.hidden_size, dtype=dense.dtype, device=device) for j in keep}
     step = chunk_tokens(vocab)
     with torch.no_grad():
-        for lo in tqdm(range(0, windows, batch_size), desc="teacher targets", disable=quiet, leave=False):
+        for lo in track(range(0, windows, batch_size), "distill: teacher targets", unit="batches", quiet=quiet):
             check_stop(should_stop, "distill")
             hi = min(lo + batch_size, windows)
             with capture(dense, [*keep, layers]) as seen:  # stops at the final norm's input

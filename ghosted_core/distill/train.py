@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghosted_core.progress import track
 from ghosted_core.distill.loss import distill_loss
 from ghosted_core.distill.options import DistillOptions
 from ghosted_core.distill.targets import Student
@@ -197,8 +197,7 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
     check_stop(should_stop, "distill")
     checkpoint(0)
     yield report
-    bar = tqdm(range(steps), desc=f"distill {report.variant}", disable=quiet, leave=False)
-    for step in bar:
+    for step in track(range(steps), f"distill {report.variant}", unit="steps", quiet=quiet):
         check_stop(should_stop, "distill")
         tick = time.perf_counter()
         for group in optimizer.param_groups:
@@ -218,7 +217,6 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
         del out, h
         report.train_seconds += time.perf_counter() - tick
         report.loss.append(loss)
-        bar.set_postfix(loss=f"{loss:.4f}")
         last = step + 1 == steps
         if (step + 1) % every == 0 or last:
             stop = checkpoint(step + 1)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from ghosted_core.progress import track
 from ghosted_core.errors import GhostedError
 from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.evaluation.perplexity import input_device
@@ -71,7 +72,7 @@ def generate(variants: Mapping[str, PreTrainedModel], tokenizer, prompt: str,
     encoded = tokenizer(prompt, return_tensors="pt")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     texts = {}
-    for name, model in variants.items():
+    for name, model in track(variants.items(), "generate", unit="variants"):
         check_stop(should_stop, "generate")
         device = input_device(model)
         kwargs = dict(max_new_tokens=options.max_new_tokens, do_sample=False, pad_token_id=pad, temperature=None,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghosted_core.progress import track
 from ghosted_core.calibration.collect import CalibrationOptions, sink_mask
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.errors import GhostedError
@@ -88,7 +88,7 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
     count = 0
     device = input_device(dense)
     with torch.no_grad():
-        for ids in tqdm(windows.split(batch_size), desc=desc, disable=quiet, leave=False):
+        for ids in track(windows.split(batch_size), desc, unit="batches", quiet=quiet):
             check_stop(should_stop, "perplexity")
             ids = ids.to(device)
             h = None
@@ -159,7 +159,7 @@ def dense_prefix_states(dense: PreTrainedModel, windows: torch.Tensor, indices: 
     nll, count = 0.0, 0
     device = input_device(dense)
     with torch.no_grad():
-        for ids in tqdm(windows.split(batch_size), desc=desc, disable=quiet, leave=False):
+        for ids in track(windows.split(batch_size), desc, unit="batches", quiet=quiet):
             ids = ids.to(device)
             with capture(dense, [*wanted, num_layers]) as seen:  # stops at the final norm's input
                 run_forward(dense, ids)
@@ -183,8 +183,8 @@ def perplexity_from_states(dense: PreTrainedModel, variants: Mapping[str, PreTra
     count = 0
     device = input_device(dense)
     with torch.no_grad():
-        for k, ids in enumerate(tqdm(list(cached.windows.split(cached.batch_size)), desc=desc, disable=quiet,
-                                     leave=False)):  # stop checks: per variant, inside
+        for k, ids in enumerate(track(list(cached.windows.split(cached.batch_size)), desc, unit="batches",
+                                           quiet=quiet)):  # stop checks: per variant, inside
             ids = ids.to(device)
             for start, names in groups.items():
                 h = cached.states[start][k] if start in cached.states else \
@@ -222,7 +222,7 @@ def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
     diff = {name: torch.zeros(len(wanted), 2, dtype=torch.float64) for name in variants}
     ref = torch.zeros(len(wanted), 2, dtype=torch.float64)
     with torch.no_grad():
-        for ids in windows.split(1):
+        for ids in track(windows.split(1), "drift", unit="windows", quiet=options.quiet):
             check_stop(should_stop, "drift")
             with capture(dense, [j for _, j in wanted]) as seen_dense:
                 run_forward(dense, ids)

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ghosted_core.progress import track
 from ghosted_core.evaluation import task_data
 from ghosted_core.errors import GhostedError
 from ghosted_core.hub import hub_reachable
@@ -427,7 +428,7 @@ def evaluate_tasks(
         _keep_train_mode(model),
     ):
         lm = _make_lm(model, tokenizer, batch_size, progress)
-        for task in runnable:
+        for task in track(runnable, "tasks", unit="tasks", quiet=not progress):
             score = _run_task(lm, task, limit, seed, hub)
             log.info("%s: acc %.4f (n=%d, chance %.3f, %.1f s)", task, score.acc, score.n, score.chance, score.seconds)
             scores.append(score)

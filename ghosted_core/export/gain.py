@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.perplexity import input_device
 from ghosted_core.export.fold import operator_layout, stock_blockers, variant_tensors
+from ghosted_core.progress import Tracker
 from ghosted_core.stopping import StopCheck, check_stop
 
 SPEED_ENV = "GHOSTED_SPEED"  # "0": sizes only unless a run asks (a test suite; a server that wants no timing)
@@ -199,10 +200,11 @@ def prompt_ids(vocab_size: int, tokens: int, seed: int) -> torch.Tensor:
 
 
 def measure_gain(models: Mapping[str, PreTrainedModel], options: SpeedOptions = SpeedOptions(),
-                 should_stop: StopCheck = None) -> GainReport:
+                 should_stop: StopCheck = None, quiet: bool = False) -> GainReport:
     """Size of every model, and (unless `options.measure` is off) its prefill and decode speed, dense first.
 
-    `models` must hold "dense" for the ratios. `should_stop` is polled between timings (`stopping.RunStopped`).
+    `models` must hold "dense" for the ratios. `should_stop` is polled between timings (`stopping.RunStopped`);
+    each timing is a step of its progress (`progress.Tracker`), silent when `quiet`.
     """
     report = GainReport(options=options)
     for name, model in models.items():
@@ -216,16 +218,19 @@ def measure_gain(models: Mapping[str, PreTrainedModel], options: SpeedOptions = 
     names = list(models)
     prefill: dict[str, list[float]] = {name: [] for name in names}
     decode: dict[str, list[float]] = {name: [] for name in names}
+    tracker = Tracker("size and speed", (options.repeats + 1) * len(names), "timings", quiet)
     with torch.inference_mode():
         for name in names:  # warm-up: first-call allocations and kernel choices stay out of the figures
             check_stop(should_stop, "size and speed")
             models[name](ids[:, :8], use_cache=True, logits_to_keep=1)
             _decode_rate(models[name], ids[:, :DECODE_PROMPT], 3)
+            tracker.advance()
         for round_ in range(options.repeats):
             for name in names[round_ % len(names):] + names[: round_ % len(names)]:  # rotated, so drift hits all alike
                 check_stop(should_stop, "size and speed")
                 prefill[name].append(options.prefill_tokens / _prefill_seconds(models[name], ids))
                 decode[name].append(_decode_rate(models[name], ids[:, :DECODE_PROMPT], options.decode_tokens))
+                tracker.advance()
     report.measured_on["load_average_after"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     report.prefill = {name: Rate.of(values) for name, values in prefill.items()}
     report.decode = {name: Rate.of(values) for name, values in decode.items()}

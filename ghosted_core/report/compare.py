@@ -15,7 +15,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ghosted_core.report.charts import base_figure, empty_figure, wrap_parts
-from ghosted_core.report.tables import PALETTE, blocks_text, fmt, ppl_columns, tokens_text
+from ghosted_core.report.summary import best_cell, compare_headline
+from ghosted_core.report.tables import PALETTE, blocks_text, corpus_tag, fmt, tokens_text
 from ghosted_core.selection.criteria import CRITERIA, criterion_title
 
 SCORE_PANEL = 170  # px per criterion in the score chart
@@ -110,21 +111,34 @@ def criterion_scores_figure(report: dict) -> go.Figure:
     return fig
 
 
+BEST_MARK = "★"  # the table's lowest mean perplexity (report.summary.best_cell)
+
+
 def compare_table(report: dict) -> pd.DataFrame:
-    """One row per criterion and operator: blocks removed, perplexity and damage recovered per corpus, the cost."""
-    corpora = _corpora(report)
-    columns = ["criterion", "blocks removed", "operator", *ppl_columns(report, corpora), "criterion cost"]
+    """Criteria × operators: one row per criterion (its blocks and scoring cost beside it), one column per operator,
+    each cell the perplexity on every corpus ("330.1 · 70.2"), the best cell marked with BEST_MARK."""
     compare = _compare(report)
-    rows = [["dense", "none", "–", *[x for c in corpora for x in (fmt(compare["dense"]["ppl"][c]), "–")], "–"]] \
-        if corpora else []
+    corpora, operators = _corpora(report), list(compare.get("variants", []))
+    best = best_cell(report)
+    rows = []
     for row in compare.get("table", []):
-        cells = [criterion_title(row["criterion"]), blocks_text(row["removed_layers"]), row["operator"]]
-        for corpus in corpora:
-            share = row["recovered"].get(corpus)
-            cells += [fmt(row["ppl"].get(corpus)), "–" if share is None or row["operator"] == "none" else f"{share:.0%}"]
-        cells.append(cost_text(row["cost"]) + (f" (same blocks as {row['same_plan_as']})" if row.get("same_plan_as") else ""))
-        rows.append(cells)
-    return pd.DataFrame(rows, columns=columns)
+        if not rows or rows[-1][0] != row["criterion"]:
+            same = f" (= {row['same_plan_as']})" if row.get("same_plan_as") else ""
+            rows.append([row["criterion"], blocks_text(row["removed_layers"]) + same,
+                         *[""] * len(operators), short_cost(row["cost"])])
+        cell = " · ".join(fmt(row["ppl"].get(c), 1) for c in corpora)
+        mark = f"{BEST_MARK} " if best == (row["criterion"], row["operator"]) else ""
+        rows[-1][2 + operators.index(row["operator"])] = mark + cell
+    return pd.DataFrame(rows, columns=["criterion", "blocks removed", *operators, "scoring cost"])
+
+
+def short_cost(cost: dict) -> str:
+    """'4.2 s, 12.3 passes' (a cell of the table; `cost_text` gives the whole cost)."""
+    if not cost:
+        return "–"
+    passes = cost.get("full_pass_equivalents", cost.get("passes", 0))
+    shared = " (shared)" if cost.get("shared") else ""
+    return f"{cost.get('seconds', 0):.1f} s, {passes:.2g} passes{shared}"
 
 
 def cost_text(cost: dict) -> str:
@@ -137,6 +151,16 @@ def cost_text(cost: dict) -> str:
     parts.append(f"{cost.get('passes', 0)} pass{'es' if cost.get('passes', 0) != 1 else ''} from the tokens")
     parts.append(f"{cost.get('seconds', 0):.1f} s")
     return ", ".join(parts) + (f" [{cost['shared']}]" if cost.get("shared") else "")
+
+
+def table_legend(report: dict) -> str:
+    """What a cell of the table holds, and the dense model's perplexity to read it against."""
+    corpora = _corpora(report)
+    dense = _compare(report).get("dense", {}).get("ppl", {})
+    if not corpora:
+        return ""
+    return (f"cells: {' · '.join(corpus_tag(report, c) for c in corpora)} perplexity (dense: "
+            f"{' · '.join(fmt(dense.get(c), 1) for c in corpora)}); {BEST_MARK} lowest geometric mean over the corpora")
 
 
 def compare_caption(report: dict) -> str:
@@ -152,18 +176,17 @@ def compare_caption(report: dict) -> str:
     return (f"**{report.get('model', '')}** ({report.get('num_layers', '?')} blocks), n = {compare.get('n', '?')} · "
             f"**{compare.get('calibration_note', '')}** (another calibration text may choose other blocks: rerun on "
             f"yours) · evaluated: {', '.join(done) or 'none yet'} of {', '.join(criteria)}  \n{shared}  \n{corpora}  \n"
-            "recovered = (ppl_none − ppl_op) / (ppl_none − ppl_dense) on the criterion's own plan")
+            f"{table_legend(report)}")
 
 
 def compare_text(report: dict) -> str:
     """The comparison as plain text (the CLI's summary): each criterion's blocks and cost, then the table."""
     compare = _compare(report)
     lines = [f"compare: {report.get('model', '')} ({report.get('num_layers', '?')} blocks), n = {compare.get('n')}",
-             compare.get("calibration_note", "")]
+             *[line.replace("**", "") for line in compare_headline(report)], compare.get("calibration_note", "")]
     for name, selection in compare.get("selections", {}).items():
         lines.append(f"  {criterion_title(name)}: blocks {blocks_text(selection['removed_layers'])} | {cost_text(selection['cost'])}")
-    table = compare_table(report)
-    lines.append(table.to_string(index=False))
+    lines += [table_legend(report), compare_table(report).to_string(index=False)]
     lines += [f"note: {note}" for note in report.get("notes", [])]
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from transformers import PreTrainedModel
 
+from ghosted_core.progress import Tracker
 from ghosted_core.statistics import BoundaryStats
 from ghosted_core.calibration.collect import HeldoutRows, collect_boundary_stats
 from ghosted_core.recovery.heldout import measure_errors
@@ -187,6 +188,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
     """
     builds = {v.name: VariantBuild(v) for v in variants}
     sequential = [v for v in variants if v.sequential]
+    progress = Tracker("fit operators", len(stats) * len(variants), "fits", options.quiet)
     for k in range(len(stats)):
         for variant in variants:
             if not variant.sequential or k == 0:
@@ -194,6 +196,7 @@ def fit_variants(dense: PreTrainedModel, plan: PruningPlan, variants: Sequence[V
                                  kept=kept)
                 builds[variant.name].add(dense, fit, stats[k], report_detail(options))
                 del fit
+            progress.advance()
         if k > 0 or not sequential:
             stats[k] = None
     if stats:

@@ -149,7 +149,7 @@ def _stages(options: RunOptions, loaded: LoadedModel | None,
 
     # last, so that its timings do not slow the other stages' and no other stage's buffers are alive
     check_stop(should_stop, "size and speed")
-    result.gain = measure_gain(result.models, options.speed, should_stop)
+    result.gain = measure_gain(result.models, options.speed, should_stop, options.quiet)
     yield done("size and speed")
 
 

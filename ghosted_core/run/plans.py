@@ -280,7 +280,7 @@ def evaluate_plan(dense: PreTrainedModel, options: RunOptions, plan: PruningPlan
             result.perplexity[corpus] |= table
         result.perplexity[corpus] = {name: result.perplexity[corpus][name] for name in models}  # the variants' order
     clock.tick("perplexity")
-    result.gain = measure_gain({REFERENCE: dense, **models}, options.speed, should_stop)  # dense in the same rounds
+    result.gain = measure_gain({REFERENCE: dense, **models}, options.speed, should_stop, options.quiet)  # dense in the same rounds
     clock.tick("size and speed")
     return result
 

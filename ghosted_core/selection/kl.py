@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ghosted_core.plan import PruningPlan
+from ghosted_core.progress import Tracker
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, group_size, logits_chunk
 from ghosted_core.selection.next_token import count_targets, kl_sums
@@ -26,19 +27,24 @@ COST = ("one dense pass per window, then every run start's suffix from the cache
         "and L−n+2 heads per window (naive: L−n+1 full passes); memory: L+1 residual states per batch")
 
 
-def mean_kl(scoring: Scoring, runner: CandidateRunner, variants: Sequence[tuple[int, tuple]]) -> list[float]:
+def mean_kl(scoring: Scoring, runner: CandidateRunner, variants: Sequence[tuple[int, tuple]],
+            what: str = "score kl", unit: str = "candidates") -> list[float]:
     """Per variant (entry slot, steps from it): mean KL(p_dense ‖ p_variant) per calibration position, each variant
-    run from the dense state entering its entry slot (one dense pass per batch keeps them all)."""
+    run from the dense state entering its entry slot (one dense pass per batch keeps them all). Progress: one step
+    per variant and batch, reported as `what`."""
     num_layers = len(runner.blocks)
     totals = [0.0] * len(variants)
     positions = 0
-    for batch in scoring.fit_batches:
+    batches = scoring.fit_batches
+    progress = Tracker(what, len(variants) * len(batches), unit, scoring.quiet)
+    for batch in batches:
         states = runner.dense_states(batch.input_ids, batch.attention_mask)  # h_0 … h_L
         candidates = [Candidate(states[entry], steps) for entry, steps in variants]
         sums: list[float] = []
         for group in chunks(candidates):
             sums += kl_sums(scoring.model, runner.run(group, batch.attention_mask), states[num_layers],
                             batch.attention_mask, scoring.work)
+            progress.advance(len(group))
         totals = [t + x for t, x in zip(totals, sums)]
         positions += count_targets(batch.input_ids, batch.attention_mask, targets=False)
     return [t / max(positions, 1) for t in totals]
@@ -49,7 +55,7 @@ def run_kl(scoring: Scoring, n: int) -> list[float]:
     runner = CandidateRunner(scoring.model, scoring.work)
     num_layers = len(runner.blocks)
     return mean_kl(scoring, runner, [(s, tuple((j, runner.blocks[j]) for j in range(s + n, num_layers)))
-                                     for s in range(num_layers - n + 1)])
+                                     for s in range(num_layers - n + 1)], "score kl", "run starts")
 
 
 def dense_states_bytes(shapes: ScoreShapes, candidates: int, tallest: int | None = None) -> int:

@@ -28,6 +28,7 @@ import logging
 
 from ghosted_core.calibration.collect import CalibrationOptions, collect_stats
 from ghosted_core.plan import Boundary, PruningPlan
+from ghosted_core.progress import Tracker
 from ghosted_core.recovery.magcomp import compensate, magnitude_scale
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes
@@ -51,8 +52,10 @@ def iterate(scoring: Scoring, request: SelectionRequest) -> tuple[list[dict], tu
     rounds = []
     first_scores: tuple[float, ...] = ()
     windows = sum(len(b.input_ids) for b in scoring.fit_batches)
+    progress = Tracker("score prunecomp", 2 * request.n, "passes", scoring.quiet)  # two passes per round
     for _ in range(request.n):
         sim = measure_similarity(current, 1, scoring.batches, quiet=True)
+        progress.advance()
         scoring.work.passes += 1
         scoring.work.block_runs += windows * len(alive)
         influence = [1.0 - c for c in sim.block_cosine]  # per current block
@@ -63,6 +66,7 @@ def iterate(scoring: Scoring, request: SelectionRequest) -> tuple[list[dict], tu
                               CalibrationOptions(quiet=True), StatNeeds(channel=True))[0]
         scoring.work.passes += 1
         scoring.work.block_runs += windows * (position + 1)
+        progress.advance()
         scale = magnitude_scale(stats, FORM)
         block = alive.pop(position)
         removed.append(block)

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghosted_core.progress import track
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.calibration.collect import CalibrationBatch, valid_mask
 from ghosted_core.errors import GhostedError
@@ -182,7 +182,7 @@ def measure_similarity_depths(model: PreTrainedModel, depths: Sequence[int], bat
         for listener in listeners:
             listener.on_tensor(key, h)
 
-    for batch in tqdm([b for b in batches if not b.heldout], desc="score blocks", disable=quiet, leave=False):
+    for batch in track([b for b in batches if not b.heldout], "score blocks (similarity pass)", unit="batches", quiet=quiet):
         for listener in listeners:
             listener.start_batch(valid_mask(batch))
         with capture(model, range(num_layers + 1), on_tensor=on_tensor):

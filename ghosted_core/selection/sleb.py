@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ghosted_core.progress import track
 from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan
@@ -194,7 +194,7 @@ def sleb_order(model: PreTrainedModel, n: int, batches: Sequence[CalibrationBatc
     tokens = sum(count_targets(b.input_ids, b.attention_mask) for b in fit)
     removed: list[int] = []
     rounds = []
-    for _ in tqdm(range(n), desc="sleb rounds", disable=quiet, leave=False):
+    for _ in track(range(n), "score sleb", unit="rounds", quiet=quiet):
         alive = [j for j in range(num_layers) if j not in removed]
         exact, bounds = _round(runner, model, memo, alive, fit)
         best = min((p for p in range(len(alive)) if exact[p] is not None), key=lambda p: (exact[p], p))

@@ -90,7 +90,8 @@ def swap_distances(scoring: Scoring, window: int = WINDOW) -> dict[str, dict[tup
     def modules(steps: tuple) -> tuple:
         return tuple((slot, blocks[slot] if source == slot else views[slot, source]) for slot, source in steps)
 
-    found = mean_kl(scoring, runner, [(entry, modules(steps)) for _kind, _pair, entry, steps in variants])
+    found = mean_kl(scoring, runner, [(entry, modules(steps)) for _kind, _pair, entry, steps in variants],
+                    "score swap_kl (both probes)", "variants")
     mean = {(kind, pair): value for (kind, pair, _e, _s), value in zip(variants, found)}
     return {"replacement": {p: max(mean["i<-j", p], mean["j<-i", p]) for p in chosen},
             "interchange": {p: mean["i<->j", p] for p in chosen},

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from ghosted_core.errors import GhostedError
+from ghosted_core.progress import PROGRESS, ProgressEvent
 from studio import cache, handlers, layout, outputs, presets_view, runner, runs, settings, speed, status, \
     user_input
 from ghosted_core.report import charts, sweep as sweep_report, tables
+from ghosted_core.progress import PROGRESS, ProgressEvent
 from studio import history as history_mod
 
 
@@ -211,7 +213,7 @@ def test_a_first_use_conversion_runs_as_its_own_timed_stage_before_the_load(monk
     options = runner.build_options(str(tiny_model_folder), "streamline", 2, "", ["none", "ghost"], "mix", 4, 32, 0,
                                    ["ptb"], 64, "", 4)
     stages = runner.planned_stages(options, runner.QuickTasks())
-    updates = list(runner.run_job(options, runner.QuickTasks()))
+    updates = [u for u in runner.run_job(options, runner.QuickTasks()) if u[0] != PROGRESS]  # progress: a long loop
     assert [stage for stage, _ in updates] == stages and stages[:2] == ["convert model", "load model"]
     assert converted == [str(tiny_model_folder)]
     timings = updates[-1][1]["timings"]
@@ -431,3 +433,24 @@ def test_a_sweep_request_checks_its_depths_and_sets_aside_what_a_sweep_does_not_
     for bad, message in (("10:2:2", "starts above"), ("2:40:2", "leaves|remov"), ("x", "cannot read")):
         with pytest.raises(GhostedError, match=message):
             runner.build_request(options, runner.QuickTasks(), settings.NO_SAVE, "auto", settings.SWEEP, bad)
+
+
+def test_the_status_leads_with_the_answer_and_folds_the_diagnostics_away():
+    report = synthetic_report()
+    done = status.complete_status(10.0, report, status.report_advice(report))
+    paragraphs = done.split("\n\n")
+    assert paragraphs[0] == "**Run complete** in 10.0 s"
+    assert paragraphs[1].startswith("**Best: ghost** · ptb (exact), wiki (stand-in) perplexity 15.0, 45.0 against "
+                                    "30.0, 40.0 with nothing fitted (none) and 10.0, 20.0 dense: it recovers 75%, -25%")
+    assert paragraphs[2] == ("**What it buys:** 7 of 30 blocks removed (23% of the decoder) at 1.84× the dense model's "
+                             "perplexity (geometric mean over ptb, wiki).")
+    folded = done[done.index("<details"):]
+    assert "a note" in folded and "Stage times" in folded and "a note" not in done[: done.index("<details")]
+    assert folded.rstrip().endswith("</details>")  # the notes and times come last, one click away
+    event = ProgressEvent("score swap_kl", 84, 252, 42.0, "variants")
+    running = status.running_status("score blocks", 1, 8, 50.0, report, [], progress=event)
+    assert running.split("\n\n")[1] == "⏳ score swap_kl: 84 of 252 variants (33%) · 42 s elapsed · about 1:24 left"
+    plain = synthetic_report()
+    plain["variants"]["ghost"]["ppl"] = {"ptb": 60.0, "wiki": 90.0}
+    plain["variants"]["rotate"]["ppl"] = {"ptb": 60.0, "wiki": 90.0}
+    assert "**No operator beats plain pruning** here" in status.complete_status(1.0, plain, [])

@@ -293,8 +293,38 @@ def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_ur
     page.close()
 
 
+# Inside the comparison's table: an element whose content is wider than its box (a scroll bar or cut text), or one
+# reaching past the table's right edge (Gradio's hidden body that measures the cells left out).
+TABLE_OVERFLOW = """() => {
+  const root = document.querySelector('#compare-table');
+  const edge = root.getBoundingClientRect().right;
+  return [root, ...root.querySelectorAll('*')].filter(el => !el.closest('[aria-hidden=true]')).filter(el => {
+    const style = getComputedStyle(el), box = el.getBoundingClientRect();
+    const scrolls = el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1 && style.overflowX !== 'visible';
+    return scrolls || (box.width > 0 && box.right > edge + 1);
+  }).map(el => `${el.tagName}.${el.className}: ${el.scrollWidth} > ${el.clientWidth}`);
+}"""
+
+
+# The first cell of each row of the comparison's table body (the criteria, in order).
+CRITERION_ROWS = """() => Array.from(document.querySelectorAll('#compare-table .virtual-row'))
+    .map(row => row.querySelector('[role=gridcell]')?.innerText.trim())"""
+MARKED_CELLS = """() => Array.from(document.querySelectorAll('#compare-table .virtual-row [role=gridcell]'))
+    .filter(cell => cell.innerText.includes('★')).length"""
+
+
+def set_slider(page, elem_id: str, value: int) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
 def test_compare_criteria_fills_the_map_the_score_chart_and_the_table(server_url, browser):
     page = open_page(browser, server_url, DESKTOP)
+    for accordion in ("Calibration", "Evaluation"):  # tiny settings: 4 × 256 calibration tokens, 256 per corpus
+        page.get_by_role("button", name=accordion).first.click()
+    set_slider(page, "samples", 4)
+    set_slider(page, "eval-tokens", 256)
     page.locator("#mode").get_by_text("compare criteria", exact=True).click()
     page.locator("#compare-criteria").wait_for(state="visible", timeout=10_000)
     assert not page.locator("#criterion").is_visible()  # the list replaces the single criterion
@@ -314,8 +344,25 @@ def test_compare_criteria_fills_the_map_the_score_chart_and_the_table(server_url
     panels = page.evaluate("() => document.querySelector('#plot-criterion-scores .js-plotly-plot').data.map(t => t.name)")
     assert panels == ["streamline", "weights"]
     table = page.locator("#compare-table")
-    for text in ("ghost_capped", "magcomp_refit", "ptb (exact) ppl", "criterion cost"):
+    for text in ("ghost_capped", "magcomp_refit", "scoring cost"):
         assert table.get_by_text(text).count() >= 1, text
+    page.screenshot(path=str(ARTIFACTS / "app-compare.png"), full_page=True)
+    # criteria × operators: one row per criterion, the best cell marked once, nothing past the page's edge at 1280 px
+    assert page.evaluate(CRITERION_ROWS) == ["streamline", "weights"]
+    assert page.evaluate(MARKED_CELLS) == 1
+    assert page.evaluate(TABLE_OVERFLOW) == []
+    # the status leads with the answer; the notes wait behind one click
+    lines = [line for line in status_text(page).splitlines() if line.strip()]
+    assert lines[0].startswith("Run complete") and lines[1].startswith("Best: ") and " + " in lines[1], lines[:3]
+    assert lines[2].startswith("By how much:") and lines[3].startswith("What it buys:"), lines[:4]
+    details = page.locator("#status details")
+    assert details.count() == 1 and not details.get_attribute("open") and "Diagnostics" in details.inner_text()
+    notes = details.locator("li")
+    assert notes.count() >= 2 and not notes.first.is_visible()  # stage times and the fits' notes, folded away
+    details.locator("summary").click()
+    assert notes.first.is_visible()
+    page.locator("#status").screenshot(path=str(ARTIFACTS / "app-compare-status.png"))
+    table.screenshot(path=str(ARTIFACTS / "app-compare-table.png"))
     assert "blocks chosen (and operators fitted) on mix" in page.locator("#compare-caption").inner_text()
     assert page.locator("#rerun-your-text").is_visible()
     assert page.evaluate(OVERLAPS) == []

@@ -37,11 +37,14 @@ def test_compare_mode_streams_criterion_by_criterion_and_fills_the_map_scores_an
     scores = plot_traces(final["criterion_scores"])
     assert [t["name"] for t in scores] == CRITERIA and all(t["y"] for t in scores)
     rows = final["compare_table"]["data"]
-    assert len(rows) == 1 + len(CRITERIA) * len(settings.DEFAULTS.operators)
+    assert [row[0] for row in rows] == CRITERIA  # criteria × operators: a row per criterion
+    assert final["compare_table"]["headers"][2:-1] == list(settings.DEFAULTS.operators)
+    assert sum("★" in str(cell) for row in rows for cell in row) == 1 and "Best: " in final["status"]
     assert "mix" in final["compare_caption"] and "rerun on yours" in final["compare_caption"]
     # streamed criterion by criterion: the score chart grew one panel at a time
     index = outputs.OUTPUT_NAMES.index("criterion_scores")
-    panels = [len(json.loads(u[index]["plot"])["data"]) for u in job.outputs()
+    stages = [u for u in job.outputs() if "⏳" not in u[0]]  # leave out the progress updates inside a stage
+    panels = [len(json.loads(u[index]["plot"])["data"]) for u in stages
               if isinstance(u[index], dict) and u[index].get("plot") and json.loads(u[index]["plot"])["data"]
               and json.loads(u[index]["plot"])["data"][0].get("type") == "bar"]
     assert panels[: len(CRITERIA)] == list(range(1, len(CRITERIA) + 1))
