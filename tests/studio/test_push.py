@@ -204,7 +204,7 @@ def test_a_gguf_save_downloads_the_gguf_and_pushes_it_with_the_folder(served, on
     except GhostedError as err:
         pytest.skip(str(err))
     client = served(oauth_token="hf_oauth_user_token")
-    result = tiny_run(client, tiny_model_folder, export_format="gguf", gguf_type="q8_0")
+    result = tiny_run(client, tiny_model_folder, export_format="gguf", gguf_type=["q8_0"])
     assert str(result["model_file"]).endswith("-magcomp_refit-q8_0.gguf") and "**GGUF**" in result["save_note"]
     message, _ = client.predict("pruned-tiny-gguf", False, "", api_name="/push")
     files = online.calls[1][2]
