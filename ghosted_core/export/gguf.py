@@ -234,7 +234,7 @@ def export_gguf(model, tokenizer, folder: str | Path, types: str | Sequence[str]
         imatrix = None
         if options.imatrix_text is not None and any("_k" in t for t in types):  # Q8_0 and f16 ignore a matrix
             text_file = _text_file(options.imatrix_text, options, work / "calibration.txt")
-            imatrix = compute_imatrix(f16.path, text_file, work / "imatrix.gguf", options.context,
+            imatrix = compute_imatrix(f16.path, text_file, work / f"{folder.name}.imatrix.gguf", options.context,
                                       options.imatrix_chunks, options.threads)
         for name in types:
             written.append(f16 if name == "f16" else quantize_gguf(

@@ -304,26 +304,30 @@ def quantize_gguf(source_f16: str | Path, out: str | Path, qtype: str, imatrix: 
 
     With `imatrix` (a file from `compute_imatrix`), the k-quants weight each column's rounding by how much
     calibration activations used it; Q8_0 ignores it. Written under a temporary name beside `out` and renamed
-    into place. `threads`: llama-quantize's own default (every core) when None. Time grows with the parameter
+    into place. `threads`: llama-quantize's own default (every core) when None. llama-quantize records the
+    matrix's file as given in the GGUF (`quantize.imatrix.file`): it is run in the matrix's folder and given its
+    bare name, so no path of this machine ends up in the file. Time grows with the parameter
     count (the k-quants search each block's scales: ~2-4× Q8_0's time); memory with the largest tensor (it
     quantizes one tensor at a time from the memory-mapped source); disk: ~0.60 (q4_k_m), 0.69 (q5_k_m),
     0.82 (q6_k), 1.06 (q8_0) bytes per parameter, plus f32 norms.
     """
     if qtype not in QUANT_TYPES:
         raise GhostedError(f"unknown quantized GGUF type {qtype!r}; use one of {', '.join(QUANT_TYPES)}")
-    source_f16, out = Path(source_f16), Path(out)
+    source_f16, out = Path(source_f16).resolve(), Path(out).resolve()
+    imatrix = None if imatrix is None else Path(imatrix).resolve()
     if not source_f16.is_file():
         raise GhostedError(f"{source_f16} is not a GGUF file")
-    if imatrix is not None and not Path(imatrix).is_file():
-        raise GhostedError(f"importance matrix {imatrix} not found")
+    if imatrix is not None and not imatrix.is_file():
+        raise GhostedError(f"importance matrix {imatrix.name} not found")
     llama = find_llamacpp()
     tmp = _temporary(out)
     cmd = [str(llama.tool("llama-quantize"))]
-    cmd += ["--imatrix", str(imatrix)] if imatrix is not None else []
+    cmd += ["--imatrix", imatrix.name] if imatrix is not None else []  # run in its folder: see below
     cmd += [str(source_f16), str(tmp), QUANT_TYPES[qtype]] + ([str(threads)] if threads else [])
     start = time.perf_counter()
     try:
-        _run(cmd, f"llama-quantize ({source_f16.name} to {QUANT_TYPES[qtype]})")
+        _run(cmd, f"llama-quantize ({source_f16.name} to {QUANT_TYPES[qtype]})",
+             cwd=None if imatrix is None else imatrix.parent)
         _written(tmp, out, f"llama-quantize ({source_f16.name} to {QUANT_TYPES[qtype]})")
     finally:
         tmp.unlink(missing_ok=True)
