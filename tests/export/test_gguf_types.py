@@ -123,3 +123,50 @@ def test_export_gguf_keeps_f16_when_asked_and_skips_a_useless_imatrix(llamacpp, 
     assert all(g.perplexity is None for g in result.ggufs) and result.reference_ppl is None
     assert (result.folder / "none-f16.gguf").stat().st_size > result.ggufs[0].bytes
     assert "perplexity (llama.cpp)" not in (result.folder / "README.md").read_text()
+
+
+# ---------------------------------------------------------------- the embedded SmolLM2 through the CLI (slow)
+
+
+@pytest.mark.slow
+def test_cli_smollm2_q4_k_m_and_q8_0_run_in_llamacpp(llamacpp, tmp_path, capsys):
+    """`--export gguf --gguf_type q4_k_m,q8_0 --gguf_imatrix` on SmolLM2-135M without blocks 12-15 (magcomp_refit):
+    each file loads in llama.cpp, q8_0's greedy tokens equal the f16's, every perplexity is finite, printed and
+    recorded beside transformers' fp32 on the same windows."""
+    from ghosted_core.cli import main
+
+    torch.set_num_threads(2)
+    try:
+        code = main(["--model", "smollm2-135m", "--device", "cpu", "--pruning_method", "manual",
+                     "--layers", "12,13,14,15", "--insert_type", "magcomp_refit", "--train_size", "8",
+                     "--seqlen", "128", "--eval_ppl", "ptb", "--eval_max_tokens", "512", "--outdir",
+                     str(tmp_path / "out"), "--save_model", str(tmp_path / "saved"), "--export", "gguf",
+                     "--gguf_type", "q4_k_m,q8_0", "--gguf_imatrix", "--quiet"])
+    finally:
+        torch.set_num_threads(1)
+    printed = capsys.readouterr().out
+    assert code == 0
+    export = json.loads((tmp_path / "out" / "results.json").read_text())["exports"]["magcomp_refit"]
+    folder = Path(export["folder"])
+    files = {g["type"]: g for g in export["ggufs"]}
+    assert list(files) == ["q4_k_m", "q8_0"] and not (folder / "magcomp_refit-f16.gguf").exists()
+    assert export["imatrix"].startswith("the run's calibration text") and export["gguf_eval"]["text"].startswith("PTB")
+    reference = export["gguf_eval"]["transformers_fp32_ppl"]
+    print(f"SmolLM2 magcomp_refit: transformers fp32 {reference:.3f}; "
+          + "; ".join(f"{t} {g['bytes'] / 1e6:.1f} MB ppl {g['ppl']:.3f} ± {g['ppl_error']:.3f}" for t, g in files.items()))
+    for t, g in files.items():
+        assert math.isfinite(g["ppl"]) and g["ppl"] > 1 and (folder / g["file"]).stat().st_size == g["bytes"]
+        assert f"{g['file']}  {t}  {g['bytes'] / 1e6:.1f} MB  ppl {g['ppl']:.3f}" in printed
+    assert f"transformers fp32 on the same windows: {reference:.3f}" in printed
+    assert abs(files["q8_0"]["ppl"] / reference - 1) < 0.02  # 8 bits: within 2% of fp32
+    assert abs(files["q4_k_m"]["ppl"] / reference - 1) < 0.25 and files["q4_k_m"]["bytes"] < files["q8_0"]["bytes"]
+
+    f16 = convert_to_gguf(folder, tmp_path / "f16.gguf", "f16").path  # the reference the types are judged against
+    expected = llamacpp_generate(f16, PROMPT, max_new_tokens=8)
+    q8 = llamacpp_generate(folder / files["q8_0"]["file"], PROMPT, max_new_tokens=8)
+    q4 = llamacpp_generate(folder / files["q4_k_m"]["file"], PROMPT, max_new_tokens=8)
+    assert q8.prompt_tokens == q4.prompt_tokens == expected.prompt_tokens
+    assert q8.tokens == expected.tokens, (q8.text, expected.text)
+    assert len(q4.tokens) == 8 and q4.text.strip()
+    card = (folder / "README.md").read_text()
+    assert all(f"`{g['file']}`" in card and f"{g['ppl']:.3f}" in card for g in files.values())
