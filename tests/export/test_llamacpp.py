@@ -114,3 +114,25 @@ def test_missing_tool_is_a_stale_build(tmp_path, monkeypatch):
     monkeypatch.setenv(LLAMACPP_ENV, str(stale))
     with pytest.raises(GhostedError, match=r"llama-quantize is missing\): run `make llamacpp`"):
         find_llamacpp()
+
+
+def test_the_build_script_builds_every_tool_and_knows_an_up_to_date_cache(tmp_path):
+    """scripts/build_llamacpp.sh's targets are TOOLS; a cache whose BUILD_INFO lists them is left alone (a stale
+    one is rebuilt: not run here, it downloads and compiles), and `make llamacpp` always asks the script."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from ghosted_core.export.llamacpp import TOOLS
+
+    root = Path(__file__).parents[2]
+    script = (root / "scripts" / "build_llamacpp.sh").read_text()
+    assert tuple(re.search(r"^targets=\(([^)]*)\)", script, re.MULTILINE).group(1).split()) == TOOLS
+    makefile = (root / "Makefile").read_text()
+    assert re.search(r"^llamacpp: \| \$\(STAMP\)\n\tscripts/build_llamacpp.sh", makefile, re.MULTILINE)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "BUILD_INFO").write_text(f"llama.cpp x\ntargets {' '.join(TOOLS)}\nseconds 1\n")
+    done = subprocess.run(["bash", str(root / "scripts" / "build_llamacpp.sh"), str(cache), "0.3.36", "python3"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and "already built" in done.stdout
