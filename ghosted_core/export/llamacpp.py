@@ -77,7 +77,7 @@ class Perplexity:
 
     def to_json(self) -> dict:
         return {"ppl": self.value, "ppl_error": self.error, "chunks": self.chunks, "context": self.context,
-                "seconds": round(self.seconds, 2)}
+                "ppl_seconds": round(self.seconds, 2)}
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,8 @@ def test_export_gguf_writes_every_type_asked_with_perplexities(llamacpp, smollm2
     assert record["gguf_eval"] == {"text": "ptb (test)", "context": 128, "chunks": 4,
                                    "transformers_fp32_ppl": result.reference_ppl}
     assert record["ggufs"][0]["ppl"] == q4.perplexity.value and record["ggufs"][0]["bytes"] == q4.bytes
+    assert record["ggufs"][0]["seconds"] == round(q4.seconds, 2)  # the time to write it, not to score it
+    assert record["ggufs"][0]["ppl_seconds"] == round(q4.perplexity.seconds, 2)
     for path in result.folder.iterdir():  # no path of this machine in any file (the imatrix's names are bare)
         assert str(tmp_path).encode() not in path.read_bytes(), path.name
 
