@@ -13,7 +13,8 @@
 #
 # Portability vs speed: GGML_NATIVE=OFF builds for x86-64 with SSE4.2/AVX/AVX2/FMA/F16C/BMI2 (x86-64-v3: Intel
 # since Haswell, AMD since Zen), not for this machine's AVX-512, so a cache copied to another CPU still runs.
-# Time: ~5-11 min on 2 shared cores here; libllama, ggml and common dominate, each tool adds a source file or two.
+# Time: 672 s for two tools, 1382 s for all five on 2 shared cores here (BUILD_INFO records it); libllama, ggml
+# and common dominate, each tool adds a source file or two and a link of its own (7-11 MB, static).
 #
 # A cache whose BUILD_INFO lists other targets (an older build with fewer tools) is stale: it is rebuilt, and
 # replaced only once the new build has succeeded. `make llamacpp` always runs this script, so it decides.

@@ -153,7 +153,7 @@ def find_llamacpp() -> LlamaCpp:
     if missing:
         raise GhostedError(f"llama.cpp is not built ({missing[0]} is missing): run `make llamacpp` once (it builds "
                            f"llama.cpp {LLAMACPP_COMMIT} from PyPI's llama-cpp-python {LLAMACPP_VERSION} source, "
-                           "about 5-11 minutes on 2 cores)")
+                           "11-23 minutes on 2 shared cores)")
     return llama
 
 
