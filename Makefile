@@ -35,7 +35,8 @@ $(ASSETS): $(STAMP)
 	touch $@
 
 # llama.cpp's converter and llama-completion, -perplexity, -quantize, -imatrix and -bench from PyPI's
-# llama-cpp-python source distribution (its vendored llama.cpp), CPU only: 11-23 min on 2 shared cores (BUILD_INFO records it), 53 MB, once.
+# llama-cpp-python source distribution (its vendored llama.cpp), CPU only: 11-23 min on 2 shared cores
+# (BUILD_INFO records it), 53 MB, once.
 # Always runs the script: it returns at once when the cache's BUILD_INFO lists exactly the tools it builds,
 # and rebuilds a stale cache (one built with fewer tools), so an existing BUILD_INFO never counts as done.
 llamacpp: | $(STAMP)
