@@ -25,13 +25,13 @@ from ghosted_core.files import check_new_folder, check_writable_folder, write_te
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
 from ghosted_core.export.gain import SpeedOptions
-from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES, export_gguf, find_llamacpp
+from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES, export_gguf, find_llamacpp, parse_gguf_types
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
 from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS
 from ghosted_core.recovery.operators import OPERATORS, FitOptions
-from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, parse_variants
+from ghosted_core.run.options import DEFAULT_VARIANTS, SEQUENTIAL_SUFFIX, RunOptions, gguf_options, parse_variants
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run
 from ghosted_core.selection.criteria import COSINE_AXES, CRITERIA, parse_layers
@@ -60,6 +60,14 @@ def _criteria(text: str) -> str:
         if name not in CRITERIA:
             raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(CRITERIA)})")
     return text
+
+
+def _gguf_types(text: str) -> tuple[str, ...]:
+    """--gguf_type: a comma list of GGUF types; argparse reports an unknown one before anything loads."""
+    try:
+        return parse_gguf_types(text)
+    except GhostedError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def is_comparison(args: argparse.Namespace) -> bool:
@@ -142,7 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
                         + "), remote_code (needs trust_remote_code=True; every operator), auto (stock "
                         "where the variant folds, remote_code otherwise), gguf (stock plus a GGUF written by "
                         "llama.cpp's converter; needs `make llamacpp`)")
-    p.add_argument("--gguf_type", default="f16", choices=GGUF_OUTTYPES, help="GGUF weights for --export gguf")
+    p.add_argument("--gguf_type", default=("f16",), type=_gguf_types,
+                   help=f"GGUF weights for --export gguf, a comma list of {', '.join(GGUF_OUTTYPES)} (f16 by "
+                        "llama.cpp's converter, the others by llama-quantize from it; e.g. q4_k_m,q8_0)")
+    p.add_argument("--gguf_imatrix", action="store_true",
+                   help="quantize the k-quants (q4_k_m, q5_k_m, q6_k) with an importance matrix computed by "
+                        "llama-imatrix on the run's own calibration text")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
                    help="auto (cuda if present, else cpu), cpu, cuda, cuda:N, or map (accelerate: GPUs, then CPU, "
@@ -256,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(summary(result))
             if args.save_model:
-                report["exports"] = save_variants(result, Path(args.save_model), args.export, args.gguf_type)
+                report["exports"] = save_variants(result, Path(args.save_model), args.export, args.gguf_type,
+                                                  args.gguf_imatrix)
                 write_text(outdir / "results.json", json.dumps(report, indent=2))
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -274,6 +288,8 @@ def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
     if is_sweep(args) and is_comparison(args):
         raise GhostedError("a criteria comparison runs at one depth: give --total_num_prune a single number")
     outdir = check_writable_folder(args.outdir, "--outdir")
+    if args.gguf_imatrix and not (args.save_model and args.export == GGUF_FORMAT):
+        raise GhostedError("--gguf_imatrix quantizes GGUF files: add --save_model DIR --export gguf")
     if args.save_model:
         check_export([v.operator for v in options.variants], "stock" if args.export == GGUF_FORMAT else args.export)
         if args.export == GGUF_FORMAT:
@@ -284,16 +300,28 @@ def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
     return outdir
 
 
-def save_variants(result: RunResult, folder: Path, mode: str, gguf_type: str = "f16") -> dict[str, dict]:
-    """Export every pruned variant to folder/<variant>, saying in which format and why (gguf: stock + its GGUF)."""
+def save_variants(result: RunResult, folder: Path, mode: str, gguf_types: tuple[str, ...] = ("f16",),
+                  imatrix: bool = False) -> dict[str, dict]:
+    """Export every pruned variant to folder/<variant>, saying in which format and why (gguf: stock + its GGUF
+    files, each with its size and perplexity)."""
     exports = {}
     for name, model in result.models.items():
         if name != "dense":
             if mode == GGUF_FORMAT:
-                done = export_gguf(model, result.tokenizer, folder / name, gguf_type)
+                done = export_gguf(model, result.tokenizer, folder / name, gguf_types,
+                                   gguf_options(result.options, imatrix))
             else:
                 done = export_variant(model, result.tokenizer, folder / name, mode)
             exports[name] = done.to_json()
-            gguf = f" and {done.gguf.name}" if done.gguf is not None else ""
-            print(f"saved {name} as {done.mode}{gguf} ({done.reason}): {done.folder}")
+            ggufs = getattr(done, "ggufs", ())
+            files = f" and {', '.join(g.path.name for g in ggufs)}" if ggufs else ""
+            print(f"saved {name} as {done.mode}{files} ({done.reason}): {done.folder}")
+            for g in ggufs:
+                ppl = "" if g.perplexity is None else f"  ppl {g.perplexity.value:.3f} ± {g.perplexity.error:.3f}"
+                print(f"  {g.path.name}  {g.outtype}  {g.bytes / 1e6:.1f} MB{ppl}")
+            if ggufs and ggufs[0].perplexity is not None:
+                p = ggufs[0].perplexity
+                print(f"  perplexity: llama-perplexity on {done.eval_label}, {p.chunks} windows of {p.context} "
+                      f"tokens (second half scored); transformers fp32 on the same windows: {done.reference_ppl:.3f}"
+                      + (f"; importance matrix on {done.imatrix}" if done.imatrix else ""))
     return exports

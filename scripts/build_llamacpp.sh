@@ -4,7 +4,8 @@
 #   scripts/build_llamacpp.sh DEST VERSION PYTHON
 #
 # DEST gets (only when everything succeeded; built in DEST.tmp.* and renamed into place):
-#   bin/llama-completion, bin/llama-perplexity   (statically linked to llama.cpp, CPU only)
+#   bin/llama-completion, bin/llama-perplexity, bin/llama-quantize, bin/llama-imatrix, bin/llama-bench
+#                                                  (statically linked to llama.cpp, CPU only)
 #   convert/convert_hf_to_gguf.py, convert/conversion/, convert/gguf-py/, convert/models/templates/
 #   BUILD_INFO (version, llama.cpp commit, cmake flags, seconds)
 # The converter and the tools come from the same vendored llama.cpp commit, so the GGUF the converter writes
@@ -12,20 +13,29 @@
 #
 # Portability vs speed: GGML_NATIVE=OFF builds for x86-64 with SSE4.2/AVX/AVX2/FMA/F16C/BMI2 (x86-64-v3: Intel
 # since Haswell, AMD since Zen), not for this machine's AVX-512, so a cache copied to another CPU still runs.
-# Time: ~5 min on 2 cores here; libllama, ggml and common dominate, each extra tool adds one source file.
+# Time: 672 s for two tools, 1382 s for all five on 2 shared cores here (BUILD_INFO records it); libllama, ggml
+# and common dominate, each tool adds a source file or two and a link of its own (7-11 MB, static).
+#
+# A cache whose BUILD_INFO lists other targets (an older build with fewer tools) is stale: it is rebuilt, and
+# replaced only once the new build has succeeded. `make llamacpp` always runs this script, so it decides.
 set -euo pipefail
 
 dest=${1:?usage: build_llamacpp.sh DEST VERSION PYTHON}
 version=${2:?usage: build_llamacpp.sh DEST VERSION PYTHON}
 python=${3:?usage: build_llamacpp.sh DEST VERSION PYTHON}
 jobs=${LLAMACPP_JOBS:-2}
-# Only what ghosted_core.export.gguf runs: greedy generation and perplexity. The converter writes q8_0
-# itself, so llama-quantize is not needed.
-targets=(llama-completion llama-perplexity)
+# Only what ghosted_core.export runs: greedy generation, perplexity, the k-quants (llama-quantize, from an
+# f16 GGUF, optionally with an importance matrix from llama-imatrix) and speed (llama-bench). Keep this list
+# equal to ghosted_core.export.llamacpp.TOOLS.
+targets=(llama-completion llama-perplexity llama-quantize llama-imatrix llama-bench)
 
 if [ -f "$dest/BUILD_INFO" ]; then
-    echo "llama.cpp $version already built in $dest"
-    exit 0
+    built=$(sed -n 's/^targets //p' "$dest/BUILD_INFO")
+    if [ "$built" = "${targets[*]}" ]; then
+        echo "llama.cpp $version already built in $dest"
+        exit 0
+    fi
+    echo "llama.cpp: $dest has '${built}', not '${targets[*]}': rebuilding (the old build stays until this succeeds)"
 fi
 for tool in cmake ninja c++; do
     command -v "$tool" >/dev/null || { echo "build_llamacpp.sh: '$tool' is missing (apt-get install cmake ninja-build g++)" >&2; exit 2; }

@@ -22,7 +22,6 @@ import gradio as gr
 from ghosted_core.planning.advice import Advice, default_depth
 from ghosted_core.data import user_text
 from ghosted_core.errors import GhostedError
-from ghosted_core.export.gguf import GGUF_OUTTYPES
 from ghosted_core.hub import hub_reachable
 from ghosted_core.oom import guard_stages
 from ghosted_core.progress import PROGRESS
@@ -72,17 +71,19 @@ def prepare_run(values: dict, session: str) -> RunRequest:
     return build_request(options, quick, v.get("save_variant", NO_SAVE), v.get("export_format", "auto"),
                          v.get("mode", "single depth"), v.get("depths", "2:10:2"),
                          guard.names(v.get("compare_criteria"), "Criteria to compare"),
-                         guard.choice(v.get("gguf_type", "f16"), "GGUF weights", GGUF_OUTTYPES))
+                         guard.names(v.get("gguf_type", ["f16"]), "GGUF types"),
+                         guard.flag(v.get("gguf_imatrix", False), "Importance matrix for the k-quants"))
 
 
 def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operators: list[str], calibration: str,
            samples: float, seqlen: float, seed: float, eval_corpora: list[str], eval_tokens: float, prompt: str,
            new_tokens: float, tasks_on: bool, task_names: list[str], task_examples: float, save_variant: str = NO_SAVE,
-           export_format: str = "auto", gguf_type: str = "f16", mode: str = "single depth", depths: str = "2:10:2",
+           export_format: str = "auto", gguf_type: list[str] | None = None, mode: str = "single depth", depths: str = "2:10:2",
            your_text: str | None = None, your_file: str | None = None, text_use: str = "evaluation",
            compare_criteria: list[str] | None = None, distill_on: bool = DEFAULTS.distill_on,
            distill_steps: float = DEFAULTS.distill_steps, distill_train: str = DEFAULTS.distill_train,
-           speed_on: bool = DEFAULTS.speed_on, submitted: float | None = None, shown: dict | None = None,
+           gguf_imatrix: bool = DEFAULTS.gguf_imatrix, speed_on: bool = DEFAULTS.speed_on,
+           submitted: float | None = None, shown: dict | None = None,
            history: list[dict] | None = None, oauth_token: gr.OAuthToken | None = None,
            profile: gr.OAuthProfile | None = None, request: gr.Request | None = None,
            progress: gr.Progress = gr.Progress(track_tqdm=True)) -> Iterator[tuple]:
@@ -117,7 +118,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                 owner = saving_account(oauth_token, profile) if job.save_variant else None
                 keep = str(SAVED.new_folder(session, owner)) if job.save_variant else None  # for the push
                 updates = run_job(job.options, job.quick, job.save_variant, folder, should_stop, job.export_format,
-                                  job.gguf_type, keep)
+                                  job.gguf_type, keep, job.gguf_imatrix)
                 draw = render
             updates = guard_stages(updates, stages[0])  # out of memory: one message
             done, last = 0, None

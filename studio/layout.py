@@ -171,9 +171,16 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                                                   + " fold into it); remote_code: loads with "
                                                   "trust_remote_code=True; auto: stock where the variant folds; "
                                                   "gguf: stock, converted for llama.cpp by its own converter")
-                    gguf_type = gr.Radio(list(GGUF_OUTTYPES), value=DEFAULTS.gguf_type, label="GGUF weights",
-                                         elem_id="gguf-type", info="for the gguf format: f16, or q8_0 (about half)")
-                    model_file = gr.File(label="Recovered model (zip, or the .gguf)", elem_id="model-file",
+                    gguf_type = gr.CheckboxGroup(list(GGUF_OUTTYPES), value=list(DEFAULTS.gguf_type),
+                                                 label="GGUF types", elem_id="gguf-type",
+                                                 info="for the gguf format, one file each: f16 (2 bytes per weight), "
+                                                      "q8_0 (about half), q6_k, q5_k_m, q4_k_m (about 30%)")
+                    gguf_imatrix = gr.Checkbox(DEFAULTS.gguf_imatrix, label="Importance matrix for the k-quants",
+                                               elem_id="gguf-imatrix",
+                                               info="llama-imatrix on the run's calibration text (q4_k_m, q5_k_m, "
+                                                    "q6_k); about one forward pass over 16k tokens")
+                    model_file = gr.File(label="Recovered model (zip, the .gguf, or a zip of the .gguf files)",
+                                         elem_id="model-file",
                                          interactive=False)
                     save_note_md = gr.Markdown(SAVE_HINT, elem_classes="caption", elem_id="save-note")
                     gr.Markdown(push_note, elem_classes="caption", elem_id="push-note")
@@ -250,7 +257,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                    "gguf_type": gguf_type,
                    "mode": mode, "depths": depths, "your_text": your_text, "your_file": your_file, "text_use": text_use,
                    "compare_criteria": compare_criteria, "distill_on": distill_on, "distill_steps": distill_steps,
-                   "distill_train": distill_train, "speed_on": speed_on}
+                   "distill_train": distill_train, "gguf_imatrix": gguf_imatrix, "speed_on": speed_on}
         components = {"status": status, "generations": generations, "ppl_caption": ppl_caption, "ppl_table": ppl_table,
                       "scores": scores_plot, "errors": errors_plot, "drift": drift_plot, "structure": structure_plot,
                       "tasks_caption": tasks_caption_md, "tasks_table": tasks_table_df, "tasks_plot": tasks_plot,

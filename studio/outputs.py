@@ -36,7 +36,7 @@ STATE_NAMES = ("shown", "history")  # per-session state, after the components (h
 INPUT_NAMES = ("model", "criterion", "depth", "manual_blocks", "operators", "calibration", "samples", "seqlen", "seed",
                "eval_corpora", "eval_tokens", "prompt", "new_tokens", "tasks_on", "task_names", "task_examples",
                "save_variant", "export_format", "gguf_type", "mode", "depths", "your_text", "your_file", "text_use",
-               "compare_criteria", "distill_on", "distill_steps", "distill_train", "speed_on")
+               "compare_criteria", "distill_on", "distill_steps", "distill_train", "gguf_imatrix", "speed_on")
 SETTING_NAMES = tuple(name for name in INPUT_NAMES if name not in ("your_text", "your_file"))  # never kept
 
 
@@ -121,8 +121,15 @@ SAVE_HINT = "Choose a variant above to download it after the next run."
 def save_note(app: dict) -> str:
     """Which format the download is in, why, and how to load it."""
     if app.get("saved_gguf"):
-        how = (f"a **GGUF** for llama.cpp (`{app['saved_gguf']}`, written by llama.cpp's own converter from the "
-               "stock folder): `llama-cli -m FILE -p \"…\"`; Push to the Hub sends the stock folder with it")
+        files = app.get("saved_ggufs") or [{"file": app["saved_gguf"]}]
+        listed = ", ".join(f"`{f['file']}`" + (f" ({f['bytes'] / 1e6:.0f} MB" + (f", ppl {f['ppl']:.2f}" if "ppl" in f
+                                                                               else "") + ")" if "bytes" in f else "")
+                           for f in files)
+        imatrix = f", k-quants with an importance matrix on {app['saved_imatrix']}" if app.get("saved_imatrix") else ""
+        bundle = " (one zip holds them all)" if len(files) > 1 else ""
+        how = (f"**GGUF** for llama.cpp: {listed}{bundle} (llama.cpp's own converter and llama-quantize{imatrix}; "
+               f"perplexity by llama-perplexity on {app.get('saved_gguf_text') or 'held-out text'}): "
+               "`llama-cli -m FILE -p \"…\"`; Push to the Hub sends the stock folder with every GGUF")
         return f"`{app.get('saved_variant', '')}` saved as {how}. Why stock: {app.get('saved_reason', '')}."
     if app.get("saved_mode") == "stock":
         how = ("a **stock** Hugging Face folder: plain `AutoModelForCausalLM.from_pretrained(folder)` and serving "

@@ -123,7 +123,7 @@ def on_push(repo_id: str, private: bool, token: str, oauth_token: gr.OAuthToken 
         log.exception("push failed")
         return "**Push failed** with an internal error (logged on the server); nothing else changed.", ""
     files = sorted(p.name for p in folder.iterdir())
-    gguf = next((f for f in files if f.endswith(".gguf")), None)
-    what = f"`{folder.name}`, its model card" + (f" and `{gguf}`" if gguf else "")
+    ggufs = ", ".join(f"`{f}`" for f in files if f.endswith(".gguf"))
+    what = f"`{folder.name}`, its model card" + (f" and {ggufs}" if ggufs else "")
     return (f"Pushed {what} to a new {'private' if private else 'public'} repo: [{url}]({url}) "
             "(an existing repo is never overwritten)"), ""

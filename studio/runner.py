@@ -17,7 +17,7 @@ from ghosted_core.planning.estimate import check_work_budget, zerogpu
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import archive_export, check_export, export_variant, zip_export
 from ghosted_core.export.gain import SpeedOptions
-from ghosted_core.export.gguf import GGUF_FORMAT, export_gguf, find_llamacpp
+from ghosted_core.export.gguf import GGUF_FORMAT, GGUFExport, GGUFOptions, export_gguf, find_llamacpp, parse_gguf_types
 from ghosted_core.model.embedded import needs_conversion
 from ghosted_core.model.loading import LoadedModel, LoadOptions, peek_config
 from ghosted_core.plan import MAX_BLOCKS
@@ -25,7 +25,7 @@ from ghosted_core.progress import ProgressEvent, staged
 from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.distill.options import DistillOptions
-from ghosted_core.run.options import SEED_LIMIT, RunOptions, distilled, parse_variants, validate
+from ghosted_core.run.options import SEED_LIMIT, RunOptions, distilled, gguf_options, parse_variants, validate
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.pipeline import run_stages
 from ghosted_core.planning.presets import check_preset, gpu_seconds
@@ -167,7 +167,8 @@ class RunRequest:
     quick: QuickTasks = QuickTasks()
     save_variant: str | None = None
     export_format: str = "auto"  # auto, stock, remote_code or gguf (stock plus its GGUF)
-    gguf_type: str = "f16"
+    gguf_type: tuple[str, ...] = ("f16",)  # GGUF types (any of GGUF_OUTTYPES)
+    gguf_imatrix: bool = False  # k-quants with an importance matrix from the run's calibration text
     depths: tuple[int, ...] = ()  # a sweep's depths; empty for a single-depth run
     notes: tuple[str, ...] = ()  # settings the request set aside, said in the status
     criteria: tuple[str, ...] = ()  # a comparison's criteria; empty otherwise
@@ -192,7 +193,8 @@ class RunRequest:
 
 
 def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, export_format: str, mode: str,
-                  depths_text: str, criteria: Sequence[str] = (), gguf_type: str = "f16") -> RunRequest:
+                  depths_text: str, criteria: Sequence[str] = (), gguf_type: Sequence[str] = ("f16",),
+                  gguf_imatrix: bool = False) -> RunRequest:
     """A checked request from the options and the mode widgets; GhostedError for anything no run could do."""
     if mode == COMPARE:
         notes = _set_aside(options, quick, save_variant, "a comparison")
@@ -210,7 +212,9 @@ def build_request(options: RunOptions, quick: QuickTasks, save_variant: str, exp
         if quick.enabled and not quick.tasks:
             raise GhostedError("quick tasks are on but none is selected; pick at least one task or switch them off")
         check_options(options)
-        request = RunRequest(options, quick, check_save(options, save_variant, export_format), export_format, gguf_type)
+        save = check_save(options, save_variant, export_format)
+        types = parse_gguf_types(gguf_type) if save and export_format == GGUF_FORMAT else ("f16",)  # before any load
+        request = RunRequest(options, quick, save, export_format, types, gguf_imatrix)
     preset = find_preset(options.model)
     if preset is not None:  # offline, gated without a token or too big: refused before anything downloads
         check_preset(preset.hub_id, options, device(), request.depths or None, preset_token(options.load.hub_token))
@@ -300,8 +304,8 @@ def snapshot(result: RunResult, options: RunOptions, timings: dict[str, float]) 
 
 @gpu_run
 def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None, folder: str | None = None,
-            should_stop: StopCheck = None, export_format: str = "auto", gguf_type: str = "f16",
-            keep: str | None = None) -> Iterator[tuple[str, dict | ProgressEvent]]:
+            should_stop: StopCheck = None, export_format: str = "auto", gguf_type: Sequence[str] = ("f16",),
+            keep: str | None = None, gguf_imatrix: bool = False) -> Iterator[tuple[str, dict | ProgressEvent]]:
     """(Convert →) load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each,
     and (PROGRESS, event) while a stage's loop runs (`progress.staged`: the run computes in a worker thread).
 
@@ -312,11 +316,12 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
     worker process.
     """
     yield from staged(lambda _sink: _run(options, quick, save_variant, folder, should_stop, export_format, gguf_type,
-                                         keep))  # a generator function still, as spaces.GPU wants
+                                         keep, gguf_imatrix))  # a generator function still, as spaces.GPU wants
 
 
 def _run(options: RunOptions, quick: QuickTasks, save_variant: str | None, folder: str | None, should_stop: StopCheck,
-         export_format: str, gguf_type: str, keep: str | None) -> Iterator[tuple[str, dict]]:
+         export_format: str, gguf_type: Sequence[str], keep: str | None,
+         gguf_imatrix: bool) -> Iterator[tuple[str, dict]]:
     check_options(options)
     timings: dict[str, float] = {}
     loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
@@ -329,22 +334,25 @@ def _run(options: RunOptions, quick: QuickTasks, save_variant: str | None, folde
         check_stop(should_stop, "save model")
         start = time.perf_counter()
         saved = save_model(result.models[save_variant], result.tokenizer, options.model, save_variant, Path(folder),
-                           export_format, gguf_type, Path(keep) if keep else None)
+                           export_format, gguf_type, Path(keep) if keep else None,
+                           gguf_options(options, gguf_imatrix) if export_format == GGUF_FORMAT else None)
         result.timings["save model"] = time.perf_counter() - start
         report = snapshot(result, options, timings)
         report["app"] |= saved
         yield "save model", report
 
 
-def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, export_format: str, gguf_type: str,
-               keep: Path | None) -> dict:
+def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, export_format: str,
+               gguf_type: Sequence[str], keep: Path | None, gguf: GGUFOptions | None = None) -> dict:
     """Export one variant for the page: into `keep` (the session's push folder) when given, the download (its zip,
-    or its GGUF for the gguf format) in `folder`. Returns the report's "app" fields about it."""
+    or for the gguf format its GGUF, or a zip of its GGUF files when several) in `folder`. Returns the report's
+    "app" fields about it."""
     stem = f"{safe_name(model_name)}-{safe_name(variant)}"
     try:
         if export_format == GGUF_FORMAT:
-            saved = export_gguf(model, tokenizer, (keep or folder) / stem, gguf_type)
-            download = saved.gguf
+            saved = export_gguf(model, tokenizer, (keep or folder) / stem, gguf_type, gguf or GGUFOptions())
+            download = saved.gguf if len(saved.ggufs) == 1 else zip_export(saved.folder, folder / f"{stem}-gguf.zip",
+                                                                          suffix=".gguf")
         elif keep is not None:
             saved = export_variant(model, tokenizer, keep / stem, export_format)
             download = zip_export(saved.folder, folder / f"{stem}.zip")
@@ -357,7 +365,15 @@ def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, ex
         raise
     return {"saved_model": str(download), "saved_mode": saved.mode, "saved_reason": saved.reason,
             "saved_variant": saved.variant, "saved_gguf": None if saved.gguf is None else saved.gguf.name,
-            "saved_folder": None if keep is None else str(saved.folder)}
+            "saved_folder": None if keep is None else str(saved.folder)} | _gguf_fields(saved)
+
+
+def _gguf_fields(saved) -> dict:
+    """The report's "app" fields about every GGUF of a gguf save (file, type, size, perplexity; the matrix's text)."""
+    if not isinstance(saved, GGUFExport):
+        return {}
+    return {"saved_ggufs": [g.to_json() | {"path": None} for g in saved.ggufs], "saved_imatrix": saved.imatrix,
+            "saved_gguf_text": saved.eval_label, "saved_gguf_reference_ppl": saved.reference_ppl}
 
 
 @gpu_compare

@@ -42,7 +42,8 @@ class Defaults:
     task_examples: int = 20
     save_variant: str = NO_SAVE  # a variant to download as a recovered model (zip); off by default (~0.4 GB)
     export_format: str = "auto"  # stock where the variant folds, remote_code otherwise (gguf: stock plus its GGUF)
-    gguf_type: str = "f16"  # GGUF weights for the gguf format (f16 or q8_0)
+    gguf_type: tuple[str, ...] = ("f16",)  # GGUF types for the gguf format (any of GGUF_OUTTYPES)
+    gguf_imatrix: bool = False  # k-quants with an importance matrix from the run's calibration text
     mode: str = "single depth"  # or SWEEP
     depths: str = "2:10:2"  # a sweep's depths, START:STOP:STEP with STOP included
     text_use: str = "evaluation"  # what "your text" is used for, when given

@@ -244,3 +244,40 @@ def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
     ratios = {name: (d / ref.clamp_min(1e-30)).sqrt() for name, d in diff.items()}
     blocks = tuple(j for _, j in wanted)
     return {name: BlockDrift(blocks, tuple(r[:, 0].tolist()), tuple(r[:, 1].tolist())) for name, r in ratios.items()}
+
+
+def llamacpp_windowed_perplexity(model: PreTrainedModel, tokenizer, text: str, context: int,
+                                 chunks: int | None = None) -> float:
+    """llama-perplexity's estimate of `text`, computed in transformers, so that a GGUF's number has a reference.
+
+    As llama-perplexity does (tools/perplexity/perplexity.cpp): the whole text is tokenized once, with BOS first
+    where the tokenizer adds one (`corpora.default_bos`); the stream is cut into non-overlapping windows of
+    `context` tokens (the remainder dropped, at most `chunks` windows); each window's first token is replaced by
+    BOS where the tokenizer adds one; and only the second half is scored: the logits at positions
+    context/2 … context−2 predict the tokens after them. Needs at least 2·`context` tokens.
+    Time: chunks forward passes of `context` tokens; memory: one window's activations and context/2 × vocabulary
+    fp32 logits (the head runs on the scored half only).
+    """
+    from ghosted_core.data.corpora import default_bos
+
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    bos = default_bos(tokenizer)
+    ids = ([bos] if bos is not None else []) + list(ids)
+    if len(ids) < 2 * context:
+        raise GhostedError(f"the text has {len(ids)} tokens; llama-perplexity's windows of {context} need at least "
+                           f"{2 * context}")
+    count = len(ids) // context if chunks is None else min(chunks, len(ids) // context)
+    windows = torch.tensor(ids[: count * context]).view(count, context)  # (chunks, context)
+    if bos is not None:
+        windows[:, 0] = bos
+    first = context // 2
+    device = input_device(model)
+    nll, scored = 0.0, 0
+    with torch.no_grad():
+        for window in windows:
+            logits = model(input_ids=window[None].to(device), use_cache=False,
+                           logits_to_keep=context - first).logits[0, :-1].float()  # (context/2 − 1, V)
+            target = window[first + 1:].to(logits.device)  # (context/2 − 1,)
+            nll += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
+            scored += target.numel()
+    return math.exp(nll / scored)

@@ -223,13 +223,14 @@ def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: 
     return ExportResult(folder, chosen, name, reason, files, weight_bytes)
 
 
-def zip_export(folder: str | Path, path: str | Path) -> Path:
-    """One uncompressed zip of an exported folder (fp32 weights barely compress), its files under `path`'s stem."""
+def zip_export(folder: str | Path, path: str | Path, suffix: str = "") -> Path:
+    """One uncompressed zip of an exported folder (fp32 weights barely compress), its files under `path`'s stem;
+    with `suffix` (".gguf"), only the files whose names end with it."""
     folder, path = Path(folder), Path(path)
     with staged_file(path, f"the zip {path.name}") as staged:  # a failed or interrupted zip leaves no file
         with zipfile.ZipFile(staged, "w", compression=zipfile.ZIP_STORED) as archive:
             for file in sorted(folder.rglob("*")):
-                if file.is_file():
+                if file.is_file() and file.name.endswith(suffix):
                     archive.write(file, Path(path.stem) / file.relative_to(folder))
     return path
 

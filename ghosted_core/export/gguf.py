@@ -1,17 +1,15 @@
-"""GGUF files of stock exports, written by llama.cpp's own converter, and llama.cpp runs that check them.
+"""GGUF files of stock exports, written by llama.cpp's own converter and quantized by llama.cpp's own tools.
 
-Nothing here writes GGUF itself. `make llamacpp` builds llama.cpp once from the source distribution of
-`llama-cpp-python` on PyPI (its vendored llama.cpp, commit below) into `cache_dir()/llama.cpp/<version>`:
-the converter (`convert_hf_to_gguf.py` with the matching `gguf-py`) and the CPU tools `llama-completion`
-and `llama-perplexity`, all from one commit, so the runtime reads what the converter writes.
+Nothing here writes GGUF itself. `export.llamacpp` finds the llama.cpp that `make llamacpp` built (converter and
+CPU tools of one commit) and runs its tools; this module runs the converter and puts a variant's files together.
 
 - `convert_to_gguf(folder, out, "f16")` runs the converter in a subprocess of this Python (the venv's
   torch, transformers and sentencepiece are the converter's dependencies), and renames the file into
   place only once it is complete. Only stock exports convert: llama.cpp has no remote code.
-- `export_gguf(model, tokenizer, folder, "q8_0")` writes a variant as a stock folder (`export.folder`)
-  with its GGUF beside the safetensors and a GGUF section in its model card (`--export gguf`).
-- `llamacpp_generate` (greedy tokens of a prompt) and `llamacpp_perplexity` (llama-perplexity on a text
-  file) are how the tests check a GGUF in llama.cpp itself, not through transformers' GGUF reader.
+- `export_gguf(model, tokenizer, folder, ("f16", "q4_k_m"), GGUFOptions(...))` writes a variant as a stock
+  folder (`export.folder`) with every asked GGUF beside the safetensors (converted once to f16, the k-quants
+  and q8_0 made from it by llama-quantize, with an importance matrix if asked), each scored by
+  llama-perplexity beside transformers' fp32, and a GGUF section in its model card (`--export gguf`).
 
 One gap in the converter is closed: for Gemma-3 it writes no per-layer attention types, and llama.cpp
 then assumes Google's pattern (every 6th layer global, with its own RoPE base). A pruned Gemma-3 whose
@@ -22,32 +20,29 @@ the converter is started with its Gemma-3 class extended to write llama.cpp's pe
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
-import re
-import struct
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ghosted_core.data.assets import cache_dir
+import torch
+
 from ghosted_core.errors import GhostedError
+from ghosted_core.evaluation.perplexity import llamacpp_windowed_perplexity
 from ghosted_core.export.folder import ExportResult, export_variant
+from ghosted_core.export.llamacpp import (LLAMACPP_COMMIT, LLAMACPP_ENV, LLAMACPP_VERSION, GGUFResult,  # noqa: F401
+                                          compute_imatrix, find_llamacpp, llamacpp_generate, llamacpp_perplexity,
+                                          quantize_gguf, _run)
 from ghosted_core.export.model_card import gguf_section
 
 log = logging.getLogger(__name__)
 
-LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python's sdist on PyPI; the Makefile's LLAMACPP_VERSION must match
-LLAMACPP_COMMIT = "0c1e57098"  # the llama.cpp commit it vendors (its CHANGELOG)
-LLAMACPP_ENV = "GHOSTED_LLAMACPP"  # a folder laid out as `make llamacpp` lays it out, instead of the cache
 OUTTYPES = ("f16", "q8_0", "bf16", "f32")  # the converter's own --outtype values that we offer
-TOOLS = ("llama-completion", "llama-perplexity")
-STDERR_LINES = 12  # converter/tool output lines quoted in an error
 
 # Runs in the subprocess as `python -c CONVERTER_MAIN <convert_hf_to_gguf.py> <its arguments>`, with the
 # converter's folder and its gguf-py first on sys.path. It imports nothing from ghosted_core.
@@ -71,76 +66,6 @@ def set_gguf_parameters(self):
 gemma.Gemma3Model.set_gguf_parameters = set_gguf_parameters
 runpy.run_path(script, run_name="__main__")
 """
-
-
-@dataclass(frozen=True)
-class LlamaCpp:
-    """A built llama.cpp: the converter and the CPU tools of one commit."""
-
-    root: Path
-
-    @property
-    def converter(self) -> Path:
-        return self.root / "convert" / "convert_hf_to_gguf.py"
-
-    @property
-    def gguf_py(self) -> Path:
-        return self.root / "convert" / "gguf-py"
-
-    def tool(self, name: str) -> Path:
-        return self.root / "bin" / name
-
-    def build_info(self) -> str:
-        return (self.root / "BUILD_INFO").read_text()
-
-
-@dataclass(frozen=True)
-class GGUFResult:
-    """What `convert_to_gguf` wrote."""
-
-    path: Path
-    outtype: str
-    bytes: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Generation:
-    """Greedy continuation of a prompt in llama.cpp: token ids as its tokenizer and model chose them."""
-
-    prompt_tokens: tuple[int, ...]
-    tokens: tuple[int, ...]  # the new tokens only
-    text: str  # the new tokens as llama-completion printed them
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Perplexity:
-    """llama-perplexity's estimate: windows of `context` tokens, the second half of each scored."""
-
-    value: float
-    error: float  # its ± (standard error of the mean negative log-likelihood, propagated)
-    chunks: int
-    context: int
-    seconds: float
-
-
-def llamacpp_dir() -> Path:
-    """Where `make llamacpp` puts llama.cpp: `$GHOSTED_LLAMACPP`, else `cache_dir()/llama.cpp/<version>`."""
-    override = os.environ.get(LLAMACPP_ENV)
-    return Path(override).expanduser() if override else cache_dir() / "llama.cpp" / LLAMACPP_VERSION
-
-
-def find_llamacpp() -> LlamaCpp:
-    """The built llama.cpp, or a GhostedError that says how to build it."""
-    llama = LlamaCpp(llamacpp_dir())
-    needed = [llama.root / "BUILD_INFO", llama.converter, llama.gguf_py / "gguf", *(llama.tool(t) for t in TOOLS)]
-    missing = [p for p in needed if not p.exists()]
-    if missing:
-        raise GhostedError(f"llama.cpp is not built ({missing[0]} is missing): run `make llamacpp` once (it builds "
-                           f"llama.cpp {LLAMACPP_COMMIT} from PyPI's llama-cpp-python {LLAMACPP_VERSION} source, "
-                           "about 5 minutes on 2 cores)")
-    return llama
 
 
 def check_gguf_exportable(folder: str | Path) -> dict:
@@ -168,25 +93,6 @@ def _warn_sliding_window(config: dict, name: str) -> None:
     if windowed and window < config.get("max_position_embeddings", 0):
         log.warning("%s has a sliding window of %d tokens, which llama.cpp's %s graph does not apply: its outputs "
                     "differ from transformers' once a sequence is longer than that", name, window, model_type)
-
-
-def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> str:
-    """Run a llama.cpp program; its combined output, or a GhostedError quoting its last lines."""
-    lines: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
-    output: list[str] = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                          errors="replace") as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # streamed, so a long conversion logs as it goes
-            output.append(line)
-            if line.strip():
-                lines.append(line.rstrip())
-                log.debug("%s: %s", what, line.rstrip())
-        code = proc.wait()
-    if code != 0:
-        tail = " | ".join(lines) or "(no output)"
-        raise GhostedError(f"{what} failed (exit {code}): {tail}")
-    return "".join(output)
 
 
 def convert_to_gguf(folder: str | Path, out_path: str | Path, outtype: str = "f16",
@@ -227,90 +133,124 @@ def convert_to_gguf(folder: str | Path, out_path: str | Path, outtype: str = "f1
     return GGUFResult(out_path, outtype, size, seconds)
 
 
-def _session_tokens(path: Path) -> list[int]:
-    """Token ids of a llama.cpp session file: magic 'ggsn', version, count (u32 each), then int32 ids."""
-    data = path.read_bytes()
-    magic, _version, count = struct.unpack_from("<III", data)
-    if magic != 0x6767736E:
-        raise RuntimeError(f"{path} is not a llama.cpp session file")
-    return list(struct.unpack_from(f"<{count}i", data, 12))
+GGUF_FORMAT = "gguf"  # the export format (--export gguf): a stock folder with its GGUF files
+# Offered in the CLI and the app, largest first: the converter writes f16, llama-quantize the rest from it.
+GGUF_OUTTYPES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m")
 
 
-def llamacpp_generate(gguf: str | Path, prompt: str, max_new_tokens: int = 16, threads: int = 1,
-                      context: int = 1024) -> Generation:
-    """Greedy continuation of `prompt` by llama-completion (top-k 1, temperature 0, EOS ignored).
+@dataclass(frozen=True)
+class GGUFOptions:
+    """What `export_gguf` does beyond writing the files: an importance matrix, and a perplexity per file."""
 
-    The token ids come from the session file llama-completion saves (`--prompt-cache-all`), not from
-    re-tokenizing its text. `threads` is 1 by default: llama.cpp's threads spin while they wait, and on a
-    shared 2-core machine a second thread made generation ~30× slower. Time grows with
-    (prompt + new tokens) × parameters; memory with the weights plus a KV cache of `context` tokens.
-    """
-    llama = find_llamacpp()
-    with tempfile.TemporaryDirectory(prefix="ghosted-llamacpp-") as tmp:
-        session = Path(tmp) / "session.bin"
-        cmd = [str(llama.tool("llama-completion")), "-m", str(gguf), "-p", prompt, "-n", str(max_new_tokens),
-               "--temp", "0", "--top-k", "1", "--ignore-eos", "-no-cnv", "--no-display-prompt", "--no-warmup",
-               "-t", str(threads), "-c", str(context), "--prompt-cache", str(session), "--prompt-cache-all"]
-        start = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", check=False)
-        seconds = time.perf_counter() - start
-        if done.returncode != 0 or not session.exists():
-            tail = " | ".join(line for line in done.stderr.splitlines()[-STDERR_LINES:] if line.strip())
-            raise GhostedError(f"llama-completion failed on {Path(gguf).name} (exit {done.returncode}): {tail}")
-        ids = _session_tokens(session)
-    if len(ids) <= max_new_tokens:
-        raise RuntimeError(f"llama-completion saved {len(ids)} tokens for {max_new_tokens} new ones")
-    text = done.stdout.split("\nllama_completion: saving final output", 1)[0]  # it prints that line on stdout
-    return Generation(tuple(ids[:-max_new_tokens]), tuple(ids[-max_new_tokens:]), text, seconds)
+    imatrix_text: str | Path | None = None  # calibration text for llama-imatrix (a Path: a text file); None: none
+    imatrix_label: str = ""  # what that text is, for the card (e.g. the run's calibration corpus)
+    eval_text: str | Path | None = None  # every file's llama-perplexity, and the variant's in transformers fp32
+    eval_label: str = ""  # what that text is
+    context: int = 512  # tokens per window of llama-perplexity and llama-imatrix (llama.cpp's default)
+    ppl_chunks: int = 8  # windows scored (the second half of each)
+    imatrix_chunks: int = 32  # windows the importance matrix is summed over
+    max_chars: int = 200_000  # a longer text is cut to this many characters (the windows read less than that)
+    threads: int = 1  # llama.cpp's threads spin while they wait: 1 on a shared machine
 
 
-_FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
-_CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
+@dataclass(frozen=True)
+class GGUFExport(ExportResult):
+    """What `export_gguf` wrote: the stock folder, every GGUF in it, and how each scored."""
+
+    ggufs: tuple[GGUFResult, ...] = ()  # in the order asked for
+    imatrix: str | None = None  # the text the k-quants' importance matrix came from; None: no matrix
+    eval_label: str = ""  # the text of the perplexities
+    reference_ppl: float | None = None  # transformers fp32 on the same windows as llama-perplexity
+
+    def to_json(self) -> dict:
+        first = self.ggufs[0] if self.ggufs else None
+        evaluation = None if not self.eval_label or first is None or first.perplexity is None else {
+            "text": self.eval_label, "context": first.perplexity.context, "chunks": first.perplexity.chunks,
+            "transformers_fp32_ppl": self.reference_ppl}
+        return super().to_json() | {"ggufs": [g.to_json() for g in self.ggufs], "imatrix": self.imatrix,
+                                    "gguf_eval": evaluation}
 
 
-def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, context: int = 256, chunks: int | None = None,
-                        threads: int = 1) -> Perplexity:
-    """llama-perplexity on a text file: non-overlapping windows of `context` tokens (BOS first where the
-    vocabulary adds one), each scored on its second half.
-
-    Needs at least 2·`context` tokens; `chunks` caps the windows. Time grows with chunks × context ×
-    parameters; memory with the weights, a KV cache of `context` tokens and context × vocabulary logits.
-    """
-    llama = find_llamacpp()
-    cmd = [str(llama.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text_file), "-c", str(context),
-           "-b", str(context), "-t", str(threads), "--no-warmup"]
-    if chunks is not None:
-        cmd += ["--chunks", str(chunks)]
-    start = time.perf_counter()
-    output = _run(cmd, f"llama-perplexity on {Path(gguf).name}")
-    final, windows = _FINAL.search(output), _CHUNKS.search(output)
-    if final is None or windows is None:
-        raise RuntimeError(f"llama-perplexity printed no estimate: {output[-500:]}")
-    return Perplexity(float(final.group(1)), float(final.group(2)), int(windows.group(1)), int(windows.group(2)),
-                      time.perf_counter() - start)
-
-
-GGUF_FORMAT = "gguf"  # the export format (--export gguf): a stock folder with its GGUF
-GGUF_OUTTYPES = ("f16", "q8_0")  # offered in the CLI and the app (the converter also writes bf16 and f32)
+def parse_gguf_types(types: str | Sequence[str]) -> tuple[str, ...]:
+    """A comma list (or sequence) of GGUF types, checked against `GGUF_OUTTYPES` (case ignored, repeats dropped)."""
+    items = types.split(",") if isinstance(types, str) else list(types)
+    names = tuple(dict.fromkeys(str(t).strip().lower() for t in items if str(t).strip()))
+    unknown = [n for n in names if n not in GGUF_OUTTYPES]
+    if unknown or not names:
+        what = f"unknown GGUF type {unknown[0]!r}" if unknown else "no GGUF type given"
+        raise GhostedError(f"{what}; use one or more of {', '.join(GGUF_OUTTYPES)} (a comma list)")
+    return names
 
 
 def gguf_name(folder: Path, outtype: str) -> str:
     return f"{folder.name}-{outtype}.gguf"
 
 
-def export_gguf(model, tokenizer, folder: str | Path, outtype: str = "f16") -> ExportResult:
-    """`export_variant` as a stock folder, then llama.cpp's converter into `folder/<name>-<outtype>.gguf`.
+def _text_file(text: str | Path, options: GGUFOptions, path: Path) -> Path:
+    """A text for llama.cpp as a file: a Path is used as it is, a string written (cut to `max_chars`)."""
+    if isinstance(text, Path):
+        return text
+    path.write_text(text[: options.max_chars])
+    return path
 
-    Refused (GhostedError, before anything is written) when llama.cpp is not built or the variant does
-    not fold into a stock checkpoint. The model card gains a GGUF section. Time and memory: the stock
-    export's, then the converter's (see `convert_to_gguf`); disk: the folder plus 2 B/param at f16.
+
+def _reference_ppl(model, tokenizer, folder: Path, text: str, options: GGUFOptions) -> float:
+    """transformers' fp32 perplexity of the variant on llama-perplexity's windows: the model itself when it is
+    fp32, else its stock export reloaded in fp32 on the CPU (memory: 4 B per parameter more)."""
+    if next(model.parameters()).dtype != torch.float32:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return llamacpp_windowed_perplexity(model, tokenizer, text, options.context, options.ppl_chunks)
+
+
+def export_gguf(model, tokenizer, folder: str | Path, types: str | Sequence[str] = "f16",
+                options: GGUFOptions = GGUFOptions()) -> GGUFExport:
+    """`export_variant` as a stock folder, then its GGUF files `folder/<name>-<type>.gguf` for every type asked.
+
+    llama.cpp's converter writes f16 once; llama-quantize makes every other type from it (with an importance
+    matrix from `options.imatrix_text` when given). The f16 file is kept only when asked for; otherwise it is
+    written to a hidden folder beside `folder` and removed. With `options.eval_text`, each file is scored by
+    llama-perplexity, and the variant by transformers in fp32 on the same windows. The model card gains a
+    GGUF section listing every file with its type, size and perplexity.
+
+    Refused (GhostedError, before anything is written) when a type is unknown, llama.cpp is not built or the
+    variant does not fold into a stock checkpoint. Time: the stock export, one conversion (see
+    `convert_to_gguf`), one llama-quantize per other type (grows with parameters), the importance matrix
+    (imatrix_chunks × context tokens of forward passes) and the perplexities ((types + 1) × ppl_chunks ×
+    context tokens). Memory: the converter's, then one llama.cpp process at a time (weights, a KV cache of
+    `context`); the fp32 reference needs an fp32 copy unless the model is fp32. Disk: the folder, plus
+    2 B/param for the f16 (kept or not) and each type's own size.
     """
-    if outtype not in OUTTYPES:
-        raise GhostedError(f"unknown GGUF type {outtype!r}; use one of {', '.join(OUTTYPES)}")
+    types = parse_gguf_types(types)
     find_llamacpp()
     result = export_variant(model, tokenizer, folder, mode="stock")
-    converted = convert_to_gguf(result.folder, result.folder / gguf_name(result.folder, outtype), outtype)
-    card = result.folder / "README.md"
-    card.write_text(card.read_text() + gguf_section(converted.path.name, outtype, LLAMACPP_COMMIT, LLAMACPP_VERSION))
-    files = tuple(sorted(p.name for p in result.folder.iterdir()))
-    return replace(result, files=files, gguf=converted.path)
+    folder = result.folder
+    written: list[GGUFResult] = []
+    reference = None
+    with tempfile.TemporaryDirectory(prefix=f".{folder.name}-gguf-", dir=folder.parent) as tmp:
+        work = Path(tmp)
+        f16 = convert_to_gguf(folder, (folder if "f16" in types else work) / gguf_name(folder, "f16"), "f16")
+        imatrix = None
+        if options.imatrix_text is not None and any("_k" in t for t in types):  # Q8_0 and f16 ignore a matrix
+            text_file = _text_file(options.imatrix_text, options, work / "calibration.txt")
+            imatrix = compute_imatrix(f16.path, text_file, work / f"{folder.name}.imatrix.gguf", options.context,
+                                      options.imatrix_chunks, options.threads)
+        for name in types:
+            written.append(f16 if name == "f16" else quantize_gguf(
+                f16.path, folder / gguf_name(folder, name), name, imatrix, options.threads))
+        if options.eval_text is not None:
+            text_file = _text_file(options.eval_text, options, work / "evaluation.txt")
+            written = [replace(g, perplexity=llamacpp_perplexity(g.path, text_file, options.context,
+                                                                 options.ppl_chunks, options.threads))
+                       for g in written]
+            reference = _reference_ppl(model, tokenizer, folder, text_file.read_text(), options)
+    imatrix_label = None if imatrix is None else options.imatrix_label or "calibration text"
+    card = folder / "README.md"
+    card.write_text(card.read_text() + gguf_section(
+        [g.to_json() for g in written], LLAMACPP_COMMIT, LLAMACPP_VERSION, imatrix=imatrix_label,
+        eval_label=options.eval_label if options.eval_text is not None else "", reference_ppl=reference))
+    files = tuple(sorted(p.name for p in folder.iterdir()))
+    return GGUFExport(**{**vars(result), "files": files, "gguf": written[0].path}, ggufs=tuple(written),
+                      imatrix=imatrix_label, eval_label=options.eval_label if options.eval_text is not None else "",
+                      reference_ppl=reference)

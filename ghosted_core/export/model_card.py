@@ -8,7 +8,7 @@ it to each variant's `config.ghosted` record, so any saved variant can describe 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,11 +163,34 @@ def model_card(record: Mapping[str, Any], mode: str, reason: str, architecture: 
     return "\n".join(lines)
 
 
-def gguf_section(file_name: str, outtype: str, commit: str, version: str) -> str:
-    """The card's section for the GGUF beside the checkpoint: what wrote it and how llama.cpp runs it."""
-    return "\n".join(["", "## GGUF (llama.cpp)", "",
-                      f"`{file_name}` ({outtype}) was written from this folder by llama.cpp's own "
-                      f"`convert_hf_to_gguf.py` (llama.cpp {commit}, from llama-cpp-python {version}'s source). "
-                      "Run it with llama.cpp:", "", "```bash",
-                      f'llama-cli -m {file_name} -p "The capital of France is" -n 32',
-                      f"llama-server -m {file_name} --port 8080   # an OpenAI-compatible server", "```", ""])
+GGUF_TYPE_NOTES = {"f16": "16-bit floats, the converter's own output", "q8_0": "8-bit, near lossless",
+                   "q6_k": "6-bit k-quant", "q5_k_m": "5-bit k-quant mix", "q4_k_m": "4-bit k-quant mix, the usual download"}
+
+
+def gguf_section(files: Sequence[Mapping[str, Any]], commit: str, version: str, imatrix: str | None = None,
+                 eval_label: str = "", reference_ppl: float | None = None) -> str:
+    """The card's section for the GGUF files beside the checkpoint: each file with its type, size and
+    llama-perplexity (`GGUFResult.to_json` entries), what wrote them and how llama.cpp runs them."""
+    scored = any("ppl" in f for f in files)
+    header = "| file | type | size |" + (" perplexity (llama.cpp) |" if scored else "")
+    rows = [header, "|---|---|---|" + ("---|" if scored else "")]
+    for f in files:
+        note = GGUF_TYPE_NOTES.get(f["type"], "")
+        ppl = f" {f['ppl']:.3f} ± {f['ppl_error']:.3f} |" if "ppl" in f else (" - |" if scored else "")
+        rows.append(f"| `{f['file']}` | {f['type']}{f' ({note})' if note else ''} | {f['bytes'] / 1e6:.1f} MB |{ppl}")
+    made = (f"written from this folder by llama.cpp's own `convert_hf_to_gguf.py` (f16) and `llama-quantize` (the "
+            f"others, from that f16) of llama.cpp {commit}, from llama-cpp-python {version}'s source")
+    lines = ["", "## GGUF (llama.cpp)", "", f"These files were {made}.", ""]
+    if imatrix:
+        lines += [f"The k-quants used an importance matrix (`llama-imatrix`) computed on {imatrix}.", ""]
+    lines += rows + [""]
+    if scored:
+        first = next(f for f in files if "ppl" in f)
+        reference = "" if reference_ppl is None else (f" The same variant in transformers (fp32) on the same windows: "
+                                                      f"{reference_ppl:.3f}.")
+        lines += [f"Perplexity: `llama-perplexity` on {eval_label or 'a held-out text'}, {first['chunks']} windows of "
+                  f"{first['context']} tokens, the second half of each scored.{reference}", ""]
+    name = files[0]["file"] if files else "MODEL.gguf"
+    lines += ["Run one with llama.cpp:", "", "```bash", f'llama-cli -m {name} -p "The capital of France is" -n 32',
+              f"llama-server -m {name} --port 8080   # an OpenAI-compatible server", "```", ""]
+    return "\n".join(lines)

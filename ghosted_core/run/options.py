@@ -31,6 +31,7 @@ from ghosted_core.selection.criteria import SelectionRequest, check_blocks_liste
 from ghosted_core.selection.footprint import Footprint, ScoreShapes
 from ghosted_core.selection.similarity import similarity_bytes
 from ghosted_core.evaluation.tasks import parse_tasks
+from ghosted_core.export.gguf import GGUFOptions
 from ghosted_core.data.user_text import USER_CORPUS, UserText
 from ghosted_core.distill.budget import distill_plan
 from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions, kd_name, split_kd_name
@@ -360,3 +361,15 @@ def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool 
     sequences = options.train_size or min_calibration_sequences(width, options.seqlen)
     inner = 0 if config is None else inner_width(config, needs)
     return statistics_bytes(width, needs, options.calibrate.capacity(sequences), branch, inner)
+
+
+def gguf_options(options: RunOptions, imatrix: bool = False, **overrides) -> GGUFOptions:
+    """The GGUF export's texts from a run: the importance matrix (when asked) on the run's own calibration text,
+    every file's perplexity on the evaluation part of its first perplexity corpus (of its calibration corpus
+    when it evaluates none). Both are the texts the run read, never new data."""
+    calibration = corpora.get_corpus(options.corpus(options.calibration, "calibration"), "calibration")
+    name = options.eval_corpora[0] if options.eval_corpora else options.calibration
+    evaluation = corpora.get_corpus(options.corpus(name, "evaluation"), "evaluation")
+    return GGUFOptions(imatrix_text=calibration.text if imatrix else None,
+                       imatrix_label=f"the run's calibration text, {calibration.label}" if imatrix else "",
+                       eval_text=evaluation.text, eval_label=evaluation.label, **overrides)

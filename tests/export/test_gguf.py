@@ -323,8 +323,8 @@ def test_export_gguf_refuses_what_does_not_fold_before_writing(tiny_llama, tmp_p
     monkeypatch.setattr("ghosted_core.export.gguf.find_llamacpp", lambda: None)  # refused before llama.cpp is needed
     with pytest.raises(GhostedError, match="cannot be exported as a stock checkpoint"):
         export_gguf(variants["ghost_capped"], None, tmp_path / "ghost_capped")
-    with pytest.raises(GhostedError, match="unknown GGUF type"):
-        export_gguf(variants["none"], None, tmp_path / "none", "q4_k_m")
+    with pytest.raises(GhostedError, match="unknown GGUF type 'q3_k_s'; use one or more of f16, q8_0"):
+        export_gguf(variants["none"], None, tmp_path / "none", "f16,q3_k_s")
     assert not (tmp_path / "ghost_capped").exists() and not (tmp_path / "none").exists()
 
 

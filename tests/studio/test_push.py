@@ -204,12 +204,54 @@ def test_a_gguf_save_downloads_the_gguf_and_pushes_it_with_the_folder(served, on
     except GhostedError as err:
         pytest.skip(str(err))
     client = served(oauth_token="hf_oauth_user_token")
-    result = tiny_run(client, tiny_model_folder, export_format="gguf", gguf_type="q8_0")
+    result = tiny_run(client, tiny_model_folder, export_format="gguf", gguf_type=["q8_0"])
     assert str(result["model_file"]).endswith("-magcomp_refit-q8_0.gguf") and "**GGUF**" in result["save_note"]
     message, _ = client.predict("pruned-tiny-gguf", False, "", api_name="/push")
     files = online.calls[1][2]
     assert any(f.endswith("-q8_0.gguf") for f in files) and "config.json" in files
     assert ".gguf" in message
+
+
+def test_several_gguf_types_download_as_one_zip_and_all_are_pushed(served, online, tiny_model_folder):
+    """Two types and the importance matrix: the download is a zip of both GGUF files, the note lists each with
+    its size and perplexity, and the push sends both with the folder."""
+    import zipfile
+
+    from ghosted_core.export.gguf import find_llamacpp
+
+    try:
+        find_llamacpp()
+    except GhostedError as err:
+        pytest.skip(str(err))
+    client = served(oauth_token="hf_oauth_user_token")
+    result = tiny_run(client, tiny_model_folder, export_format="gguf", gguf_type=["q4_k_m", "q8_0"],
+                      gguf_imatrix=True)
+    archive = Path(result["model_file"])
+    assert archive.name.endswith("-magcomp_refit-gguf.zip"), archive
+    with zipfile.ZipFile(archive) as zipped:
+        inside = sorted(Path(n).name for n in zipped.namelist())
+    assert [n.rsplit("-", 1)[1] for n in inside] == ["q4_k_m.gguf", "q8_0.gguf"]
+    note = result["save_note"]
+    assert all(f"`{name}` (" in note and "MB, ppl " in note for name in inside) and "importance matrix" in note
+    message, _ = client.predict("pruned-tiny-ggufs", False, "", api_name="/push")
+    files = online.calls[1][2]
+    assert set(inside) <= set(files) and not any(f.endswith("f16.gguf") for f in files)
+    assert all(f"`{name}`" in message for name in inside)
+
+
+def test_an_unknown_gguf_type_is_refused_before_the_run(served, tiny_model_folder, capsys):
+    """Gradio refuses a type that is not among the choices before the handler runs; the library refuses it too."""
+    from ghosted_core.run.options import RunOptions, parse_variants
+    from studio.runner import QuickTasks, build_request
+
+    client = served()
+    with pytest.raises(Exception, match="400 Bad Request"):
+        tiny_run(client, tiny_model_folder, export_format="gguf", gguf_type=["q2_k"])
+    assert "'q2_k' (type: <class 'str'>) is not in the list of choices" in capsys.readouterr().out
+    with pytest.raises(GhostedError, match="unknown GGUF type 'q2_k'"):
+        build_request(RunOptions(model=str(tiny_model_folder), variants=parse_variants("none,magcomp_refit"),
+                                 num_prune=2),
+                      QuickTasks(), "magcomp_refit", "gguf", "single depth", "", gguf_type=["q2_k"])
 
 
 def test_every_push_error_is_one_message_and_clears_the_token_box(served, online, tiny_model_folder, monkeypatch):
