@@ -5,6 +5,7 @@ from __future__ import annotations
 from ghosted_core.cli_distill import distill_lines
 from ghosted_core.recovery.assessment import HELDOUT_FLAG
 from ghosted_core.report.summary import run_headline
+from ghosted_core.report.tables import gain_cells
 from ghosted_core.run.result import RunResult
 from ghosted_core.run.sweep import SweepResult
 from ghosted_core.selection.criteria import criterion_title
@@ -110,18 +111,12 @@ def summary(result: RunResult) -> str:
     return "\n".join(lines)
 
 
-GAIN_HEADER = ["size MB (x dense)", "prefill / decode x dense"]
+GAIN_HEADER = ["size as saved (x dense)", "prefill / decode x dense"]
 
 
 def _gain_cells(entry: dict) -> list[str]:
-    """A variant's saved size and its speed against dense, as plain text ('-' where not measured)."""
-    gain = entry.get("gain")
-    if not gain:
-        return ["-", "-"]
-    size = f"{gain['weight_bytes'] / 1e6:.0f} ({gain.get('size_vs_dense', 1.0):.2f})" + \
-        (" remote code" if gain.get("format") == "remote_code" else "")
-    speed = f"{gain['prefill_vs_dense']:.2f} / {gain['decode_vs_dense']:.2f}" if "decode_vs_dense" in gain else "-"
-    return [size, speed]
+    """A variant's saved size and its speed against dense, as a terminal shows them ('-' where not measured)."""
+    return gain_cells(entry, times="x", missing="-")
 
 
 def _gain_lines(settings: dict | None) -> list[str]:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from ghosted_core.export.gain import cpu_name
 from studio.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -26,17 +26,6 @@ MEASUREMENT = Path(__file__).resolve().parents[1] / "bench" / "results" / "app_s
 # The defaults a default run's time depends on (a measurement with other values is said to be of earlier defaults).
 TIMED_SETTINGS = ("model", "criterion", "depth", "operators", "calibration", "samples", "seqlen", "eval_corpora",
                   "eval_tokens", "drift_windows", "new_tokens")
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what the platform module says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> dict:

@@ -177,14 +177,16 @@ SIZE_COLUMN = "size as saved"
 SPEED_COLUMN = "speed × dense (prefill / decode)"
 
 
-def gain_cells(entry: dict) -> list[str]:
-    """A variant's size ('433 MB · 0.80×', with '(remote code)' where it cannot be stock) and its speed against dense."""
+def gain_cells(entry: dict, times: str = "×", missing: str = "–") -> list[str]:
+    """A variant's size ('433 MB · 0.80×', with '(remote code)' where it cannot be stock) and its speed against dense
+    ('1.25× / 1.21×', prefill / decode); `times` and `missing` as the page or a terminal writes them."""
     gain = entry.get("gain")
     if not gain:
-        return ["–", "–"]
-    size = f"{gain['weight_bytes'] / 1e6:,.0f} MB · {gain.get('size_vs_dense', 1.0):.2f}×" + \
+        return [missing, missing]
+    size = f"{gain['weight_bytes'] / 1e6:,.0f} MB · {gain.get('size_vs_dense', 1.0):.2f}{times}" + \
         (" (remote code)" if gain.get("format") == "remote_code" else "")
-    speed = f"{gain['prefill_vs_dense']:.2f}× / {gain['decode_vs_dense']:.2f}×" if "decode_vs_dense" in gain else "–"
+    speed = f"{gain['prefill_vs_dense']:.2f}{times} / {gain['decode_vs_dense']:.2f}{times}" \
+        if "decode_vs_dense" in gain else missing
     return [size, speed]
 
 

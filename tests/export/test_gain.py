@@ -126,7 +126,7 @@ def test_cli_prints_and_records_size_and_speed(depth, tiny_model_folder, tmp_pat
                  "--eval_ppl", "ptb", "--eval_max_tokens", "128", "--speed_repeats", "2", "--outdir", str(tmp_path),
                  "--quiet"])
     out = capsys.readouterr().out
-    assert code == 0 and "size MB (x dense)" in out and "median of 2 rounds beside dense" in out
+    assert code == 0 and "size as saved (x dense)" in out and "median of 2 rounds beside dense" in out
     report = json.loads((tmp_path / "results.json").read_text())
     gains = [r["variants"]["ghost"]["gain"] for r in report["sweep"]["results"]] if ":" in depth else \
         [report["variants"]["ghost"]["gain"]]
