@@ -9,9 +9,10 @@ For each setting (a model, streamline's blocks at one depth, the stock operators
 llama.cpp's converter, and quantized by llama-quantize to each type, the k-quants with an importance matrix that
 llama-imatrix computes on the run's own calibration text (as gguf-my-repo offers). Each file gets:
 - its size on disk;
-- llama-bench prefill (pp) and decode (tg) tokens/s, with 1 thread and with every core, each the median of
-  llama-bench's repetitions; the files of one type are timed one after another in one round, dense first, so a
-  variant's ratio is to the dense file of the same type under the same load;
+- llama-bench prefill (pp) and decode (tg) tokens/s (f16, q8_0 and q4_k_m by default), with 1 thread and with
+  every core: the files of one type are timed in rounds, each round visiting dense and every variant once, and
+  each figure is the median over every round's repetitions, so a variant's ratio is to the dense file of the
+  same type under the same load;
 - llama-perplexity on the first windows of ptb (exact), beside transformers' fp32 perplexity of the same variant
   on the same windows (`evaluation.perplexity.llamacpp_windowed_perplexity`).
 
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 
 from ghosted_core.data import corpora  # noqa: E402
 from ghosted_core.evaluation.perplexity import llamacpp_windowed_perplexity  # noqa: E402
+from ghosted_core.errors import GhostedError  # noqa: E402
 from ghosted_core.export.folder import export_variant  # noqa: E402
 from ghosted_core.export.gain import SpeedOptions, cpu_name  # noqa: E402
 from ghosted_core.export.gguf import convert_to_gguf  # noqa: E402
@@ -57,9 +59,10 @@ SETTINGS = {  # name: (model, blocks removed by streamline, stock operators)
     "smollm2-n4": ("smollm2-135m", 4, "none,magcomp_refit"),
     "smollm2-n7": ("smollm2-135m", 7, "none,magcomp,magcomp_refit,replaceme,refit"),
     "smollm2-n11": ("smollm2-135m", 11, "none,magcomp_refit"),
-    "gemma3-n6": ("gemma3-270m", 6, "none,magcomp,replaceme"),
+    "gemma3-n6": ("gemma3-270m", 6, "none,magcomp"),  # replaceme's map sits before Gemma-3's post-norm: not stock
 }
 TYPES = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m")
+SPEED_TYPES = ("f16", "q8_0", "q4_k_m")  # timed (every type is sized and scored)
 CONTEXT = 256  # llama-perplexity's and llama-imatrix's windows
 CHUNKS = 8  # perplexity windows (2048 tokens of ptb)
 IMATRIX_CHUNKS = 16  # importance-matrix windows of the calibration text (4096 tokens)
@@ -72,6 +75,16 @@ def text_file(folder: Path, name: str, split: str) -> Path:
     return path
 
 
+def retried(call):
+    """A llama.cpp tool run, once more if it fails: on a machine shared with a test suite, a run was seen to end
+    without its final line (its output cut after 7 of 8 windows)."""
+    try:
+        return call()
+    except GhostedError as err:
+        print(f"  retrying once: {err}", flush=True)
+        return call()
+
+
 def weights_per_token(config) -> dict:
     """Multiply-adds per decoded token, from the config: one block's weights, and the LM head's (V × C)."""
     c, v, i = int(config.hidden_size), int(config.vocab_size), int(config.intermediate_size)
@@ -81,14 +94,22 @@ def weights_per_token(config) -> dict:
     return {"block": block, "head": v * c, "layers": int(config.num_hidden_layers)}
 
 
-def bench_file(path: Path, threads: list[int], args) -> dict:
-    """llama-bench at each thread count: prefill and decode medians with their repetitions."""
-    out = {}
-    for t in threads:
-        result = llamacpp_bench(path, threads=t, n_prompt=args.prefill, n_gen=args.decode, repetitions=args.repetitions)
-        out[str(t)] = {"prefill_tps": result.prefill.median, "decode_tps": result.decode.median,
-                       "prefill_samples": list(result.prefill.samples), "decode_samples": list(result.decode.samples)}
-    return out
+def bench_rounds(files: dict[str, Path], threads: list[int], args) -> dict[str, dict]:
+    """llama-bench on every file at each thread count, in `args.rounds` rounds that each visit every file once (in a
+    rotated order), so that load that comes and goes on a shared machine hits every file alike; per file and thread
+    count, the median over all rounds' repetitions."""
+    samples = {name: {str(t): {"prefill": [], "decode": []} for t in threads} for name in files}
+    names = list(files)
+    for round_ in range(args.rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            for t in threads:
+                result = llamacpp_bench(files[name], threads=t, n_prompt=args.prefill, n_gen=args.decode,
+                                        repetitions=args.repetitions)
+                samples[name][str(t)]["prefill"] += list(result.prefill.samples)
+                samples[name][str(t)]["decode"] += list(result.decode.samples)
+    return {name: {t: {"prefill_tps": statistics.median(s["prefill"]), "decode_tps": statistics.median(s["decode"]),
+                       "prefill_samples": s["prefill"], "decode_samples": s["decode"]} for t, s in per.items()}
+            for name, per in samples.items()}
 
 
 def measure_setting(name: str, args, work: Path, threads: list[int]) -> dict:
@@ -117,16 +138,17 @@ def measure_setting(name: str, args, work: Path, threads: list[int]) -> dict:
         reference = llamacpp_windowed_perplexity(model, result.tokenizer, ptb.read_text(), CONTEXT, CHUNKS)
         rows[variant] = {"transformers_fp32_ppl": reference, "types": {}}
         for t, path in files[variant].items():
-            ppl = llamacpp_perplexity(path, ptb, CONTEXT, CHUNKS, threads=max(threads))
+            ppl = retried(lambda: llamacpp_perplexity(path, ptb, CONTEXT, CHUNKS, threads=max(threads)))
             rows[variant]["types"][t] = {"bytes": path.stat().st_size, "ppl": ppl.value, "ppl_error": ppl.error}
         print(f"  {name} {variant}: files written and scored ({time.perf_counter() - start:.0f} s)", flush=True)
-    for t in args.types:  # timed type by type, dense first, every variant right after it
-        for variant in folders:
-            rows[variant]["types"][t]["speed"] = bench_file(files[variant][t], threads, args)
+    for t in [t for t in args.types if t in args.speed_types]:  # type by type: dense and every variant in rounds
+        for variant, speed in bench_rounds({v: files[v][t] for v in folders}, threads, args).items():
+            rows[variant]["types"][t]["speed"] = speed
+        print(f"  {name} {t}: timed ({time.perf_counter() - start:.0f} s)", flush=True)
     for variant in folders:  # what each file's perplexity and speed are against
         for t, entry in rows[variant]["types"].items():
             entry["ppl_vs_own_f16"] = entry["ppl"] / rows[variant]["types"]["f16"]["ppl"] if "f16" in args.types else None
-            for n, speed in entry["speed"].items():
+            for n, speed in entry.get("speed", {}).items():
                 dense = rows["dense"]["types"][t]["speed"][n]
                 speed["prefill_vs_dense"] = speed["prefill_tps"] / dense["prefill_tps"]
                 speed["decode_vs_dense"] = speed["decode_tps"] / dense["decode_tps"]
@@ -156,6 +178,9 @@ def print_setting(entry: dict, threads: list[int]) -> None:
     for variant, row in entry["variants"].items():
         for t, e in row["types"].items():
             line = f"{variant:<14}{t:<8}{e['bytes'] / 1e6:>8.1f}{e['ppl']:>10.2f}{e['ppl_vs_own_f16'] or 0:>8.3f}"
+            if "speed" not in e:
+                print(line)
+                continue
             for n in map(str, threads):
                 s = e["speed"][n]
                 line += f"{s['prefill_vs_dense']:>17.3f}x{s['decode_vs_dense']:>17.3f}x{s['decode_tps']:>16.1f}"
@@ -164,26 +189,59 @@ def print_setting(entry: dict, threads: list[int]) -> None:
         print(f"{'':<14}{'(transformers fp32 ppl on the same windows: ' + format(row['transformers_fp32_ppl'], '.2f') + ')'}")
 
 
+def markdown(report: dict) -> str:
+    """docs/results.md's tables from a results file: per setting, each variant × type with its size, perplexity
+    against its own f16, and (where timed) decode and prefill against dense and decode against plain pruning."""
+    out = []
+    for name, entry in report["settings"].items():
+        threads = [str(t) for t in report["threads"]]
+        out.append(f"**{entry['model']}, streamline n = {entry['depth']} of {entry['layers']}** (blocks "
+                   f"{entry['removed'][0]}–{entry['removed'][-1]}): ideal decode speed-up {entry['ideal_speedup']:.3f}×, "
+                   f"predicted with the LM head {entry['predicted_speedup']:.3f}× (the head is "
+                   f"{100 * entry['head_share_dense']:.0f}% of a dense token's multiply-adds, "
+                   f"{100 * entry['head_share_pruned']:.0f}% of a pruned one's).\n")
+        cols = "".join(f" tg × dense ({t}t) | pp × dense ({t}t) |" for t in threads)
+        out.append(f"| variant | type | MB | ppl ptb | × own f16 |{cols} tg × none (1t) |")
+        out.append("|---|---|---|---|---|" + "---|---|" * len(threads) + "---|")
+        for variant, row in entry["variants"].items():
+            for t, e in row["types"].items():
+                speed = e.get("speed")
+                cells = "".join(f" {speed[n]['decode_vs_dense']:.3f} | {speed[n]['prefill_vs_dense']:.3f} |"
+                                for n in threads) if speed else " – | – |" * len(threads)
+                none = speed[threads[0]].get("decode_vs_none") if speed else None
+                out.append(f"| {variant} | {t} | {e['bytes'] / 1e6:.1f} | {e['ppl']:.2f} | {e['ppl_vs_own_f16']:.3f} |"
+                           f"{cells} {'–' if none is None or variant in ('dense', 'none') else f'{none:.3f}'} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma list of {', '.join(SETTINGS)}")
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--prefill", type=int, default=64, help="llama-bench prompt tokens (pp)")
-    parser.add_argument("--decode", type=int, default=32, help="llama-bench generated tokens (tg)")
-    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--decode", type=int, default=64, help="llama-bench generated tokens (tg)")
+    parser.add_argument("--repetitions", type=int, default=2, help="llama-bench repetitions per call")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds over every file of a type (see bench_rounds)")
+    parser.add_argument("--speed_types", default=",".join(SPEED_TYPES), help="the types that are timed")
     parser.add_argument("--quick", action="store_true", help="one setting's speed at 1 thread, 2 repetitions")
     parser.add_argument("--out", default=None, help=out_help("gain"))
+    parser.add_argument("--table", default=None, metavar="JSON", help="print the markdown tables of a results file")
     args = parser.parse_args()
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())))
+        return
     args.types = [t.strip() for t in args.types.split(",") if t.strip()]
+    args.speed_types = [t.strip() for t in args.speed_types.split(",") if t.strip()]
     args.out = str(result_path("gain", args.quick, args.out))
     torch.set_num_threads(os.cpu_count() or 1)
     torch.set_grad_enabled(False)
     threads = [1] if args.quick else sorted({1, os.cpu_count() or 1})
     if args.quick:
-        args.repetitions = 2
+        args.repetitions, args.rounds = 1, 2
     report = {"command": " ".join(sys.argv), "cpu": cpu_name(), "cores": os.cpu_count(), "threads": threads,
               "llamacpp": LLAMACPP_COMMIT, "prefill_tokens": args.prefill, "decode_tokens": args.decode,
-              "repetitions": args.repetitions, "perplexity": f"ptb (exact), {CHUNKS} windows of {CONTEXT} tokens, "
+              "repetitions": args.repetitions, "rounds": args.rounds, "perplexity": f"ptb (exact), {CHUNKS} windows of {CONTEXT} tokens, "
               "second halves scored", "imatrix": f"mix calibration text (a stand-in for C4), {IMATRIX_CHUNKS} × "
               f"{CONTEXT} tokens", "load_average_start": os.getloadavg()[0], "settings": {}}
     with tempfile.TemporaryDirectory(prefix="ghosted-gain-") as tmp:
