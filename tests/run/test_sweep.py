@@ -171,7 +171,7 @@ def test_results_json_has_a_sweep_entry(loaded, tiny_model_folder):
     dense = sweep["dense"]["ppl"]
     for entry in sweep["results"]:
         assert len(entry["removed_layers"]) == entry["n"] and len(entry["boundaries"]) == 1
-        assert set(entry["timings"]) == {"fit operators", "perplexity"}
+        assert set(entry["timings"]) == {"fit operators", "perplexity", "size and speed"}
         variants = entry["variants"]
         for corpus in ("ptb", "wiki"):
             none, ghost = variants["none"]["ppl"][corpus], variants["ghost"]["ppl"][corpus]

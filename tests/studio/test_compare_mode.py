@@ -36,9 +36,10 @@ def test_compare_mode_streams_criterion_by_criterion_and_fills_the_map_scores_an
     assert [t["name"].split(":")[0] for t in heat[1:]] == CRITERIA
     scores = plot_traces(final["criterion_scores"])
     assert [t["name"] for t in scores] == CRITERIA and all(t["y"] for t in scores)
-    rows = final["compare_table"]["data"]
+    table = final["compare_table"].get("value", final["compare_table"])  # sent as an update with its column widths
+    rows = table["data"]
     assert [row[0] for row in rows] == CRITERIA  # criteria × operators: a row per criterion
-    assert final["compare_table"]["headers"][2:-1] == list(settings.DEFAULTS.operators)
+    assert table["headers"][2:-1] == list(settings.DEFAULTS.operators)
     assert sum("★" in str(cell) for row in rows for cell in row) == 1 and "Best: " in final["status"]
     assert "mix" in final["compare_caption"] and "rerun on yours" in final["compare_caption"]
     # streamed criterion by criterion: the score chart grew one panel at a time
