@@ -48,7 +48,7 @@ def speed_by_default() -> bool:
 class SpeedOptions:
     """How the speed of every variant is measured (sizes are always reported; they cost no forward pass)."""
 
-    measure: bool = field(default_factory=lambda: speed_by_default())  # False: sizes only (--no_speed)
+    measure: bool = field(default_factory=speed_by_default)  # False: sizes only (--no_speed)
     prefill_tokens: int = 64
     decode_tokens: int = 8  # a run's quick figure (~0.6 s a round for SmolLM2 on 2 cores); bench/gain.py times more
     repeats: int = 3
