@@ -6,9 +6,9 @@ the blocks (what the criterion declares, `selection.footprint`), calibrate (one
 batch's activations, every boundary's statistics, and for `blocks` the hidden states and masks
 on the host), fit (the statistics, the fit's working matrices, every variant's kept maps and
 modules, a sweep's kept dense states), the held-out pass, and evaluate (perplexity and drift
-transients and the LM-head logits of one chunk; then drift). The plan is the largest phase on the compute
-device and on the host. It then picks the calibration pipeline (`choose_pipeline`: the only
-place "auto" is resolved) and where the statistics live, and refuses, with one line naming the
+transients and the LM-head logits of one chunk; then drift; then each variant's size and speed at
+batch 1). The plan is the largest phase on the compute device and on the host. It then picks the
+calibration pipeline (`choose_pipeline`: the only place "auto" is resolved) and where the statistics live, and refuses, with one line naming the
 way out, what cannot fit.
 
 Planned once the model is loaded, the free memory measured then is added to what the model
@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory_parts import (GIB, OperatorCost, activation_bytes, block_parameters, choice_bytes, drift_bytes,
                                        dtype_bytes, estimate_parameters, evaluation_bytes, fit_bytes, kept_bytes,
-                                       kept_states_bytes, logits_bytes, mask_bytes)
+                                       kept_states_bytes, logits_bytes, mask_bytes, speed_bytes)
 from ghosted_core.statistics import STATS_ITEM, StatNeeds, statistics_bytes
 
 HEADROOM = 0.9  # plan against 90% of what the device reports free
@@ -118,6 +118,7 @@ class PlanRequest:
     kept_indices: int = 0  # a sweep's dense-state indices kept for every corpus (0: none)
     kept_cap: int = 0  # above this many bytes the sweep keeps no dense states
     drift: bool = False  # per-block drift on one window at a time
+    speed_tokens: int = 0  # the size-and-speed stage's prompt + new tokens (0: speed not measured)
     sequential: bool = False  # +seq variants: one more boundary's statistics and a calibration batch while fitting
     keep_heldout: bool = False  # the run may keep the held-out rows from the calibration pass (a single run does)
     pipeline: str = "auto"
@@ -303,6 +304,7 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
                if r.distill_device or r.distill_host else {}),
             "evaluate": {"model": later + kept + evaluate, "stats": stats_after},
             "drift": {"model": later + drift},
+            **({"size and speed": {"model": later + speed_bytes(config, r.speed_tokens, dtype)}} if r.speed_tokens else {}),
         }
         if not r.boundaries:  # nothing to calibrate (the dense model alone, or no block removed): those stages never run
             for phase in ("calibrate", "fit", "held-out"):

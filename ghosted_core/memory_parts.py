@@ -96,6 +96,18 @@ def evaluation_bytes(config: PretrainedConfig, batch: int, seqlen: int, dtype: t
     return forward_bytes(config, batch * seqlen, seqlen, item) + 2 * batch * seqlen * config.hidden_size * item
 
 
+def speed_bytes(config: PretrainedConfig, tokens: int, dtype: torch.dtype) -> int:
+    """The size-and-speed stage (`export.gain`) on one model at batch 1: the prompt's forward (`forward_bytes` over
+    `tokens`, the prompt and the new tokens), the KV cache of every block (keys and values, `tokens` each) and two
+    float32 rows of logits (the last position's, and `generate`'s processed scores). Sizes are counted on the meta
+    device and cost nothing. Grows with tokens·(C + I) and layers·tokens·KV width, not with the variants (timed
+    one at a time)."""
+    item = dtype_bytes(dtype)
+    _, kv_heads, head_dim = _heads(config)
+    cache = 2 * config.num_hidden_layers * kv_heads * head_dim * tokens * item
+    return forward_bytes(config, tokens, tokens, item) + cache + 2 * 4 * config.vocab_size
+
+
 def drift_bytes(config: PretrainedConfig, seqlen: int, dtype: torch.dtype) -> int:
     """Per-block drift on one window: every captured residual of the dense model and of one variant, and
     the float64 copies of one index."""

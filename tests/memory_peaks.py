@@ -6,13 +6,14 @@
 A CASE is `criterion:NAME` (its scoring on the model in FOLDER), `criterion:NAME:memo_budget=B`
 (also `:sequences=S:seqlen=T` for other text sizes),
 `operator:NAME` (its fit on one boundary's statistics, and the fold of the chosen fit) or
-`refit:NAME:inner=2500:sinks=8` (a refit on synthetic statistics; FOLDER may be `-` if every case is one).
+`refit:NAME:inner=2500:sinks=8` (a refit on synthetic statistics; FOLDER may be `-` if every case is one)
+or `stage:size_and_speed` (the run's last stage, `export.gain.measure_gain`, on dense and two variants).
 
 Measured: the peak resident size (VmHWM, reset once the model is loaded, the text made and the
 statistics collected, what any process sets up once warmed, and glibc's free heap trimmed) minus
 the resident size then, as bench/memory_plan.py measures whole runs. Planned: the entry's own
 declaration for that phase (a criterion's `memory`, an operator's `cost` through
-`memory_parts.fit_bytes`). The cases of one process share its model and its one-time set-up; each
+`memory_parts.fit_bytes`, the size-and-speed stage's `memory_parts.speed_bytes`). The cases of one process share its model and its one-time set-up; each
 starts from a settled heap (what an earlier case freed is returned to the system first), so each
 is measured as if alone (checked against one process per case: the same figures within 0.3 MiB).
 """
@@ -24,6 +25,7 @@ import ctypes
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +70,7 @@ def registry_cases() -> list[str]:
         "criterion:sleb:memo_budget=0",  # every kept state but the embeddings recomputed
         "refit:refit:inner=2500:sinks=8",  # the down_proj refits at I = 2500 with 8 sink rows (synthetic statistics)
         "refit:magcomp_refit:inner=2500:sinks=8",
+        "stage:size_and_speed",  # the run's last stage: sizes (meta walk) and batch-1 speed of dense and 2 variants
     ]
 
 
@@ -191,10 +194,44 @@ def refit(_model, name: str, inner: int = 2500, sinks: int = 8, width: int = 256
     return {"measured": measured, "planned": planned, "sinks": stats.sinks.tokens}
 
 
+def stage(model, name: str) -> dict:
+    """The size-and-speed stage (`export.gain.measure_gain`, its default prompt and new tokens) on dense and two
+    variants of one boundary (plain pruning, and magcomp's folded scales), against `memory_parts.speed_bytes`:
+    the variants share the dense weights and are timed one at a time, so nothing grows with their number."""
+    from ghosted_core.calibration.collect import CalibrationOptions, collect_stats
+    from ghosted_core.export.gain import SpeedOptions, measure_gain
+    from ghosted_core.memory_parts import speed_bytes
+    from ghosted_core.plan import PruningPlan
+    from ghosted_core.recovery.operators import FitOptions, get_operator, needs_of
+    from ghosted_core.run.fitting import build_recovered
+    from ghosted_core.run.options import VariantSpec
+
+    if name != "size_and_speed":
+        raise SystemExit(f"unknown stage {name!r}")
+    config, plan = model.config, PruningPlan(model.config.num_hidden_layers, tuple(range(*BOUNDARY)), "manual")
+    operators = ("none", "magcomp")
+    stats = collect_stats(model, plan.boundaries, _batches(config.vocab_size), CalibrationOptions(quiet=True),
+                          needs_of(operators))
+    models = {"dense": model} | {op: build_recovered(model, plan, VariantSpec(op, op),
+                                                     [get_operator(op).fit(s, FitOptions()) for s in stats])
+                                 for op in operators}
+    del stats
+    options = SpeedOptions(measure=True, repeats=1)
+    measure_gain({"dense": model}, options, quiet=True)  # generate's one-time set-up (as _warm does for a forward)
+    base = _settle()
+    clock = time.perf_counter()
+    report = measure_gain(models, options, quiet=True)
+    seconds = time.perf_counter() - clock
+    measured = status_bytes("VmHWM") - base
+    planned = speed_bytes(config, options.prefill_tokens + options.decode_tokens, torch.float32)
+    return {"measured": measured, "planned": planned, "seconds": seconds,
+            "weight_bytes": {name: size.weight_bytes for name, size in report.sizes.items()}}
+
+
 def parse_case(case: str) -> tuple[str, str, dict]:
     """`kind:name[:key=value…]` → (kind, name, integer options)."""
     kind, name, *options = case.split(":")
-    if kind not in ("criterion", "operator", "refit"):
+    if kind not in ("criterion", "operator", "refit", "stage"):
         raise SystemExit(f"unknown kind {kind!r} in {case!r}")
     return kind, name, {key: int(value) for key, value in (option.split("=") for option in options)}
 
@@ -228,7 +265,7 @@ def main() -> None:
         parser.error("give FOLDER and at least one CASE, or --table")
     cases = [parse_case(case) for case in args.cases]
     model = _load(args.folder) if any(kind != "refit" for kind, _, _ in cases) else None
-    measure = {"criterion": criterion, "operator": operator, "refit": refit}
+    measure = {"criterion": criterion, "operator": operator, "refit": refit, "stage": stage}
     rows = []
     for kind, name, options in cases:
         row = measure[kind](model, name, **options) | {"kind": kind, "name": name, "options": options}

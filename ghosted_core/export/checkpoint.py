@@ -42,25 +42,30 @@ def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from ((name, buf) for name, buf in module.named_buffers(recurse=False) if name not in skip)
 
 
-def module_tensors(module: nn.Module, prefix: str = "", skip: Sequence[nn.Module] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+def module_tensors(module: nn.Module, prefix: str = "", skip: Sequence[nn.Module] = (),
+                   device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """(state-dict key, CPU tensor) for every persistent tensor under `module`, offload included.
 
     Offloaded modules (accelerate hooks with a weights map) are loaded one module at a time,
     so memory grows with the largest module, not the model. Tensors already on the CPU are
     yielded as they are (no copy); others are copied to the CPU. `skip`: subtrees left out.
+    `device="meta"`: shapes and dtypes only (nothing read, loaded or copied), for counting what an
+    export would write.
     """
     if any(module is s for s in skip):
         return
-    context = align_module_device(module, torch.device("cpu")) if has_offloaded_params(module) else nullcontext()
+    meta = device == "meta"
+    context = align_module_device(module, torch.device("cpu")) if has_offloaded_params(module) and not meta \
+        else nullcontext()
     with context:
         for name, tensor in _own_tensors(module):
             if tensor is None:
                 continue
-            if tensor.device.type == "meta":
+            if tensor.device.type == "meta" and not meta:
                 raise RuntimeError(f"{prefix}{name} is a meta tensor with no offloaded copy to read")
-            yield prefix + name, tensor.detach().to("cpu")
+            yield prefix + name, tensor.detach().to(device)
         for name, child in module.named_children():
-            yield from module_tensors(child, f"{prefix}{name}.", skip)
+            yield from module_tensors(child, f"{prefix}{name}.", skip, device)
 
 
 class ShardWriter:

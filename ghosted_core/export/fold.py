@@ -151,10 +151,10 @@ def _tied(model: PreTrainedModel) -> bool:
     return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
 
 
-def _rest(model: PreTrainedModel, embed_scale: float = 1.0) -> Chunk:
+def _rest(model: PreTrainedModel, embed_scale: float = 1.0, device: str = "cpu") -> Chunk:
     """Everything outside the decoder blocks (embeddings, final norm, LM head unless tied), with the
     embeddings times `embed_scale` and, when the head is tied to them, the final norm's gain divided by it."""
-    chunk = dict(module_tensors(model, skip=[model.model.layers]))
+    chunk = dict(module_tensors(model, skip=[model.model.layers], device=device))
     tied = _tied(model)
     if tied:
         chunk.pop("lm_head.weight", None)  # transformers ties it back to the embeddings on load
@@ -168,22 +168,23 @@ def _rest(model: PreTrainedModel, embed_scale: float = 1.0) -> Chunk:
     return chunk
 
 
-def _block_chunks(model: PreTrainedModel, fold_after: bool) -> Iterator[Chunk]:
-    """One chunk per decoder block (keys `model.layers.i.…`) with upstream scales folded, then the rest."""
+def _block_chunks(model: PreTrainedModel, fold_after: bool, device: str = "cpu") -> Iterator[Chunk]:
+    """One chunk per decoder block (keys `model.layers.i.…`) with upstream scales folded, then the rest.
+    `device="meta"`: the same keys, shapes and dtypes with no data (folds cost nothing)."""
     offset = architecture_of(model.config).norm_gain_offset
     after = {entry["path"] for entry in operator_layout(model)} if fold_after else set()
     embed_scale = 1.0
     for i, block in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
-        chunk, scale = fold_scales(block, fold_low_rank(block, dict(module_tensors(block))), offset)
+        chunk, scale = fold_scales(block, fold_low_rank(block, dict(module_tensors(block, device=device))), offset)
         embed_scale *= scale
         for path in sorted(p[len(prefix):] for p in after if p.startswith(prefix)):
             chunk = _fold_after_mlp(chunk, path)
         yield {prefix + key: value for key, value in chunk.items()}
-    yield _rest(model, embed_scale)
+    yield _rest(model, embed_scale, device)
 
 
-def stock_tensors(model: PreTrainedModel) -> Iterator[Chunk]:
+def stock_tensors(model: PreTrainedModel, device: str = "cpu") -> Iterator[Chunk]:
     """The stock state dict of a foldable variant, one decoder block per chunk, then the rest.
 
     Memory: one block's tensors at a time beyond the model (copied only if offloaded or on
@@ -192,10 +193,10 @@ def stock_tensors(model: PreTrainedModel) -> Iterator[Chunk]:
     blockers = stock_blockers(model)
     if blockers:
         raise ValueError(f"variant does not fold into a stock checkpoint: {blockers[0]}")
-    yield from _block_chunks(model, fold_after=True)
+    yield from _block_chunks(model, fold_after=True, device=device)
 
 
-def variant_tensors(model: PreTrainedModel) -> Iterator[Chunk]:
+def variant_tensors(model: PreTrainedModel, device: str = "cpu") -> Iterator[Chunk]:
     """The variant's own state dict (keys as in its module tree, upstream scales folded), one block per chunk,
     then the rest."""
-    yield from _block_chunks(model, fold_after=False)
+    yield from _block_chunks(model, fold_after=False, device=device)

@@ -2,9 +2,9 @@
 
 - Size: parameters and weight bytes of the checkpoint the variant exports to (`export.fold`): a stock
   checkpoint where it folds (the operator's map disappears into the weights), else the remote-code
-  one with its operator tensors. Counted from the export's own tensor walk, at the model's dtype; the
-  safetensors header (a few kB) is left out. Time: one pass over the weights' metadata, plus the
-  transient scaled copies of one block for magcomp-style variants.
+  one with its operator tensors. Counted from the export's own tensor walk on the meta device (keys, shapes
+  and dtypes, no data: nothing is read, folded or copied), at the model's dtype; the safetensors header (a
+  few kB) is left out. Time and memory: one pass over the weights' metadata.
 - Speed: prefill (one forward over a fixed prompt with the KV cache built and only the last logits, as
   `generate` starts) and decode (greedy `generate` steps with the KV cache, timed token by token after
   the first, so the prompt's prefill is not in it), at batch 1 on the run's device. Every variant is timed
@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.perplexity import input_device
-from ghosted_core.export.fold import operator_layout, stock_blockers, variant_tensors
+from ghosted_core.export.fold import stock_blockers, stock_tensors, variant_tensors
 from ghosted_core.progress import Tracker
 from ghosted_core.stopping import StopCheck, check_stop
 
@@ -141,14 +141,12 @@ def machine_label(device: torch.device) -> dict:
 
 
 def variant_size(model: PreTrainedModel) -> Size:
-    """The checkpoint a variant exports to (stock where it folds), counted tensor by tensor as the export walks it."""
+    """The checkpoint a variant exports to (stock where it folds), counted tensor by tensor as the export walks it,
+    on the meta device: the export's own keys, shapes and dtypes, with no weight read, folded or copied."""
     stock = not stock_blockers(model)
-    folded = tuple(f"{entry['path']}.1." for entry in operator_layout(model) if entry["kind"] == "after") if stock else ()
     parameters = weight_bytes = 0
-    for chunk in variant_tensors(model):
-        for key, tensor in chunk.items():
-            if folded and key.startswith(folded):  # an after-map folds into the down_proj before it
-                continue
+    for chunk in (stock_tensors if stock else variant_tensors)(model, device="meta"):
+        for tensor in chunk.values():
             parameters += tensor.numel()
             weight_bytes += tensor.numel() * tensor.element_size()
     return Size("stock" if stock else "remote_code", parameters, weight_bytes, len(model.model.layers))

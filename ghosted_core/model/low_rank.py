@@ -52,8 +52,8 @@ class LowRankLinear(nn.Module):
 
     def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` (the base's, as read for an export) plus the change, in its dtype: W + scale · B A."""
-        change = (self.lora_b.detach().double() @ self.lora_a.detach().double()) * self.scale  # (out, in)
-        return (weight.double() + change.to(weight.device)).to(weight.dtype)
+        b, a = (factor.detach().to(weight.device).double() for factor in (self.lora_b, self.lora_a))
+        return (weight.double() + (b @ a) * self.scale).to(weight.dtype)  # on the weight's device (meta: no data)
 
     def extra_repr(self) -> str:
         return f"rank={self.lora_a.shape[0]}, scale={self.scale:g}"

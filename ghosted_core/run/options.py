@@ -286,6 +286,7 @@ def plan_request(options: RunOptions, config, boundaries: int | None = None,
         kept_indices=len(chosen) if depths else 0, kept_cap=kept_cap,
         drift=not depths and options.drift_windows > 0 and bool(options.eval_corpora),
         sequential=any(v.sequential for v in options.variants), keep_heldout=not depths and options.heldout > 0,
+        speed_tokens=options.speed.prefill_tokens + options.speed.decode_tokens if options.speed.measure else 0,
         pipeline=cal.pipeline, stats_device=cal.stats_device,
         distill_device=distill.device, distill_host=distill.host, distill_kept=distill.kept)
 

@@ -50,6 +50,23 @@ def test_sizes_equal_the_tensors_each_export_writes(family, tmp_path):
     assert boundaries * width * width <= extra <= boundaries * (width * width + width)
 
 
+def test_sizes_read_no_weight_an_8b_model_on_the_meta_device_is_counted():
+    """Sizes come from shapes alone: Llama-3-8B's config built on the meta device (no data at all) is counted, and
+    agrees with the parameter count the memory plan derives from the config independently."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ghosted_core.memory_parts import estimate_parameters
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                         num_hidden_layers=32, vocab_size=128256, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    size = variant_size(model)
+    assert size.parameters == estimate_parameters(config) == 8_030_261_248  # Llama-3-8B's published count
+    assert size.weight_bytes == 2 * size.parameters and size.format == "stock" and size.blocks == 32
+
+
 def test_measured_speeds_are_positive_and_relative_to_dense(tiny_llama):
     _plan, variants = recovered_variants(tiny_llama, (1, 2, 5))
     models = {REFERENCE: tiny_llama, "none": variants["none"], "ghost": variants["ghost"]}
