@@ -61,7 +61,7 @@ def save_model(folder: Path) -> Path:
 
 
 def registry_cases() -> list[str]:
-    """Every criterion and every operator of the registries, and three cases beside them."""
+    """Every criterion and every operator of the registries, and four cases beside them."""
     import ghosted_core.selection  # noqa: F401  registers every criterion
     from ghosted_core.recovery.operators import OPERATORS
     from ghosted_core.selection.criteria import CRITERIA

@@ -7,9 +7,10 @@ the chosen fit (an operator), each from a settled heap, and its peak resident si
 against what it declares. A new registry entry is measured here without a line added. Calibration
 is 8 windows of 512 tokens in batches of 4, so that one batch's buffers (8 MiB per residual
 state) dwarf the allocator's noise. Every window starts with a token whose embedding is massive,
-so that the fits see attention-sink rows as in real models. Three cases beside the registry: the
-down_proj refits at I = 2500 with 8 sink rows (synthetic statistics) and sleb with a memo budget
-of 0 (every kept state but the embeddings recomputed).
+so that the fits see attention-sink rows as in real models. Four cases beside the registry: the
+down_proj refits at I = 2500 with 8 sink rows (synthetic statistics), sleb with a memo budget
+of 0 (every kept state but the embeddings recomputed), and the run's size-and-speed stage on dense
+and two variants (`memory_parts.speed_bytes`).
 """
 
 from __future__ import annotations
