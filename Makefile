@@ -52,11 +52,17 @@ app: setup
 browser:
 	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
+# Two pytest workers (pytest-xdist), one test file each at a time, so a file's module fixtures (a served app, a
+# browser, a shared model) are built once: most tests run torch on one thread (tests/conftest.py), and the slow
+# ones wait on subprocesses (the app, llama.cpp, memory workers) for much of their time. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup browser llamacpp
-	$(PY) -m pytest
+	$(PYTEST)
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -138,6 +138,9 @@ def criterion(model, name: str, memo_budget: int | None = None, sequences: int =
     return {"measured": measured, "planned": footprint.bytes, "note": footprint.note}
 
 
+_STATS: dict = {}  # StatNeeds → one boundary's statistics, read (never changed) by every operator case that needs them
+
+
 def operator(model, name: str) -> dict:
     """The operator's fit on one boundary's statistics, and its realization in the model (a fold), against
     `memory_parts.fit_bytes` of its cost."""
@@ -149,8 +152,10 @@ def operator(model, name: str) -> dict:
 
     config, spec, opts = model.config, get_operator(name), FitOptions()
     needs = needs_of([name])
-    calibrate = CalibrationOptions(quiet=True, sink_rule="position")  # the first token of every window: 8 sink rows
-    (stats,) = collect_stats(model, [Boundary(*BOUNDARY)], _batches(config.vocab_size), calibrate, needs)
+    if needs not in _STATS:  # operators that need the same statistics share one pass, as a run's variants do
+        calibrate = CalibrationOptions(quiet=True, sink_rule="position")  # the first token of every window: 8 sinks
+        (_STATS[needs],) = collect_stats(model, [Boundary(*BOUNDARY)], _batches(config.vocab_size), calibrate, needs)
+    stats = _STATS[needs]
     _warm()
     base = _settle()
     fit = spec.fit(stats, opts)
@@ -158,7 +163,7 @@ def operator(model, name: str) -> dict:
     realized = _realize(model, [fit])  # then the chosen fit's fold (a down_proj changed in float64), same phase
     measured = status_bytes("VmHWM") - base
     sinks = stats.sinks.tokens
-    del realized, fit, stats
+    del realized, fit
     planned = fit_bytes(spec.cost, config, len(set(opts.sink_directions)), inner_width(config, needs),
                         opts.refit_candidates)
     return {"measured": measured, "planned": planned, "sinks": sinks}

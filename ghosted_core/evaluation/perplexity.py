@@ -246,12 +246,19 @@ def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
     return {name: BlockDrift(blocks, tuple(r[:, 0].tolist()), tuple(r[:, 1].tolist())) for name, r in ratios.items()}
 
 
+def llamacpp_tokens(tokenizer, text: str) -> list[int]:
+    """`text`'s token ids as llama.cpp's tools read a text file: special-token strings in it are plain text
+    (llama-perplexity tokenizes without parsing specials). PTB's "<unk>" is Gemma-3's unknown token to a
+    transformers tokenizer, one unpredictable id in 100 of its tokens; to llama.cpp it is "<", "unk", ">"."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"])
+
+
 def llamacpp_windowed_perplexity(model: PreTrainedModel, tokenizer, text: str, context: int,
                                  chunks: int | None = None) -> float:
     """llama-perplexity's estimate of `text`, computed in transformers, so that a GGUF's number has a reference.
 
-    As llama-perplexity does (tools/perplexity/perplexity.cpp): the whole text is tokenized once, with BOS first
-    where the tokenizer adds one (`corpora.default_bos`); the stream is cut into non-overlapping windows of
+    As llama-perplexity does (tools/perplexity/perplexity.cpp): the whole text is tokenized once
+    (`llamacpp_tokens`), with BOS first where the tokenizer adds one (`corpora.default_bos`); the stream is cut into non-overlapping windows of
     `context` tokens (the remainder dropped, at most `chunks` windows); each window's first token is replaced by
     BOS where the tokenizer adds one; and only the second half is scored: the logits at positions
     context/2 … context−2 predict the tokens after them. Needs at least 2·`context` tokens.
@@ -260,9 +267,8 @@ def llamacpp_windowed_perplexity(model: PreTrainedModel, tokenizer, text: str, c
     """
     from ghosted_core.data.corpora import default_bos
 
-    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     bos = default_bos(tokenizer)
-    ids = ([bos] if bos is not None else []) + list(ids)
+    ids = ([bos] if bos is not None else []) + llamacpp_tokens(tokenizer, text)
     if len(ids) < 2 * context:
         raise GhostedError(f"the text has {len(ids)} tokens; llama-perplexity's windows of {context} need at least "
                            f"{2 * context}")

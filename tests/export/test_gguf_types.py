@@ -62,6 +62,30 @@ def test_windowed_perplexity_in_transformers_equals_llama_perplexity_on_f32(llam
         pytest.approx(theirs.value, rel=1e-3)
 
 
+def test_special_token_strings_in_the_text_are_read_as_llama_cpp_reads_them(llamacpp, ptb_text, tmp_path):
+    """Gemma-3's tokenizer has "<unk>" as a special token, and PTB writes "<unk>" for rare words: transformers'
+    default reads it as the unknown token (one unpredictable id every ~20 tokens), llama.cpp as plain text. A tiny
+    random Gemma-3 with that tokenizer: transformers' reference equals llama-perplexity on an f32 GGUF of the same
+    model, and is not what the default tokenization would give."""
+    from ghosted_core.evaluation.perplexity import llamacpp_tokens
+    from ghosted_core.model.embedded import convert_embedded
+
+    gemma_tokenizer = AutoTokenizer.from_pretrained(convert_embedded("gemma3-270m"))
+    text = ptb_text.read_text()
+    assert "<unk>" in text and gemma_tokenizer.unk_token == "<unk>"
+    assert gemma_tokenizer.unk_token_id not in llamacpp_tokens(gemma_tokenizer, text)
+    assert gemma_tokenizer.unk_token_id in gemma_tokenizer(text, add_special_tokens=False)["input_ids"]
+    model = make_tiny_model("gemma3", vocab_size=len(gemma_tokenizer), max_position_embeddings=512,
+                            tie_word_embeddings=True, query_pre_attn_scalar=6)
+    folder = export_pruned(model, gemma_tokenizer, (2,), "none", tmp_path / "tiny",
+                           torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0)))
+    gguf = convert_to_gguf(folder, tmp_path / "tiny-f32.gguf", "f32").path
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = llamacpp_windowed_perplexity(loaded, AutoTokenizer.from_pretrained(folder), text, 64, 5)
+    theirs = llamacpp_perplexity(gguf, ptb_text, 64, 5)
+    assert ours == pytest.approx(theirs.value, rel=1e-4), (ours, theirs.value)
+
+
 def test_windowed_perplexity_refuses_a_short_text(tiny_llama, smollm2_tokenizer):
     from ghosted_core.errors import GhostedError
 

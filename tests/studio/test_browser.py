@@ -110,6 +110,21 @@ def press_run(page) -> None:
     page.get_by_role("button", name="Run", exact=True).click()
 
 
+def set_slider(page, elem_id: str, value: int) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def tiny_settings(page) -> None:
+    """4 × 256 calibration tokens and 256 perplexity tokens per corpus, set as a visitor would (the accordions
+    opened, the sliders' boxes typed into): for the paths whose checks do not depend on the defaults' sizes."""
+    for accordion in ("Calibration", "Evaluation"):
+        page.get_by_role("button", name=accordion).first.click()
+    set_slider(page, "samples", 4)
+    set_slider(page, "eval-tokens", 256)
+
+
 def set_depth(page, value: int) -> None:
     box = page.locator("#depth input[type=number]")
     box.fill(str(value))
@@ -257,8 +272,8 @@ def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_ur
     depths = page.locator("#depths textarea, #depths input").first
     depths.wait_for(state="visible", timeout=10_000)
     depths.fill("2:4:2")
-    page.locator("#evaluation-box").get_by_text("Evaluation", exact=True).click()  # the suite turns speed off
-    page.locator("#speed-on input[type=checkbox]").check()
+    tiny_settings(page)  # the curve, the trade-off and the history need two depths, not the defaults' sizes
+    page.locator("#speed-on input[type=checkbox]").check()  # the suite turns speed off by default
     press_run(page)
     wait_for_status(page, "Run complete")
     page.wait_for_timeout(1500)
@@ -313,18 +328,9 @@ MARKED_CELLS = """() => Array.from(document.querySelectorAll('#compare-table .vi
     .filter(cell => cell.innerText.includes('★')).length"""
 
 
-def set_slider(page, elem_id: str, value: int) -> None:
-    box = page.locator(f"#{elem_id} input[type=number]")
-    box.fill(str(value))
-    box.press("Enter")
-
-
 def test_compare_criteria_fills_the_map_the_score_chart_and_the_table(server_url, browser):
     page = open_page(browser, server_url, DESKTOP)
-    for accordion in ("Calibration", "Evaluation"):  # tiny settings: 4 × 256 calibration tokens, 256 per corpus
-        page.get_by_role("button", name=accordion).first.click()
-    set_slider(page, "samples", 4)
-    set_slider(page, "eval-tokens", 256)
+    tiny_settings(page)
     page.locator("#mode").get_by_text("compare criteria", exact=True).click()
     page.locator("#compare-criteria").wait_for(state="visible", timeout=10_000)
     assert not page.locator("#criterion").is_visible()  # the list replaces the single criterion
