@@ -166,6 +166,29 @@ def measure_setting(name: str, args, work: Path, threads: list[int]) -> dict:
             "seconds": time.perf_counter() - start}
 
 
+def rescore_references(name: str, args) -> None:
+    """Recompute one setting's transformers fp32 references in an existing results file (the same run, windows and
+    text), without redoing its files and timings: for a results file written before `llamacpp_tokens` read
+    special-token strings as llama.cpp does (Gemma-3's <unk>)."""
+    report = json.loads(Path(args.out).read_text())
+    entry = report["settings"][name]
+    model_name, depth, operators = SETTINGS[name]
+    loaded = load_model(model_name)
+    options = RunOptions(model=model_name, criterion="streamline", num_prune=depth, variants=parse_variants(operators),
+                         calibration="mix", seqlen=256, eval_corpora=("ptb",), eval_max_tokens=2048, drift_windows=0,
+                         speed=SpeedOptions(measure=False), quiet=True)
+    result = run(options, loaded)
+    assert list(result.plan.removed) == entry["removed"], (result.plan.removed, entry["removed"])
+    text = corpora.get_corpus("ptb", "evaluation").text
+    for variant, row in entry["variants"].items():
+        model = result.models[variant] if variant != "dense" else loaded.model
+        row["transformers_fp32_ppl"] = llamacpp_windowed_perplexity(model, result.tokenizer, text, CONTEXT, CHUNKS)
+        print(f"  {name} {variant}: transformers fp32 {row['transformers_fp32_ppl']:.2f}, llama.cpp f16 "
+              f"{row['types'].get('f16', {}).get('ppl', float('nan')):.2f}", flush=True)
+    entry["references_rescored"] = " ".join(sys.argv)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+
+
 def print_setting(entry: dict, threads: list[int]) -> None:
     print(f"\n{entry['model']}, streamline n = {entry['depth']} of {entry['layers']} (blocks {entry['removed']}): "
           f"ideal decode speed-up {entry['ideal_speedup']:.3f}x, predicted with the LM head {entry['predicted_speedup']:.3f}x "
@@ -227,9 +250,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one setting's speed at 1 thread, 2 repetitions")
     parser.add_argument("--out", default=None, help=out_help("gain"))
     parser.add_argument("--table", default=None, metavar="JSON", help="print the markdown tables of a results file")
+    parser.add_argument("--rescore_references", default=None, metavar="SETTING",
+                        help="recompute one setting's transformers fp32 references in the results file (--out)")
     args = parser.parse_args()
     if args.table:
         print(markdown(json.loads(Path(args.table).read_text())))
+        return
+    if args.rescore_references:
+        args.out = str(result_path("gain", args.quick, args.out))
+        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_grad_enabled(False)
+        rescore_references(args.rescore_references, args)
         return
     args.types = [t.strip() for t in args.types.split(",") if t.strip()]
     args.speed_types = [t.strip() for t in args.speed_types.split(",") if t.strip()]
