@@ -250,6 +250,7 @@ def test_a_run_at_phone_width_fits_the_screen_and_keeps_the_status_in_view(serve
     page = open_page(browser, server_url, PHONE)
     before = page.evaluate(WIDER_THAN_SCREEN)
     assert before["page"] == before["viewport"] == PHONE["width"] and not before["wide"], before
+    tiny_settings(page)  # the layout is what is checked (the default run's browser path: the Stop test's second run)
     press_run(page)
     wait_for_status(page, "Running", 60)
     page.wait_for_timeout(1500)  # the scroll is smooth
