@@ -3,6 +3,7 @@ perplexity against its own f16, beside the ideal speed-up and what keeps it out 
 
     flock /tmp/ghosted-heavy.lock .venv/bin/python bench/gain.py                 # SmolLM2 and Gemma-3, several depths
     .venv/bin/python bench/gain.py --settings smollm2-n7 --types f16,q4_k_m --quick
+    .venv/bin/python bench/gain.py --rescore_references gemma3-n6                # one setting's fp32 references again
 
 For each setting (a model, streamline's blocks at one depth, the stock operators): one run fits the operators
 (the app's calibration: mix, 256-token windows); dense and every variant are exported stock, converted to f16 by
