@@ -8,8 +8,8 @@ on the host), fit (the statistics, the fit's working matrices, every variant's k
 modules, a sweep's kept dense states), the held-out pass, and evaluate (perplexity and drift
 transients and the LM-head logits of one chunk; then drift; then each variant's size and speed at
 batch 1). The plan is the largest phase on the compute device and on the host. It then picks the
-calibration pipeline (`choose_pipeline`: the only place "auto" is resolved) and where the statistics live, and refuses, with one line naming the
-way out, what cannot fit.
+calibration pipeline (`choose_pipeline`: the only place "auto" is resolved) and where the statistics
+live, and refuses, with one line naming the way out, what cannot fit.
 
 Planned once the model is loaded, the free memory measured then is added to what the model
 already holds there (`resident_bytes`), so a plan before and after loading agree.
@@ -304,7 +304,8 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
                if r.distill_device or r.distill_host else {}),
             "evaluate": {"model": later + kept + evaluate, "stats": stats_after},
             "drift": {"model": later + drift},
-            **({"size and speed": {"model": later + speed_bytes(config, r.speed_tokens, dtype)}} if r.speed_tokens else {}),
+            **({"size and speed": {"model": later + speed_bytes(config, r.speed_tokens, dtype)}}
+               if r.speed_tokens else {}),
         }
         if not r.boundaries:  # nothing to calibrate (the dense model alone, or no block removed): those stages never run
             for phase in ("calibrate", "fit", "held-out"):

@@ -249,7 +249,7 @@ def block_drift(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
 def llamacpp_tokens(tokenizer, text: str) -> list[int]:
     """`text`'s token ids as llama.cpp's tools read a text file: special-token strings in it are plain text
     (llama-perplexity tokenizes without parsing specials). PTB's "<unk>" is Gemma-3's unknown token to a
-    transformers tokenizer, one unpredictable id in 100 of its tokens; to llama.cpp it is "<", "unk", ">"."""
+    transformers tokenizer, an unpredictable id about once in 20 tokens; to llama.cpp it is "<", "unk", ">"."""
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"])
 
 
@@ -258,9 +258,9 @@ def llamacpp_windowed_perplexity(model: PreTrainedModel, tokenizer, text: str, c
     """llama-perplexity's estimate of `text`, computed in transformers, so that a GGUF's number has a reference.
 
     As llama-perplexity does (tools/perplexity/perplexity.cpp): the whole text is tokenized once
-    (`llamacpp_tokens`), with BOS first where the tokenizer adds one (`corpora.default_bos`); the stream is cut into non-overlapping windows of
-    `context` tokens (the remainder dropped, at most `chunks` windows); each window's first token is replaced by
-    BOS where the tokenizer adds one; and only the second half is scored: the logits at positions
+    (`llamacpp_tokens`), with BOS first where the tokenizer adds one (`corpora.default_bos`); the stream is
+    cut into non-overlapping windows of `context` tokens (the remainder dropped, at most `chunks` windows);
+    each window's first token is replaced by BOS where the tokenizer adds one; and only the second half is scored: the logits at positions
     context/2 … context−2 predict the tokens after them. Needs at least 2·`context` tokens.
     Time: chunks forward passes of `context` tokens; memory: one window's activations and context/2 × vocabulary
     fp32 logits (the head runs on the scored half only).
