@@ -193,3 +193,25 @@ def test_plan_counts_the_masks_the_blocks_pipeline_records(tiny_llama, tiny_gemm
             recorded += sum(m.untyped_storage().nbytes() for m in masks.values())
         assert recorded == mask_bytes(model.config, 6, 2, 24, 4), model.config.model_type
     assert mask_bytes(tiny_gemma.config, 6, 2, 24, 4) == 3 * 24 * 24
+
+
+def test_the_size_and_speed_phase_is_planned_only_when_speed_is_measured():
+    """The run's last stage holds the weights, every variant's operator modules and one batch-1 forward over the
+    prompt and new tokens (`speed_bytes`), and only when it times the variants: sizes are counted on the meta device
+    and cost nothing."""
+    from ghosted_core.export.gain import SpeedOptions
+    from ghosted_core.memory_parts import kept_bytes, speed_bytes
+    from ghosted_core.recovery.operators import get_operator
+
+    config = LlamaConfig(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512)
+    base = dict(model="x", criterion="manual", layers=(2,), variants=parse_variants("none,ghost"), train_size=8,
+                seqlen=64)
+    timed = memory_plan(RunOptions(**base, speed=SpeedOptions(measure=True, prefill_tokens=32, decode_tokens=8)),
+                        config, "cpu", torch.float32, host_available=1 << 40)
+    untimed = memory_plan(RunOptions(**base, speed=SpeedOptions(measure=False)), config, "cpu", torch.float32,
+                          host_available=1 << 40)
+    assert "size and speed" not in untimed.phases and list(timed.phases)[-1] == "size and speed"
+    modules = sum(kept_bytes(get_operator(name).cost, config, 4)[1] for name in ("none", "ghost"))
+    assert timed.phases["size and speed"]["host"] == timed.weights_bytes + modules + speed_bytes(config, 40, torch.float32)
+    assert speed_bytes(config, 40, torch.float32) > speed_bytes(config, 20, torch.float32) > 0
