@@ -113,15 +113,22 @@ def bench_rounds(files: dict[str, Path], threads: list[int], args) -> dict[str, 
             for name, per in samples.items()}
 
 
-def measure_setting(name: str, args, work: Path, threads: list[int]) -> dict:
-    """One setting: the run, then every variant × type, files timed type by type, dense first."""
+def setting_run(name: str):
+    """(the loaded model, the run) of one setting: streamline's blocks at its depth, its stock operators fitted on
+    the app's calibration (mix, 256-token windows), perplexity on ptb; no speed stage (llama.cpp times the files)."""
     model_name, depth, operators = SETTINGS[name]
     loaded = load_model(model_name)
     options = RunOptions(model=model_name, criterion="streamline", num_prune=depth, variants=parse_variants(operators),
                          calibration="mix", seqlen=256, eval_corpora=("ptb",), eval_max_tokens=2048, drift_windows=0,
                          speed=SpeedOptions(measure=False), quiet=True)
+    return loaded, run(options, loaded)
+
+
+def measure_setting(name: str, args, work: Path, threads: list[int]) -> dict:
+    """One setting: the run, then every variant × type, files timed type by type, dense first."""
+    model_name, depth, operators = SETTINGS[name]
     start = time.perf_counter()
-    result = run(options, loaded)
+    loaded, result = setting_run(name)
     calibration, ptb = text_file(work, "mix", "calibration"), text_file(work, "ptb", "evaluation")
     folders = {"dense": convert_embedded(model_name)}
     for variant in operators.split(","):
@@ -173,12 +180,7 @@ def rescore_references(name: str, args) -> None:
     special-token strings as llama.cpp does (Gemma-3's <unk>)."""
     report = json.loads(Path(args.out).read_text())
     entry = report["settings"][name]
-    model_name, depth, operators = SETTINGS[name]
-    loaded = load_model(model_name)
-    options = RunOptions(model=model_name, criterion="streamline", num_prune=depth, variants=parse_variants(operators),
-                         calibration="mix", seqlen=256, eval_corpora=("ptb",), eval_max_tokens=2048, drift_windows=0,
-                         speed=SpeedOptions(measure=False), quiet=True)
-    result = run(options, loaded)
+    loaded, result = setting_run(name)
     assert list(result.plan.removed) == entry["removed"], (result.plan.removed, entry["removed"])
     text = corpora.get_corpus("ptb", "evaluation").text
     for variant, row in entry["variants"].items():
