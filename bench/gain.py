@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one setting's speed at 1 thread, 2 repetitions")
     parser.add_argument("--out", default=None, help=out_help("gain"))
     parser.add_argument("--table", default=None, metavar="JSON", help="print the markdown tables of a results file")
-    parser.add_argument("--rescore_references", default=None, metavar="SETTING",
+    parser.add_argument("--rescore_references", default=None, choices=list(SETTINGS),
                         help="recompute one setting's transformers fp32 references in the results file (--out)")
     args = parser.parse_args()
     if args.table:
