@@ -25,7 +25,8 @@ from ghosted_core.files import check_new_folder, check_writable_folder, write_te
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import EXPORT_MODES, check_export, export_variant
 from ghosted_core.export.gain import SpeedOptions
-from ghosted_core.export.gguf import GGUF_FORMAT, GGUF_OUTTYPES, export_gguf, find_llamacpp, parse_gguf_types
+from ghosted_core.export.gguf import (GGUF_FORMAT, GGUF_OUTTYPES, GGUFOptions, export_gguf, find_llamacpp,
+                                      parse_gguf_types)
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory
 from ghosted_core.recovery.assessment import SHOWN, Diagnostics
@@ -156,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf_imatrix", action="store_true",
                    help="quantize the k-quants (q4_k_m, q5_k_m, q6_k) with an importance matrix computed by "
                         "llama-imatrix on the run's own calibration text")
+    p.add_argument("--gguf_imatrix_chunks", type=int, default=None, metavar="N",
+                   help=f"windows of {GGUFOptions.context} tokens the importance matrix reads (llama-imatrix's "
+                        f"--chunks; {GGUFOptions.imatrix_chunks} by default; time grows with it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
                    help="auto (cuda if present, else cpu), cpu, cuda, cuda:N, or map (accelerate: GPUs, then CPU, "
@@ -270,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             print(summary(result))
             if args.save_model:
                 report["exports"] = save_variants(result, Path(args.save_model), args.export, args.gguf_type,
-                                                  args.gguf_imatrix)
+                                                  args.gguf_imatrix, args.gguf_imatrix_chunks)
                 write_text(outdir / "results.json", json.dumps(report, indent=2))
     except GhostedError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -290,6 +294,10 @@ def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
     outdir = check_writable_folder(args.outdir, "--outdir")
     if args.gguf_imatrix and not (args.save_model and args.export == GGUF_FORMAT):
         raise GhostedError("--gguf_imatrix quantizes GGUF files: add --save_model DIR --export gguf")
+    if args.gguf_imatrix_chunks is not None and not args.gguf_imatrix:
+        raise GhostedError("--gguf_imatrix_chunks sets the importance matrix's windows: add --gguf_imatrix")
+    if args.gguf_imatrix_chunks is not None and args.gguf_imatrix_chunks < 1:
+        raise GhostedError(f"--gguf_imatrix_chunks must be at least 1 (got {args.gguf_imatrix_chunks})")
     if args.save_model:
         check_export([v.operator for v in options.variants], "stock" if args.export == GGUF_FORMAT else args.export)
         if args.export == GGUF_FORMAT:
@@ -301,15 +309,16 @@ def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
 
 
 def save_variants(result: RunResult, folder: Path, mode: str, gguf_types: tuple[str, ...] = ("f16",),
-                  imatrix: bool = False) -> dict[str, dict]:
+                  imatrix: bool = False, imatrix_chunks: int | None = None) -> dict[str, dict]:
     """Export every pruned variant to folder/<variant>, saying in which format and why (gguf: stock + its GGUF
-    files, each with its size and perplexity)."""
+    files, each with its size and perplexity; the importance matrix over `imatrix_chunks` windows, when given)."""
     exports = {}
+    chunks = {} if imatrix_chunks is None else {"imatrix_chunks": imatrix_chunks}
     for name, model in result.models.items():
         if name != "dense":
             if mode == GGUF_FORMAT:
                 done = export_gguf(model, result.tokenizer, folder / name, gguf_types,
-                                   gguf_options(result.options, imatrix))
+                                   gguf_options(result.options, imatrix, **chunks))
             else:
                 done = export_variant(model, result.tokenizer, folder / name, mode)
             exports[name] = done.to_json()

@@ -4,7 +4,7 @@
     python tests/memory_peaks.py --table                     every case on a fresh model: docs/scale.md's table
 
 A CASE is `criterion:NAME` (its scoring on the model in FOLDER), `criterion:NAME:memo_budget=B`
-(also `:sequences=S:seqlen=T` for other text sizes),
+(also `:sequences=S:seqlen=T:batch=B` for other text sizes),
 `operator:NAME` (its fit on one boundary's statistics, and the fold of the chosen fit) or
 `refit:NAME:inner=2500:sinks=8` (a refit on synthetic statistics; FOLDER may be `-` if every case is one)
 or `stage:size_and_speed` (the run's last stage, `export.gain.measure_gain`, on dense and two variants).
@@ -37,7 +37,9 @@ import torch  # noqa: E402
 
 from process_memory import reset_peak, status_bytes  # noqa: E402
 
-SEQUENCES, SEQLEN, BATCH = 8, 512, 4  # calibration text of the criteria and operators cases
+SEQUENCES, SEQLEN, BATCH = 8, 512, 4  # calibration text of the operators' cases: one window per sink direction
+SCORE_SEQUENCES, SCORE_BATCH = 4, 2  # the criteria's: two batches (what one batch leaves must not pile up), each with
+# residual states of 4 MiB, half the operators' text (the probes of swap_kl and sleb take most of the worker's time)
 BOUNDARY = (1, 2)  # the operators' boundary: block 1 removed
 SINK_TOKENS = 8  # tokens 0…7 have massive embeddings in the test's model: one attention-sink row per window, as in
 # real models, in 8 different directions, so that every sink-direction candidate of a fit is distinct (the worst case
@@ -116,8 +118,8 @@ def _load(folder: str):
     return model
 
 
-def criterion(model, name: str, memo_budget: int | None = None, sequences: int = SEQUENCES,
-              seqlen: int = SEQLEN) -> dict:
+def criterion(model, name: str, memo_budget: int | None = None, sequences: int = SCORE_SEQUENCES,
+              seqlen: int = SEQLEN, batch: int = SCORE_BATCH) -> dict:
     """The criterion's scoring alone (its similarity pass included) against its `memory` declaration."""
     import ghosted_core.selection  # noqa: F401  registers every criterion
     from ghosted_core.selection.criteria import Scoring, SelectionRequest, get_criterion
@@ -127,14 +129,14 @@ def criterion(model, name: str, memo_budget: int | None = None, sequences: int =
     config, spec = model.config, get_criterion(name)
     n = 2
     request = SelectionRequest(config.num_hidden_layers, n, (1, 2) if name == "manual" else ())
-    batches = _batches(config.vocab_size, sequences, seqlen)
+    batches = _batches(config.vocab_size, sequences, seqlen, batch)
     _warm(model, batches)
     base = _settle()
     with torch.no_grad():
         sim = measure_similarity(model, n, batches, quiet=True) if spec.needs_similarity else None
         spec.select(request, Scoring(model, batches, sim, memo_budget=memo_budget))
     measured = status_bytes("VmHWM") - base
-    footprint = spec.memory(ScoreShapes(config, 4, sequences, seqlen, BATCH, n, memo_budget=memo_budget))
+    footprint = spec.memory(ScoreShapes(config, 4, sequences, seqlen, batch, n, memo_budget=memo_budget))
     return {"measured": measured, "planned": footprint.bytes, "note": footprint.note}
 
 

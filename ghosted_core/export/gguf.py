@@ -152,6 +152,12 @@ class GGUFOptions:
     max_chars: int = 200_000  # a longer text is cut to this many characters (the windows read less than that)
     threads: int = 1  # llama.cpp's threads spin while they wait: 1 on a shared machine
 
+    def __post_init__(self) -> None:
+        if min(self.context, self.ppl_chunks, self.imatrix_chunks, self.max_chars, self.threads) < 1:
+            raise GhostedError(f"GGUF options must be positive: context {self.context}, ppl_chunks "
+                               f"{self.ppl_chunks}, imatrix_chunks {self.imatrix_chunks}, max_chars "
+                               f"{self.max_chars}, threads {self.threads}")
+
 
 @dataclass(frozen=True)
 class GGUFExport(ExportResult):

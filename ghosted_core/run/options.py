@@ -367,10 +367,14 @@ def statistics_bytes_per_boundary(width: int, options: RunOptions, branch: bool 
 def gguf_options(options: RunOptions, imatrix: bool = False, **overrides) -> GGUFOptions:
     """The GGUF export's texts from a run: the importance matrix (when asked) on the run's own calibration text,
     every file's perplexity on the evaluation part of its first perplexity corpus (of its calibration corpus
-    when it evaluates none). Both are the texts the run read, never new data."""
+    when it evaluates none). Both are the texts the run read, never new data. `overrides`: other GGUFOptions
+    fields (e.g. imatrix_chunks, which the label then states)."""
     calibration = corpora.get_corpus(options.corpus(options.calibration, "calibration"), "calibration")
     name = options.eval_corpora[0] if options.eval_corpora else options.calibration
     evaluation = corpora.get_corpus(options.corpus(name, "evaluation"), "evaluation")
-    return GGUFOptions(imatrix_text=calibration.text if imatrix else None,
-                       imatrix_label=f"the run's calibration text, {calibration.label}" if imatrix else "",
-                       eval_text=evaluation.text, eval_label=evaluation.label, **overrides)
+    shape = GGUFOptions(**overrides)
+    label = (f"the run's calibration text, {calibration.label} (up to {shape.imatrix_chunks} windows of "
+             f"{shape.context} tokens)")
+    return dataclasses.replace(shape, imatrix_text=calibration.text if imatrix else None,
+                               imatrix_label=label if imatrix else "",
+                               eval_text=evaluation.text, eval_label=evaluation.label)

@@ -156,9 +156,9 @@ def test_export_gguf_keeps_f16_when_asked_and_skips_a_useless_imatrix(llamacpp, 
 
 @pytest.mark.slow
 def test_cli_smollm2_q4_k_m_and_q8_0_run_in_llamacpp(llamacpp, tmp_path, capsys):
-    """`--export gguf --gguf_type q4_k_m,q8_0 --gguf_imatrix` on SmolLM2-135M without blocks 12-15 (magcomp_refit):
-    each file loads in llama.cpp, q8_0's greedy tokens equal the f16's, every perplexity is finite, printed and
-    recorded beside transformers' fp32 on the same windows."""
+    """`--export gguf --gguf_type q4_k_m,q8_0 --gguf_imatrix --gguf_imatrix_chunks 8` on SmolLM2-135M without
+    blocks 12-15 (magcomp_refit): each file loads in llama.cpp, q8_0's greedy tokens equal the f16's, every
+    perplexity is finite, printed and recorded beside transformers' fp32 on the same windows."""
     from ghosted_core.cli import main
 
     torch.set_num_threads(2)
@@ -167,7 +167,7 @@ def test_cli_smollm2_q4_k_m_and_q8_0_run_in_llamacpp(llamacpp, tmp_path, capsys)
                      "--layers", "12,13,14,15", "--insert_type", "magcomp_refit", "--train_size", "8",
                      "--seqlen", "128", "--eval_ppl", "ptb", "--eval_max_tokens", "512", "--outdir",
                      str(tmp_path / "out"), "--save_model", str(tmp_path / "saved"), "--export", "gguf",
-                     "--gguf_type", "q4_k_m,q8_0", "--gguf_imatrix", "--quiet"])
+                     "--gguf_type", "q4_k_m,q8_0", "--gguf_imatrix", "--gguf_imatrix_chunks", "8", "--quiet"])
     finally:
         torch.set_num_threads(1)
     printed = capsys.readouterr().out
@@ -176,7 +176,8 @@ def test_cli_smollm2_q4_k_m_and_q8_0_run_in_llamacpp(llamacpp, tmp_path, capsys)
     folder = Path(export["folder"])
     files = {g["type"]: g for g in export["ggufs"]}
     assert list(files) == ["q4_k_m", "q8_0"] and not (folder / "magcomp_refit-f16.gguf").exists()
-    assert export["imatrix"].startswith("the run's calibration text") and export["gguf_eval"]["text"].startswith("PTB")
+    assert export["imatrix"].startswith("the run's calibration text") and export["imatrix"].endswith(
+        "(up to 8 windows of 512 tokens)") and export["gguf_eval"]["text"].startswith("PTB")
     reference = export["gguf_eval"]["transformers_fp32_ppl"]
     print(f"SmolLM2 magcomp_refit: transformers fp32 {reference:.3f}; "
           + "; ".join(f"{t} {g['bytes'] / 1e6:.1f} MB ppl {g['ppl']:.3f} ± {g['ppl_error']:.3f}" for t, g in files.items()))
