@@ -250,7 +250,7 @@ def markdown(rows: list[dict]) -> list[str]:
         options = ", ".join(f"{k} = {v}" for k, v in row["options"].items()) or "-"
         measured, planned = row["measured"] / 2**20, row["planned"] / 2**20
         lines.append(f"| {row['kind']} `{row['name']}` | {options} | {measured:.1f} | {planned:.1f} | "
-                     f"{planned / measured:.2f} |" if measured > 0 else
+                     f"{planned / measured:.2f} |" if measured > 0 and planned > 0 else
                      f"| {row['kind']} `{row['name']}` | {options} | {measured:.1f} | {planned:.1f} | - |")
     return lines
 
