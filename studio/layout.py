@@ -113,7 +113,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                                                info=f"block indices 0–{default_layers - 1}, e.g. 19-25 or 3,7,12")
                 with gr.Accordion("Recovery operators", open=True):
                     operators = gr.Dropdown(OPERATOR_CHOICES, value=list(DEFAULTS.operators), multiselect=True,
-                                            label="Operators",
+                                            label="Operators", elem_id="operators",
                                             info=f"{SEQUENTIAL_SUFFIX}: fit each boundary on the already recovered model")
                 with gr.Accordion("Distillation (trains after the fit)", open=False, elem_id="distill-box"):
                     distill_on = gr.Checkbox(DEFAULTS.distill_on, label="Distill after the fit (slow: minutes)",

@@ -274,6 +274,10 @@ def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_ur
     depths.wait_for(state="visible", timeout=10_000)
     depths.fill("2:4:2")
     tiny_settings(page)  # the curve, the trade-off and the history need two depths, not the defaults' sizes
+    for name in ("diag", "rotate", "ghost"):  # and a few operators: three of the six defaults, removed as a visitor would
+        token = page.locator("#operators .token").filter(has=page.get_by_text(name, exact=True))
+        token.locator(".token-remove").click()
+        token.wait_for(state="detached", timeout=10_000)
     page.locator("#speed-on input[type=checkbox]").check()  # the suite turns speed off by default
     press_run(page)
     wait_for_status(page, "Run complete")
@@ -284,6 +288,7 @@ def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_ur
     speed = {t["name"]: t for t in tradeoff if t["yaxis"] == "y"}
     assert list(speed["dense"]["x"]) == [1] and all(len(speed[op]["x"]) == 2 and min(speed[op]["x"]) > 0
                                                     for op in ("none", "ghost_capped")), speed
+    assert not {"diag", "rotate", "ghost"} & set(speed) and "magcomp_refit" in speed  # the operators left on the page
     assert speed["Pareto front"]["text"] and all(isinstance(label, str) for label in speed["Pareto front"]["text"])
     page.locator("#plot-sweep-tradeoff").screenshot(path=str(ARTIFACTS / "app-sweep-tradeoff.png"))
     curve = page.evaluate("""() => (document.querySelector('#plot-curve .js-plotly-plot')?.data || [])
