@@ -14,8 +14,9 @@ statistics collected, what any process sets up once warmed, and glibc's free hea
 the resident size then, as bench/memory_plan.py measures whole runs. Planned: the entry's own
 declaration for that phase (a criterion's `memory`, an operator's `cost` through
 `memory_parts.fit_bytes`, the size-and-speed stage's `memory_parts.speed_bytes`). The cases of one
-process share its model and its one-time set-up; each starts from a settled heap (what an earlier case freed is returned to the system first), so each
-is measured as if alone (checked against one process per case: the same figures within 0.3 MiB).
+process share its model and its one-time set-up; each starts from a settled heap (what an earlier
+case freed is returned to the system first), so each is measured as if alone (checked against one
+process per case: the same figures within 0.3 MiB).
 """
 
 from __future__ import annotations

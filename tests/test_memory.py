@@ -213,5 +213,6 @@ def test_the_size_and_speed_phase_is_planned_only_when_speed_is_measured():
                           host_available=1 << 40)
     assert "size and speed" not in untimed.phases and list(timed.phases)[-1] == "size and speed"
     modules = sum(kept_bytes(get_operator(name).cost, config, 4)[1] for name in ("none", "ghost"))
-    assert timed.phases["size and speed"]["host"] == timed.weights_bytes + modules + speed_bytes(config, 40, torch.float32)
+    speed = speed_bytes(config, 40, torch.float32)  # 32 prefill + 8 decode tokens
+    assert timed.phases["size and speed"]["host"] == timed.weights_bytes + modules + speed
     assert speed_bytes(config, 40, torch.float32) > speed_bytes(config, 20, torch.float32) > 0

@@ -8,8 +8,8 @@ against what it declares. A new registry entry is measured here without a line a
 scores 4 windows of 512 tokens in batches of 2 (two batches, so that what one leaves behind would
 show), an operator fits 8 windows in batches of 4: one batch's buffers (4 and 8 MiB per residual
 state) dwarf the allocator's noise. Every window starts with a token whose embedding is massive,
-so that the fits see attention-sink rows (8 directions) as in real models. Four cases beside the registry: the
-down_proj refits at I = 2500 with 8 sink rows (synthetic statistics), sleb with a memo budget
+so that the fits see attention-sink rows (8 directions) as in real models. Four cases beside the
+registry: the down_proj refits at I = 2500 with 8 sink rows (synthetic statistics), sleb with a memo budget
 of 0 (every kept state but the embeddings recomputed), and the run's size-and-speed stage on dense
 and two variants (`memory_parts.speed_bytes`).
 """

@@ -260,8 +260,8 @@ def llamacpp_windowed_perplexity(model: PreTrainedModel, tokenizer, text: str, c
     As llama-perplexity does (tools/perplexity/perplexity.cpp): the whole text is tokenized once
     (`llamacpp_tokens`), with BOS first where the tokenizer adds one (`corpora.default_bos`); the stream is
     cut into non-overlapping windows of `context` tokens (the remainder dropped, at most `chunks` windows);
-    each window's first token is replaced by BOS where the tokenizer adds one; and only the second half is scored: the logits at positions
-    context/2 … context−2 predict the tokens after them. Needs at least 2·`context` tokens.
+    each window's first token is replaced by BOS where the tokenizer adds one; and only the second half is
+    scored: the logits at positions context/2 … context−2 predict the tokens after them. Needs at least 2·`context` tokens.
     Time: chunks forward passes of `context` tokens; memory: one window's activations and context/2 × vocabulary
     fp32 logits (the head runs on the scored half only).
     """

@@ -274,7 +274,7 @@ def test_a_small_sweep_draws_the_curve_and_its_history_row_restores_it(server_ur
     depths.wait_for(state="visible", timeout=10_000)
     depths.fill("2:4:2")
     tiny_settings(page)  # the curve, the trade-off and the history need two depths, not the defaults' sizes
-    for name in ("diag", "rotate", "ghost"):  # and a few operators: three of the six defaults, removed as a visitor would
+    for name in ("diag", "rotate", "ghost"):  # three of the six default operators, removed as a visitor would
         token = page.locator("#operators .token").filter(has=page.get_by_text(name, exact=True))
         token.locator(".token-remove").click()
         token.wait_for(state="detached", timeout=10_000)
