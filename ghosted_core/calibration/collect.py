@@ -181,7 +181,8 @@ class BoundaryAccumulator:
                 return t[valid]
         branch = None if branch is None else pick(branch.to(x_pre.device))
         inner = None if inner is None else pick(inner.to(x_pre.device))
-        self.sums.add(pick(x_pre), pick(x_post), branch, pick(sinks), pick(cap), inner)
+        window = pick(torch.arange(valid.shape[0], device=valid.device)[:, None].expand(valid.shape))  # each row's window
+        self.sums.add(pick(x_pre), pick(x_post), branch, pick(sinks), pick(cap), inner, window)
 
     def nbytes(self) -> int:
         return 0 if self.sums is None else self.sums.nbytes()

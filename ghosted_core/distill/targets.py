@@ -36,6 +36,7 @@ from ghosted_core.model.modeling_ghosted import ResidualLinear, ResidualScale
 from ghosted_core.model.scaling import writer_path
 from ghosted_core.model.surgery import replace_submodules
 from ghosted_core.plan import PruningPlan
+from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.registry import add, check_signature, lookup
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ def _operator_parameters(config: PretrainedConfig, boundaries: int, opts: Distil
 def operator_target(variant: PreTrainedModel, dense: PreTrainedModel, sites: CutSites,
                     opts: DistillOptions) -> dict[str, nn.Module]:
     shared = {id(p) for p in dense.parameters()}
-    rotate = _record(variant).get("operator") == "rotate"
+    spec = OPERATORS.get(_record(variant).get("operator", ""))
+    rotate = spec is not None and spec.cost.kept == "rotated"  # the variant keeps H diag(r) Hᵀ
     found: dict[str, nn.Module] = {}
     for path, module in variant.named_modules():
         if any(id(p) not in shared for p in module.parameters(recurse=False)):

@@ -18,7 +18,7 @@ DEFAULT_DEPTH_SHARE = 0.25  # blocks removed by default, as a share of the model
 DEEP_CUT_SHARE = 0.40  # cuts removing more than this share of the blocks are flagged
 GOOD_TOKENS_PER_CHANNEL = 4  # calibration tokens per hidden channel for a well-posed least-squares fit
 MIN_TOKENS_PER_CHANNEL = 2  # below this many per channel, the fit is mostly ridge
-PLAIN_OPERATORS = frozenset({"none", "diag", "rotate", "magcomp"})  # no C×C solve (identity, per-channel scales)
+PLAIN_OPERATORS = frozenset({"none", "diag", "diag_pooled", "rotate", "rotate_pooled", "magcomp"})  # no C×C solve (identity, per-channel scales)
 
 
 @dataclass(frozen=True)

@@ -174,12 +174,6 @@ def _least_squares_fit(name: str, stats: BoundaryStats, tokens: str, opts: FitOp
                ridge_fallback=next((n for n in notes if n.startswith(RIDGE_FALLBACK)), None))
 
 
-def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """Per-channel numerator/denominator, 1 where the denominator vanishes."""
-    safe = denominator > 0
-    return torch.where(safe, numerator / torch.where(safe, denominator, 1.0), torch.ones_like(numerator))
-
-
 # ---------------------------------------------------------------- the operators
 
 
@@ -199,26 +193,52 @@ def _channel_sums(stats: BoundaryStats, basis: str):
     return sums
 
 
-@register_operator("diag", paper="LinearPatch-D", description="per-channel scale mean|X_post| / mean|X_pre| (symmetric)",
-                   needs=StatNeeds(channel=True), cost=OperatorCost(1, "scale"))
-def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
+def _diag_fit(name: str, stats: BoundaryStats, per_window: bool) -> Fit:
     sums = _channel_sums(stats, "channel")
-    scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens
-    return Fit("diag", stats.boundary, "residual", torch.diag(scale - 1.0), diagonal=True, tokens_used=stats.tokens,
+    scale = sums.window_mean_ratio() if per_window else sums.pooled_ratio()  # (C,) over all tokens
+    return Fit(name, stats.boundary, "residual", torch.diag(scale - 1.0), diagonal=True, tokens_used=stats.tokens,
                scale=scale, basis="channel")
 
 
-@register_operator("rotate", paper="LinearPatch-R",
-                   description="per-channel scale in a Hadamard-rotated basis: H diag(r) Hᵀ (symmetric)",
-                   needs=StatNeeds(rotated=True), cost=OperatorCost(4, "rotated"))
-def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
+def _rotate_fit(name: str, stats: BoundaryStats, per_window: bool) -> Fit:
     sums = _channel_sums(stats, "hadamard")
-    scale = _ratio(sums.abs_y.sum(0), sums.abs_x.sum(0))  # (C,) over all tokens, rotated basis
+    scale = sums.window_mean_ratio() if per_window else sums.pooled_ratio()  # (C,) over all tokens, rotated basis
     eye = torch.eye(stats.width, dtype=scale.dtype, device=scale.device)
     rot = hadamard_transform(eye)  # (C, C) H, built once here, not cached
     update = (rot * scale) @ rot.T  # H diag(r) Hᵀ
     update.diagonal().sub_(1.0)
-    return Fit("rotate", stats.boundary, "residual", update, tokens_used=stats.tokens, scale=scale, basis="hadamard")
+    return Fit(name, stats.boundary, "residual", update, tokens_used=stats.tokens, scale=scale, basis="hadamard")
+
+
+@register_operator("diag", paper="LinearPatch-D",
+                   description="per-channel scale mean|X_post| / mean|X_pre|, the ratio averaged over calibration "
+                               "windows as the authors' code does (symmetric)",
+                   needs=StatNeeds(channel=True), cost=OperatorCost(1, "scale"))
+def fit_diag(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _diag_fit("diag", stats, per_window=True)
+
+
+@register_operator("diag_pooled", paper="LinearPatch-D, pooled (this project)",
+                   description="per-channel scale Σ|X_post| / Σ|X_pre| pooled over every calibration token (symmetric)",
+                   needs=StatNeeds(channel=True), cost=OperatorCost(1, "scale"))
+def fit_diag_pooled(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _diag_fit("diag_pooled", stats, per_window=False)
+
+
+@register_operator("rotate", paper="LinearPatch-R",
+                   description="per-channel scale in a Hadamard-rotated basis, H diag(r) Hᵀ, with the authors' H and "
+                               "their per-window average of the ratio (symmetric)",
+                   needs=StatNeeds(rotated=True), cost=OperatorCost(4, "rotated"))
+def fit_rotate(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _rotate_fit("rotate", stats, per_window=True)
+
+
+@register_operator("rotate_pooled", paper="LinearPatch-R, pooled (this project)",
+                   description="H diag(r) Hᵀ with r = Σ|X_post H| / Σ|X_pre H| pooled over every calibration token "
+                               "(symmetric)",
+                   needs=StatNeeds(rotated=True), cost=OperatorCost(4, "rotated"))
+def fit_rotate_pooled(stats: BoundaryStats, opts: FitOptions) -> Fit:
+    return _rotate_fit("rotate_pooled", stats, per_window=False)
 
 
 @register_operator("magcomp", paper="Prune&Comp (arXiv 2507.18212)",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ghosted_core.model.embedded import EMBEDDED, needs_conversion
+from ghosted_core.model.embedded import SETUP_MODELS, needs_conversion
 
 pytestmark = pytest.mark.slow
 
@@ -172,7 +172,7 @@ WIDER_THAN_SCREEN = """() => ({viewport: window.innerWidth, page: document.docum
 
 
 def test_switching_to_gemma_and_back_moves_the_depth_at_once_without_converting(server_url, browser):
-    assert not any(needs_conversion(name) for name in EMBEDDED), "run `make setup`: it converts every embedded model"
+    assert not any(needs_conversion(name) for name in SETUP_MODELS), "run `make setup`: it converts the small embedded models"
     page = open_page(browser, server_url, DESKTOP)
     assert slider_state(page) == (30, 7)
     start = time.perf_counter()
