@@ -5,8 +5,8 @@ from __future__ import annotations
 from ghosted_core.cli_distill import distill_lines
 from ghosted_core.recovery.assessment import HELDOUT_FLAG
 from ghosted_core.report.summary import run_headline
-from ghosted_core.report.tables import gain_cells
-from ghosted_core.run.result import RunResult
+from ghosted_core.report.tables import comparison, gain_cells, paired_cell
+from ghosted_core.run.result import RunResult, task_comparisons_json
 from ghosted_core.run.sweep import SweepResult
 from ghosted_core.selection.criteria import criterion_title
 
@@ -146,4 +146,12 @@ def _task_table(result: RunResult) -> list[str]:
     lines += _table(["variant", *names, "mean"], rows)
     lines.append(f"  chance level (mean over tasks): {_fmt(first.mean_chance)}")
     lines += [f"  {u.task}: unavailable ({u.reason})" for u in first.unavailable]
+    report = {"task_comparisons": task_comparisons_json(result.tasks)}
+    for against in ("none", "dense"):
+        paired = [[variant, *(paired_cell(comparison(report, variant, against, t)) for t in [*names, "mean"])]
+                  for variant in result.tasks if comparison(report, variant, against, "mean")]
+        if paired:
+            lines.append(f"paired accuracy difference to {against}, points [95% CI], p (McNemar exact per task, "
+                         "normal over the mean), on the same examples:")
+            lines += _table(["variant", *names, "mean"], paired)
     return lines

@@ -28,16 +28,10 @@ from transformers import PreTrainedModel
 
 from ghosted_core.distill.options import LOSSES
 from ghosted_core.memory_parts import LOGITS_BUDGET
+from ghosted_core.model.head import head_logits, softcapped
 
 LOGIT_COPIES = 3  # per chunk: the head's fp32 logits, the log-softmax and its gradient
 TAIL_COPIES = 4  # per chunk with `topk_tail`: the logits, their copy with the top K masked, and both gradients
-
-
-def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 logits (N, V) of final hidden states (N, C), with the model's final soft-capping where it has one."""
-    logits = model.lm_head(hidden).float()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
 def gathered_logits(model: PreTrainedModel, hidden: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -48,9 +42,7 @@ def gathered_logits(model: PreTrainedModel, hidden: torch.Tensor, indices: torch
     logits = (hidden.unsqueeze(1).to(rows.dtype) @ rows.transpose(1, 2)).squeeze(1)  # (N, K)
     if getattr(head, "bias", None) is not None:
         logits = logits + head.bias[indices]
-    logits = logits.float()
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    return torch.tanh(logits / softcap) * softcap if softcap else logits
+    return softcapped(model.config, logits.float())
 
 
 def teacher_log_probs(logits: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -23,7 +23,8 @@ from transformers import PreTrainedModel
 
 from ghosted_core.progress import track
 from ghosted_core.calibration.capture import capture, run_forward
-from ghosted_core.distill.loss import chunk_tokens, head_logits, teacher_log_probs
+from ghosted_core.distill.loss import chunk_tokens, teacher_log_probs
+from ghosted_core.model.head import head_logits
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.perplexity import input_device
 from ghosted_core.memory_parts import dtype_bytes

@@ -22,6 +22,7 @@ from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan
 from ghosted_core.stopping import StopCheck, check_stop
+from ghosted_core.model.head import head_logits
 from ghosted_core.model.surgery import slice_view
 from ghosted_core.memory_parts import LOGITS_BUDGET
 
@@ -49,19 +50,15 @@ def _token_nll(model: PreTrainedModel, hidden: torch.Tensor, input_ids: torch.Te
     The head runs in the model's dtype; its logits are cast to fp32 before the log-softmax,
     and the sum is accumulated in fp32 per chunk, then in a Python float.
     """
-    head = model.lm_head
     batch, length, _ = hidden.shape
     vocab = model.config.vocab_size
-    softcap = getattr(model.config, "final_logit_softcapping", None)
     per_logit = 4 + (hidden.element_size() if hidden.dtype != torch.float32 else 0)  # fp32 copy + the head's own output
     chunk = max(1, LOGITS_BUDGET // (per_logit * vocab * batch))  # memory: chunk·batch·vocab·per_logit ≤ LOGITS_BUDGET
     labels = input_ids[:, 1:].to(hidden.device)  # (B, T-1)
     total = 0.0
     for lo in range(0, length - 1, chunk):
         hi = min(lo + chunk, length - 1)
-        logits = head(hidden[:, lo:hi]).float()  # (B, t, V)
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
+        logits = head_logits(model, hidden[:, lo:hi])  # (B, t, V) float32
         target = labels[:, lo:hi].to(logits.device)
         total += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"))
     return total, batch * (length - 1)

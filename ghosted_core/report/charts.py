@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ghosted_core.report.tables import DENSE_COLOR, blocks_text, esc, held_out_error, plural, variant_colors
+from ghosted_core.report.tables import DENSE_COLOR, SIGNIFICANT_MARK, blocks_text, comparison, esc, held_out_error, \
+    paired_cell, plural, variant_colors
 
 
 TITLE_CHARS = 46  # characters per subtitle line: fits a 390 px phone screen at 11 px
@@ -168,7 +169,9 @@ def tasks_figure(report: dict) -> go.Figure:
     """Zero-shot accuracy per task and mean, bars per variant, with the chance level."""
     tasks = report.get("tasks", {})
     fig = base_figure("Quick zero-shot tasks (lm-eval acc)",
-                      [*short_context(report), "seeded example subsets", "error bars: ± one standard error"])
+                      [*short_context(report), "the same seeded examples for every variant",
+                       "error bars: ± one standard error", f"labels: paired difference to none, points "
+                       f"({SIGNIFICANT_MARK} significant at 95%)"])
     colors = variant_colors(list(tasks))
     chance: dict[str, float] = {}
     for name, result in tasks.items():
@@ -176,9 +179,15 @@ def tasks_figure(report: dict) -> go.Figure:
         ys = [s["acc"] for s in result["scores"]] + [result["mean_acc"]]
         errors = [s.get("acc_stderr") or 0.0 for s in result["scores"]] + [result.get("mean_acc_stderr") or 0.0]
         chance = {s["task"]: s["chance"] for s in result["scores"]} | {"mean": result["mean_chance"]}
-        fig.add_bar(x=xs, y=ys, name=name, marker_color=colors[name],
+        deltas = [comparison(report, name, "none", x) for x in xs]
+        labels = ["" if d is None else f"{100 * d['diff']:+.1f}{SIGNIFICANT_MARK if d['significant'] else ''}"
+                  for d in deltas]
+        vs_none = [paired_cell(d) if d else "" for d in deltas]
+        fig.add_bar(x=xs, y=ys, name=name, marker_color=colors[name], text=labels, textposition="outside",
+                    customdata=vs_none,
                     error_y=dict(type="data", array=errors, visible=True, thickness=1.2, width=3),
-                    hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}} ± %{{error_y.array:.1%}}<extra></extra>")
+                    hovertemplate=f"{esc(name)}<br>%{{x}}: %{{y:.1%}} ± %{{error_y.array:.1%}}"
+                                  "<br>− none: %{customdata}<extra></extra>")
     if chance:
         fig.add_scatter(x=list(chance), y=list(chance.values()), mode="markers", name="chance",
                         marker=dict(symbol="line-ew-open", size=28, color="#0f172a", line=dict(width=2)))

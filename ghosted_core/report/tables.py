@@ -253,6 +253,7 @@ def perplexity_caption(report: dict) -> str:
     return f"{context_line(report)}  \n{corpora_caption(report)}  \n{note}  \n{errors}" + (f"  \n{gain}" if gain else "")
 
 
+SIGNIFICANT_MARK = "*"  # beside an accuracy whose paired difference to plain pruning excludes 0 at 95%
 TASK_NAMES = {  # what each task's data is, for the captions (lm-eval's names are terse)
     "arc_easy": "ARC-Easy, grade-school science questions, 4 choices",
     "arc_challenge": "ARC-Challenge, harder science questions, 4 choices",
@@ -267,7 +268,10 @@ TASK_NAMES = {  # what each task's data is, for the captions (lm-eval's names ar
 }
 TASK_SCORING = ("Scored zero-shot by lm-evaluation-harness: the model reads each question alone (no worked examples) "
                 "and its answer is the choice it gives the highest log-likelihood; acc = share of correct answers, "
-                "± lm-eval's standard error (on 20 examples about ±11 points: smaller differences are noise).")
+                "± lm-eval's standard error (on 20 examples about ±11 points). Every variant answers the same "
+                "examples, so variants are compared example by example: the paired difference, its 95% interval "
+                f"and p (McNemar's exact test per task, the normal approximation over the mean); {SIGNIFICANT_MARK} "
+                "marks an accuracy whose difference to plain pruning (none) is significant.")
 
 
 def task_source(score: dict) -> str:
@@ -288,16 +292,38 @@ def with_stderr(value: float | None, stderr: float | None) -> str:
     return f"{fmt(100 * value, 1)} ± {fmt(100 * stderr, 1)}" if stderr is not None else fmt(100 * value, 1)
 
 
+def paired_cell(d: dict | None) -> str:
+    """'+2.3 [−0.4, +5.0] p 0.09 (not significant)': a paired accuracy difference in points, its 95% interval, p."""
+    if not d:
+        return "–"
+    return (f"{100 * d['diff']:+.1f} [{100 * d['low']:+.1f}, {100 * d['high']:+.1f}] p {d['p_value']:.2g} "
+            f"({'significant' if d['significant'] else 'not significant'})")
+
+
+def comparison(report: dict, variant: str, against: str, task: str) -> dict | None:
+    """results.json's paired difference of `variant` minus `against` ("none" or "dense") on `task` (or "mean")."""
+    return report.get("task_comparisons", {}).get(variant, {}).get(f"vs_{against}", {}).get(task)
+
+
 def tasks_table(report: dict) -> pd.DataFrame:
-    """Variant × task accuracy (%) ± lm-eval's standard error, and the mean over the tasks run."""
+    """Variant × task accuracy (%) ± lm-eval's standard error (* where the paired difference to plain pruning is
+    significant), the mean over the tasks run, and the mean's paired difference to plain pruning and to dense."""
     tasks = report.get("tasks", {})
     names = [s["task"] for s in next(iter(tasks.values()))["scores"]] if tasks else []
+
+    def cell(variant: str, task: str, value: float | None, stderr: float | None) -> str:
+        d = comparison(report, variant, "none", task)
+        return with_stderr(value, stderr) + (f" {SIGNIFICANT_MARK}" if d and d["significant"] else "")
+
     rows = []
     for variant, result in tasks.items():
         scores = {s["task"]: s for s in result["scores"]}
-        rows.append([variant, *(with_stderr(scores[t]["acc"], scores[t].get("acc_stderr")) for t in names),
-                     with_stderr(result["mean_acc"], result.get("mean_acc_stderr"))])
-    return pd.DataFrame(rows, columns=["variant", *(f"{t} acc % ± se" for t in names), "mean acc % ± se"])
+        rows.append([variant, *(cell(variant, t, scores[t]["acc"], scores[t].get("acc_stderr")) for t in names),
+                     cell(variant, "mean", result["mean_acc"], result.get("mean_acc_stderr")),
+                     paired_cell(comparison(report, variant, "none", "mean")),
+                     paired_cell(comparison(report, variant, "dense", "mean"))])
+    return pd.DataFrame(rows, columns=["variant", *(f"{t} acc % ± se" for t in names), "mean acc % ± se",
+                                       "mean − none, points [95% CI]", "mean − dense, points [95% CI]"])
 
 
 def tasks_caption(report: dict) -> str:

@@ -24,7 +24,7 @@ from ghosted_core.recovery.operators import needs_of
 from ghosted_core.selection.choose import select_blocks
 from ghosted_core.selection.criteria import get_criterion
 from ghosted_core.stopping import StopCheck, check_stop
-from ghosted_core.evaluation.tasks import evaluate_tasks
+from ghosted_core.evaluation.tasks import evaluate_variants
 from ghosted_core.data.user_text import USER_CORPUS
 from ghosted_core.run.distilling import distill_stage, distilled_variants, train_blocks
 from ghosted_core.run.fitting import fit_variants
@@ -141,10 +141,11 @@ def _stages(options: RunOptions, loaded: LoadedModel | None,
         result.generations = generate(result.models, tokenizer, options.prompt, options.generation, should_stop)
         yield done("generate")
 
-    for name, model in result.models.items() if options.tasks else ():
+    if options.tasks:  # every variant on the same examples, in one pass per task (the dense prefix shared)
         check_stop(should_stop, "tasks")
-        result.tasks[name] = evaluate_tasks(model, tokenizer, options.tasks, options.task_limit, options.seed,
-                                            options.task_batch_size, progress=not options.quiet)
+        result.tasks = evaluate_variants(dense, result.models, tokenizer, options.tasks, options.task_limit,
+                                         options.seed, options.task_batch_size, progress=not options.quiet,
+                                         should_stop=should_stop)
         yield done("tasks")
 
     # last, so that its timings do not slow the other stages' and no other stage's buffers are alive

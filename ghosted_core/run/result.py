@@ -16,7 +16,7 @@ from ghosted_core.memory import MemoryPlan
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.similarity import SimilarityStats
-from ghosted_core.evaluation.tasks import TaskResults
+from ghosted_core.evaluation.tasks import TaskResults, paired_comparisons
 from ghosted_core.run.options import RunOptions
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,18 @@ class RunResult:
             "prompt": opts.prompt,
             "gain": self.gain.settings_json() if self.gain is not None else None,
             "variants": variants,
+            "task_comparisons": task_comparisons_json(self.tasks),
         }
+
+
+def task_comparisons_json(tasks: dict[str, TaskResults]) -> dict:
+    """results.json's paired accuracy differences: every variant against plain pruning ("vs_none") and against
+    the dense model ("vs_dense"), per task and for the mean, on the same examples (`evaluation.paired`)."""
+    out: dict = {}
+    for key, against in (("vs_none", "none"), ("vs_dense", "dense")):
+        for name, table in paired_comparisons(tasks, against).items():
+            out.setdefault(name, {})[key] = {task: d.to_json() for task, d in table.items()}
+    return out
 
 
 def run_json(result) -> dict:

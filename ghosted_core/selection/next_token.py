@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ghosted_core.memory_parts import LOGITS_BUDGET
+from ghosted_core.model.head import softcapped
 from ghosted_core.selection.suffixes import Work
 
 
@@ -31,9 +32,7 @@ def _logits(model: PreTrainedModel, h: torch.Tensor, rows: tuple[torch.Tensor, t
     subset's head rows `rows` = (weight (|S|, C), bias), sliced once by `_subset_head`."""
     x = model.model.norm(h)
     logits = model.lm_head(x) if rows is None else torch.nn.functional.linear(x, *rows)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    return torch.tanh(logits / softcap) * softcap if softcap else logits
+    return softcapped(model.config, logits.to(torch.promote_types(logits.dtype, torch.float32)))
 
 
 def _subset_head(model: PreTrainedModel, subset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
