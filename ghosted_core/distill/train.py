@@ -48,11 +48,12 @@ def learning_rate(step: int, steps: int, lr: float, min_lr_factor: float, warmup
     return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def autocast_for(precision: str, device: torch.device):
-    """bf16 autocast on a GPU ("auto" or "bf16"), nothing on a CPU (fp32) or when fp32 is asked for."""
+def autocast_for(precision: str, device: torch.device, model_dtype: torch.dtype = torch.float32):
+    """bf16 autocast on a GPU ("auto" or "bf16"), and on a CPU when asked or when the model itself is in bf16
+    ("auto": the fp32 trainable copies then compute in the frozen blocks' dtype); nothing otherwise (fp32)."""
     if device.type == "cuda" and precision in ("auto", "bf16"):
         return torch.autocast("cuda", dtype=torch.bfloat16)
-    if precision == "bf16" and device.type == "cpu":
+    if device.type == "cpu" and (precision == "bf16" or precision == "auto" and model_dtype == torch.bfloat16):
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -175,7 +176,7 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
     def validate() -> float:
         total = count = 0.0
         for rows in validation_rows(cache, options.batch_size):
-            with torch.no_grad(), autocast_for(options.precision, device):
+            with torch.no_grad(), autocast_for(options.precision, device, dense.dtype):
                 out = suffix.model(inputs_embeds=prefix(rows, keep=True), use_cache=False).last_hidden_state
                 log_probs, indices = cache.targets(rows)
                 tokens = out.shape[0] * out.shape[1]
@@ -203,7 +204,7 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, report.lr, options.min_lr_factor, options.warmup)
         rows = training_rows(step, options.batch_size, len(cache.train_ids))
-        with autocast_for(options.precision, device):
+        with autocast_for(options.precision, device, dense.dtype):
             h = prefix(rows)
             out = suffix.model(inputs_embeds=h, use_cache=False).last_hidden_state  # (B, T, C) after the final norm
             if not out.requires_grad:

@@ -32,6 +32,9 @@ class SharedPrefixLM(HFLM):
             scorer.options = replace(scorer.options, max_length=self.max_length)
         self.scorer, self.variant, self.progress = scorer, name, progress
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False):  # noqa: ANN001
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):  # noqa: ANN001
         pairs = [(tuple(context), tuple(continuation)) for _, context, continuation in requests]
         self.scorer.quiet = disable_tqdm or not self.progress

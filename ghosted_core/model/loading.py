@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from ghosted_core.data.assets import cache_dir
 from ghosted_core.errors import GhostedError
 from ghosted_core.hub import hub_reachable
-from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED, converted_embedded
+from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED, converted_embedded, needs_conversion
 from ghosted_core.memory import check_fits
 from ghosted_core.model import hub_cache
 from ghosted_core.architectures import ARCHITECTURES, families
@@ -109,12 +109,15 @@ def check_supported(config: PretrainedConfig) -> None:
         )
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """fp32 on CPU and bf16 on GPU unless the user says otherwise."""
+def resolve_dtype(dtype: str, device: str, model: str | None = None) -> torch.dtype:
+    """fp32 on CPU and bf16 on GPU unless the user says otherwise; "auto" keeps an embedded model's stored dtype
+    where it is narrower than fp32 (the 1.5B is stored in bf16: fp32 would double its memory and quadruple its time)."""
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") or device == "map" and torch.cuda.is_available() else torch.float32
+        if device.startswith("cuda") or device == "map" and torch.cuda.is_available():
+            return torch.bfloat16
+        return EMBEDDED[model].dtype if model in EMBEDDED else torch.float32
     if dtype not in names:
         raise GhostedError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(names)}")
     return names[dtype]
@@ -176,7 +179,8 @@ def placement(name: str, options: LoadOptions) -> dict:
     on the CPU first). `map`: accelerate's `device_map="auto"` fills GPUs, then the CPU, up to
     `max_memory`, and leaves the rest on disk, read block by block during each forward pass.
     """
-    device, dtype = check_load_options(options)
+    device, _ = check_load_options(options)
+    dtype = resolve_dtype(options.dtype, device, name)
     if device != "map":
         return {"dtype": dtype, "device_map": device}
     folder = Path(options.offload_folder) if options.offload_folder else default_offload_folder(name)
@@ -295,6 +299,10 @@ def _read_config(name: str, where: str) -> PretrainedConfig:
 def peek_config(name: str, local_folders: bool = True, token: str | bool | None = None) -> PretrainedConfig:
     """The config of `name` without loading its weights, checked to be a supported architecture (`token`: Hub
     access, as `LoadOptions.hub_token`)."""
+    if name in EMBEDDED and EMBEDDED[name].config and needs_conversion(name):  # known without a 1 GB download
+        config = AutoConfig.for_model(**dict(EMBEDDED[name].config))
+        check_supported(config)
+        return config
     source, where, _description = _locate(name, local_folders)
     if source == "hub" and (not local_folders or token is not None):
         where = _hub_snapshot(name, HUB_CONFIG_FILES, token)

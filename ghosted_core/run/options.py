@@ -308,7 +308,7 @@ def memory_plan(options: RunOptions, config, device: str | None = None, dtype=No
     """The run's memory plan from the config (before loading: device and dtype as the load options say;
     once loaded: its placement, and `resident` = `memory.resident_bytes` of the loaded model)."""
     device = device or resolve_device(options.load.device)
-    dtype = dtype or resolve_dtype(options.load.dtype, device)
+    dtype = dtype or resolve_dtype(options.load.dtype, device, options.model)
     request = plan_request(options, config, boundaries, depths, dtype=dtype, train_blocks=train_blocks, criteria=criteria)
     return plan_memory(config, options.model, device, dtype, request, device_available, host_available, resident)
 

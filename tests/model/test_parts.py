@@ -91,3 +91,29 @@ def test_the_model_target_refuses_a_corrupt_download_in_one_line(tmp_path):
     assert len(errors) == 1 and "is corrupt" in errors[0] and "286 bytes" in errors[0], proc.stderr
     assert not (tmp_path / "cache" / "gguf" / QWEN_CODER_PARTS.name).exists()
     assert not (tmp_path / "cache" / "models" / "qwen2.5-coder-1.5b").exists()
+
+
+def test_the_on_demand_model_is_sized_and_checked_before_any_download(tmp_path):
+    """Its config comes from the catalog while nothing is fetched: 1.78 B parameters as stored (the output matrix
+    kept apart from the embeddings), bf16 by default on a CPU, and a depth it does not have is refused in one line
+    without touching the registry."""
+    from ghosted_core.memory_parts import estimate_parameters
+    from ghosted_core.model.loading import resolve_dtype
+
+    env = os.environ | {FIND_LINKS_ENV: str(tmp_path / "no-wheels"), "GHOSTED_CACHE": str(tmp_path / "cache"),
+                        "HF_HUB_OFFLINE": "1"}
+    probe = ("import torch; from ghosted_core.model.loading import peek_config; c = peek_config('qwen2.5-coder-1.5b'); "
+             "print(c.model_type, c.num_hidden_layers, c.hidden_size)")
+    shown = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert shown.stdout.split() == ["qwen2", "28", "1536"], shown.stderr
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**dict(EMBEDDED["qwen2.5-coder-1.5b"].config))
+    assert abs(estimate_parameters(config) - 1.78e9) < 0.01e9
+    assert str(resolve_dtype("auto", "cpu", "qwen2.5-coder-1.5b")) == "torch.bfloat16"
+    refused = subprocess.run([sys.executable, "-m", "ghosted_core", "--model", "qwen2.5-coder-1.5b",
+                              "--total_num_prune", "40", "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "28" in refused.stderr
+    assert not (tmp_path / "cache" / "gguf").exists()
