@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--limit", type=int, default=50)
     parser.add_argument("--batch_size", type=int, default=8, help="HFLM's batch size")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help="the variants beside dense (default: the run's six defaults)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help=out_help("tasks_speed"))
     args = parser.parse_args()
@@ -82,10 +84,11 @@ def main() -> None:
 
     loaded = load_model(args.model, LoadOptions(dtype=args.dtype))
     depth = default_depth(loaded.num_layers)
-    pruned = run(RunOptions(model=args.model, num_prune=depth, variants=parse_variants(",".join(DEFAULT_VARIANTS)),
+    names_of_variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    pruned = run(RunOptions(model=args.model, num_prune=depth, variants=parse_variants(",".join(names_of_variants)),
                             calibration="mix", train_size=16, seqlen=256, eval_corpora=(), drift_windows=0,
                             quiet=True), loaded)
-    models = {name: pruned.models[name] for name in ["dense", *DEFAULT_VARIANTS]}
+    models = {name: pruned.models[name] for name in ["dense", *names_of_variants]}
 
     hflm_s, hflm_scores, hflm_answers = timed_engine("hflm", loaded.model, models, loaded.tokenizer, names, limit,
                                                      args.batch_size)
@@ -102,12 +105,16 @@ def main() -> None:
             requests += 1
         for task in names:
             outcomes_same &= our_scores[name][task].correct == hflm_scores[name][task].correct
+    # for scale: lm-eval's HFLM against itself, batch 1 against batch N, on the dense model's same requests
+    _, _, single = timed_engine("hflm", loaded.model, {"dense": loaded.model}, loaded.tokenizer, names, limit, 1)
+    hflm_self = max(abs(single["dense"][key][0] - lp) for key, (lp, _) in hflm_answers["dense"].items())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     report = {
         "model": args.model, "dtype": args.dtype, "removed": list(pruned.plan.removed), "variants": list(models),
         "tasks": names, "limit": limit, "hflm_batch_size": args.batch_size, "threads": torch.get_num_threads(),
         "requests_per_model": requests // len(models), "hflm_seconds": hflm_s, "shared_seconds": ours_s,
-        "speedup": hflm_s / ours_s, "max_abs_loglik_diff": worst, "max_rel_loglik_diff": worst_relative, "greedy_identical": greedy_same,
+        "speedup": hflm_s / ours_s, "max_abs_loglik_diff": worst, "max_rel_loglik_diff": worst_relative,
+        "hflm_batch1_vs_batchN_max_abs_diff_dense": hflm_self, "greedy_identical": greedy_same,
         "outcomes_identical": outcomes_same, "peak_rss_gib": peak, "load_average": os.getloadavg(),
         "accuracy": {name: {t: our_scores[name][t].acc for t in names} for name in models},
     }
@@ -115,12 +122,14 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=2))
     print(f"{args.model} ({args.dtype}), dense + {len(models) - 1} variants (streamline, {depth} blocks removed), "
           f"{len(names)} tasks × {limit} seeded examples (offline data), {requests // len(models)} requests per model, "
-          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")
+          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}; variants: {', '.join(names_of_variants)}")
     print(f"lm-eval HFLM (batch {args.batch_size}), one model at a time: {hflm_s:8.1f} s")
     print(f"shared prefix (ours), every model at once:  {ours_s:8.1f} s   → {hflm_s / ours_s:.2f}× faster")
     print(f"largest |log-likelihood difference| over {requests} requests: {worst:.2e} (relative {worst_relative:.1e}); "
           f"greedy flags identical: "
           f"{greedy_same}; per-example outcomes identical: {outcomes_same}; peak RSS {peak:.2f} GiB")
+    print(f"for scale, HFLM against itself (dense, batch 1 against batch {args.batch_size}): largest difference "
+          f"{hflm_self:.2e}")
     print(f"written {out}")
 
 
