@@ -36,7 +36,7 @@ def project_imports(code: str) -> list[tuple[str, str | None]]:
 
 def test_snippets_are_found():
     wheres = [where for where, _ in python_snippets()]
-    assert any(w.startswith("Makefile: -c") for w in wheres) and any(w.startswith("Dockerfile: heredoc") for w in wheres)
+    assert any(w.startswith("Makefile: -m ghosted_core.model.embedded") for w in wheres) and any(w.startswith("Dockerfile: heredoc") for w in wheres)
 
 
 @pytest.mark.parametrize("where, code", python_snippets(), ids=[where for where, _ in python_snippets()])

