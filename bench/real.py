@@ -96,7 +96,8 @@ def run_setting(name: str, args, loaded) -> None:
     report = result.to_json()
     record |= {"removed": report["removed_layers"], "boundaries": report["boundaries"],
                "calibration": report["calibration"], "notes": report["notes"],
-               "boundary_error": {v: report["variants"][v].get("boundary_error") for v in VARIANTS}}
+               "boundary_error": {v: report["variants"][v].get("boundary_error") for v in VARIANTS},
+               "distill": {v: report["variants"][v]["distill"] for v in VARIANTS if "distill" in report["variants"][v]}}
     if todo_ppl:
         record["perplexity"] = {v: report["variants"][v]["ppl"] for v in ("dense", *VARIANTS)}
         record["corpora"] = report["corpora"]
@@ -125,32 +126,39 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
+def done_tasks(record: dict) -> list[str]:
+    """The tasks every model has answered so far (the tables of a run still going, or cut off)."""
+    return [t for t in TASKS if all(t in record.get("tasks", {}).get(v, {}) for v in ("dense", *VARIANTS))]
+
+
 def paired(record: dict, variant: str, against: str) -> dict:
     """Per task and mean: the paired difference of `variant` against `against` on the same examples."""
     out = {}
-    for task in TASKS:
+    tasks = done_tasks(record)
+    for task in tasks:
         a, b = record["tasks"][variant][task], record["tasks"][against][task]
         assert a["example_ids"] == b["example_ids"], f"{variant} and {against} answered different {task} examples"
         out[task] = paired_difference(a["correct"], b["correct"])
-    out["mean"] = mean_difference([out[t] for t in TASKS])
+    out["mean"] = mean_difference([out[t] for t in tasks])
     return out
 
 
 def table2(record: dict) -> list[str]:
     """Accuracy per task and mean ± standard error, and the mean's paired difference to none and to dense."""
-    rows = [f"| variant | {' | '.join(TASKS)} | mean ± se | mean − none [95% CI], p | mean − dense [95% CI] |",
-            "|" + "---|" * (len(TASKS) + 4)]
+    names = done_tasks(record)
+    rows = [f"| variant | {' | '.join(names)} | mean ± se | mean − none [95% CI], p | mean − dense [95% CI] |",
+            "|" + "---|" * (len(names) + 4)]
     for variant in ("dense", *VARIANTS):
         tasks = record["tasks"][variant]
         cells = []
-        for task in TASKS:
+        for task in names:
             mark = ""
             if variant not in ("dense", "none"):
                 d = paired(record, variant, "none")[task]
                 mark = " *" if d.significant else ""
             cells.append(f"{_pct(tasks[task]['acc'])}{mark}")
-        mean = sum(tasks[t]["acc"] for t in TASKS) / len(TASKS)
-        se = (sum(stderr(tasks[t]["correct"]) ** 2 for t in TASKS) ** 0.5) / len(TASKS)
+        mean = sum(tasks[t]["acc"] for t in names) / len(names)
+        se = (sum(stderr(tasks[t]["correct"]) ** 2 for t in names) ** 0.5) / len(names)
         vs_none = "–" if variant == "none" else _diff(paired(record, variant, "none")["mean"], with_p=True)
         vs_dense = "–" if variant == "dense" else _diff(paired(record, variant, "dense")["mean"])
         rows.append(f"| {variant} | {' | '.join(cells)} | {_pct(mean)} ± {_pct(se)} | {vs_none} | {vs_dense} |")
@@ -164,13 +172,54 @@ def _diff(d, with_p: bool = False) -> str:
 
 def task_differences(record: dict, against: str) -> list[str]:
     """Per task: each variant's paired difference to `against`, points, with McNemar's p."""
-    rows = [f"| variant | {' | '.join(TASKS)} |", "|" + "---|" * (len(TASKS) + 1)]
+    names = done_tasks(record)
+    rows = [f"| variant | {' | '.join(names)} |", "|" + "---|" * (len(names) + 1)]
     for variant in VARIANTS:
         if variant == against:
             continue
         d = paired(record, variant, against)
-        rows.append(f"| {variant} | " + " | ".join(f"{100 * d[t].diff:+.1f} (p {d[t].p_value:.2g})" for t in TASKS) + " |")
+        rows.append(f"| {variant} | " + " | ".join(f"{100 * d[t].diff:+.1f} (p {d[t].p_value:.2g})" for t in names) + " |")
     return rows
+
+
+QUESTIONS = (("ghost", "none"), ("ghost_capped", "none"), ("ghost", "rotate"), ("ghost_capped", "rotate"),
+             ("ghost", "diag"), ("ghost_capped", "diag"), ("magcomp_refit", "ghost_capped"),
+             ("magcomp_refit+kd_mlp", "ghost_capped"), ("magcomp_refit+kd_mlp", "none"))
+
+
+def head_to_head(record: dict) -> list[str]:
+    """The mean paired differences the questions ask about: ghost against plain pruning and LinearPatch, stock
+    against the best training-free operator."""
+    rows = ["| comparison | mean difference, points [95% CI] | significant? |", "|---|---|---|"]
+    for variant, against in QUESTIONS:
+        d = paired(record, variant, against)["mean"]
+        rows.append(f"| {variant} − {against} | {100 * d.diff:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}] | "
+                    f"{'yes' if d.significant else 'no'} |")
+    return rows
+
+
+def ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    for rank, i in enumerate(order):
+        out[i] = float(rank)
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (no ties expected among perplexities and means of hundreds of examples)."""
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def perplexity_predicts_accuracy(record: dict) -> str:
+    """Across the pruned variants: rank correlation of each corpus's perplexity with mean accuracy."""
+    names = done_tasks(record)
+    means = [sum(record["tasks"][v][t]["acc"] for t in names) / len(names) for v in VARIANTS]
+    parts = [f"{c} {spearman([-record['perplexity'][v][c] for v in VARIANTS], means):+.2f}" for c in CORPORA]
+    return (f"Spearman rank correlation across the {len(VARIANTS)} pruned variants between lower perplexity and "
+            f"higher mean accuracy: " + ", ".join(parts))
 
 
 def table3(record: dict) -> list[str]:
@@ -183,17 +232,21 @@ def table3(record: dict) -> list[str]:
 def print_tables(names: list[str], folder: Path) -> None:
     for name in names:
         record = load(folder / f"{name}.json")
-        complete = record and all(t in record["tasks"].get(v, {}) for v in ("dense", *VARIANTS) for t in TASKS)
-        if not complete:
-            print(f"{name}: not complete yet\n")
+        names_done = done_tasks(record) if record else []
+        if not names_done or not record.get("perplexity"):
+            print(f"{name}: no task has run for every model yet\n")
             continue
-        sizes = {t: record["tasks"]["dense"][t]["n"] for t in TASKS}
+        if len(names_done) < len(TASKS):
+            print(f"{name}: PARTIAL, {len(names_done)} of {len(TASKS)} tasks so far\n")
+        sizes = {t: record["tasks"]["dense"][t]["n"] for t in names_done}
         print(f"### {name}: removed {record['removed']} of 28 blocks\n")
         print("Examples per task: " + ", ".join(f"{t} {n}" for t, n in sizes.items()) + "\n")
         print("\n".join(table2(record)) + "\n")
         print("Paired difference to plain pruning per task (points; McNemar's exact p):\n")
         print("\n".join(task_differences(record, "none")) + "\n")
+        print("\n".join(head_to_head(record)) + "\n")
         print("\n".join(table3(record)) + "\n")
+        print(perplexity_predicts_accuracy(record) + "\n")
         print("timings (s): " + json.dumps(record["timings"]) + "\n")
 
 
