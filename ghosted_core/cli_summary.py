@@ -84,7 +84,9 @@ def sweep_summary(result: SweepResult) -> str:
 def summary(result: RunResult) -> str:
     """A plain-text table of perplexity and boundary error per variant, with corpus labels."""
     report = result.to_json()
-    lines = [f"model: {report['model']} ({report['num_layers']} blocks) | criterion: {criterion_title(report['criterion'])} | "
+    about = report.get("model_description")  # what the model is, honestly labelled (third-party packages say so)
+    model = f"{report['model']} ({report['num_layers']} blocks)" + (f": {about}" if about else "")
+    lines = [f"model: {model} | criterion: {criterion_title(report['criterion'])} | "
              f"removed: {report['removed_layers']} | boundaries: {report['boundaries']}"]
     lines += [line.replace("**", "") for line in run_headline(report)]  # the answer first
     corpora = list(result.perplexity)
