@@ -61,7 +61,7 @@ SETTINGS = {"streamline-n7": Setting("streamline", 7), "streamline-n4": Setting(
 
 def options(setting: Setting, args, eval_corpora: tuple[str, ...]) -> RunOptions:
     return RunOptions(
-        model=MODEL, load=LoadOptions(dtype="bfloat16"), criterion=setting.criterion, num_prune=setting.num_prune,
+        model=MODEL, load=LoadOptions(dtype=args.dtype), criterion=setting.criterion, num_prune=setting.num_prune,
         variants=parse_variants(",".join(VARIANTS)), calibration="mix", train_size=args.train_size, seqlen=512,
         eval_corpora=eval_corpora, eval_max_tokens=args.eval_tokens, eval_seqlen=512, drift_windows=0,
         speed=SpeedOptions(measure=False), distill=DistillOptions(steps=args.distill_steps), quiet=args.quiet)
@@ -80,8 +80,14 @@ def save(path: Path, record: dict) -> None:
 
 def run_setting(name: str, args, loaded) -> None:
     setting, path = SETTINGS[name], Path(args.out_dir) / f"{name}.json"
-    record = load(path) | {"setting": name, "model": MODEL, "criterion": setting.criterion,
-                           "num_prune": setting.num_prune, "task_limit": args.limit}
+    record = load(path)
+    for key, value in (("task_limit", args.limit), ("dtype", args.dtype), ("train_size", args.train_size),
+                       ("eval_tokens", args.eval_tokens)):
+        if record.get(key, value) != value:  # a resumed file must hold one run's results, never a mix
+            sys.exit(f"{path} holds a run with {key} {record[key]}, not {value}: pass --out_dir for a new run")
+    record |= {"setting": name, "model": MODEL, "criterion": setting.criterion, "num_prune": setting.num_prune,
+               "task_limit": args.limit, "dtype": args.dtype, "train_size": args.train_size,
+               "eval_tokens": args.eval_tokens}
     record.setdefault("tasks", {})
     record.setdefault("timings", {})
     todo_ppl = () if record.get("perplexity") else tuple(CORPORA)
@@ -257,6 +263,9 @@ def main() -> None:
     parser.add_argument("--train_size", type=int, default=128)
     parser.add_argument("--eval_tokens", type=int, default=8192, help="perplexity tokens per corpus (the CLI default)")
     parser.add_argument("--distill_steps", type=int, default=24)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="float32 (default): on a CPU without native bf16 (AVX2 only) bf16 matmuls run ~10× slower "
+                             "than fp32; bfloat16 where the CPU has it (AVX512-BF16, AMX) and memory is short")
     parser.add_argument("--table", action="store_true", help="print the tables from what has run, run nothing")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--out_dir", default=str(OUT), help="where each setting's JSON goes (default bench/results/real)")
@@ -268,7 +277,7 @@ def main() -> None:
     if args.table:
         print_tables(names, Path(args.out_dir))
         return
-    loaded = load_model(MODEL, LoadOptions(dtype="bfloat16"))
+    loaded = load_model(MODEL, LoadOptions(dtype=args.dtype))
     print(f"{MODEL}: {loaded.description}; {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}", flush=True)
     for name in names:
         run_setting(name, args, loaded)

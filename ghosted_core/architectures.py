@@ -1,10 +1,16 @@
-"""Every supported model family's facts in one table: where its parts are and what a cut must keep consistent.
+"""What a cut needs to know about a model family and cannot read off the model: one table, one entry per family.
 
-Loading, capture, surgery, export and the model card read this table instead of knowing
-families themselves (the way mergekit describes each architecture once, as data). To support a
-new family, add one `Architecture` here, its remote-code classes in `model.modeling_ghosted`
-(self-contained on purpose, so it keeps its own list; a test holds the two equal), and a tiny
-config in `tests/conftest.py` (see docs/architecture.md).
+Loading, capture, surgery, export and the model card read this table instead of knowing families themselves
+(the way mergekit describes each architecture once, as data). What can be read off the model is inferred
+elsewhere and is not here: the blocks are the base model's `layers`, and the config fields that describe blocks
+(per-layer lists, layer-index lists, counts) are found by `model.layer_config`. An entry holds the rest: which
+modules write to the residual stream (where a scale or a map folds), whether a norm sits after a branch, the
+norms' gain convention, where the final norm is.
+
+A model type with no entry still runs every operator that acts on the residual stream (`generic`): a boundary
+map needs nothing but the blocks. The folds (magcomp's scale, ReplaceMe's map, the down_proj refit) need the
+writers, so they are refused there with the reason (`refusal`). To add a family: one `Architecture` below and a tiny config
+in `tests/conftest.py` (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -13,41 +19,95 @@ from dataclasses import dataclass
 
 from ghosted_core.errors import GhostedError
 
+DENSE, EXPERTS, HYBRID = "dense", "mixture of experts", "hybrid"
+KINDS = (DENSE, EXPERTS, HYBRID)
+
+ATTENTION_OUT = ("self_attn.o_proj",)
+MLP_OUT = ("mlp.down_proj",)
+EXPERTS_OUT = ("mlp.experts",)  # fused expert weights (E, C, I): their down projection writes the MLP's output
+SHARED_OUT = ("mlp.shared_expert.down_proj",)  # Qwen-MoE's shared expert (behind a sigmoid gate: linear in it)
+POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
 
 @dataclass(frozen=True)
 class Architecture:
-    """One decoder-only family whose blocks are pre-norm residual blocks (h ↦ h + attn(·) + mlp(·))."""
+    """One decoder-only family whose blocks add their output to a residual stream."""
 
     model_type: str  # config.model_type
     family: str  # the name users see ("Llama", "Gemma3", ...)
-    blocks: str = "model.layers"  # the decoder blocks (an nn.ModuleList)
-    final_norm: str = "model.norm"  # the norm before the LM head: a cut reaching the end maps its input
-    embeddings: str = "model.embed_tokens"
+    kind: str = DENSE  # one of KINDS: how the app and the docs group families
+    final_norm: str = "norm"  # the base model's norm after the blocks (LFM2's is `embedding_norm`)
     # the module whose output is the MLP branch added to the residual (ReplaceMe regresses it); "mlp" unless a
-    # norm sits between the MLP and the residual (Gemma3's post_feedforward_layernorm)
-    branch: str = "mlp"
-    # config lists with one entry per block, sliced with the blocks when some are removed
-    per_layer_fields: tuple[str, ...] = ("layer_types",)
-    # config counts of leading blocks with some property, re-counted over the kept blocks (Qwen2/3's
-    # max_window_layers: blocks below it use full attention, the rest sliding windows when enabled)
-    leading_count_fields: tuple[str, ...] = ()
-    # the RMSNorm computes x̂ · (offset + γ): 0 for Llama-style norms, 1 for Gemma's (1 + γ)
+    # norm sits between the MLP and the residual (Gemma's, OLMo's post_feedforward_layernorm); None where no
+    # single module computes it (Granite-hybrid adds its experts and its shared MLP inside the block)
+    branch: str | None = "mlp"
+    # the RMSNorm computes x̂ · (offset + γ): 0 for Llama-style norms, 1 for Gemma's and Qwen3-Next's (1 + γ)
     norm_gain_offset: float = 0.0
-    # every block normalizes its attention and MLP outputs before the residual add (Gemma3's post-norms), so a
-    # scale on the residual stream is not carried by o_proj/down_proj alone
+    # every block normalizes its attention and MLP outputs before the residual add, so a scale on the residual
+    # stream is carried by those norms' gains, not by o_proj/down_proj
     post_norms: bool = False
-    # the modules of a block whose outputs are added to the residual stream as they are: scaling their outputs by s
-    # scales the stream leaving the block by s (the magnitude compensation's fold sites). Linears (weight and bias
-    # scale) or, where post_norms, norms (gain: offset + γ scales)
-    residual_writers: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
-    # the MLP's output projection: its input is the MLP's intermediate activation a (I features), on which the
-    # down_proj refit regresses; the refit folds only where the projection writes to the stream (`branch == "mlp"`)
-    down_proj: str = "mlp.down_proj"
+    # every block reads the stream through a norm (RMSNorm(s·h) = RMSNorm(h)), so a scale on the stream changes
+    # nothing a block computes (magcomp's premise); False where blocks read the raw stream (OLMo-2/3: norms after)
+    pre_norm: bool = True
+    # the modules whose outputs are added to the residual stream as they are (up to a global multiplier): scaling
+    # them by s scales the stream leaving the block by s (magcomp's fold sites), and a map after the branch folds
+    # into those under it. Candidates: each block has some of them (attention or linear attention, experts or a
+    # dense MLP), and the ones a block has are what it writes with. Linears (weight and bias scale), fused experts
+    # (their down projection and its bias) or, where post_norms, norms (gain: offset + γ scales)
+    residual_writers: tuple[str, ...] = ATTENTION_OUT + MLP_OUT
+    # the MLP's output projection, whose input is the intermediate activation a (I features) the down_proj refit
+    # regresses on; None where the MLP is experts (no single intermediate)
+    down_proj: str | None = "mlp.down_proj"
+    # the MLP module itself (distillation's `+kd_mlp` trains it: a dense MLP, or router and experts); None where
+    # the block has no one module for it (Granite-hybrid's experts and shared MLP sit side by side)
+    mlp: str | None = "mlp"
+    # fused experts store their down projection as (E, I, C), applied x @ W (gpt-oss), not (E, C, I)
+    experts_transposed: bool = False
+    generic: bool = False  # no table entry: only the residual-stream operators apply
+
+    @property
+    def branch_folds(self) -> bool:
+        """ReplaceMe's map on the MLP output folds exactly into the writers under the branch (no norm after it)."""
+        return self.branch is not None and self.branch not in POST_NORMS and not self.post_norms
 
     @property
     def branch_folds_into_down_proj(self) -> bool:
-        """ReplaceMe's map on the MLP output folds exactly into down_proj (no norm after the MLP)."""
-        return self.branch == "mlp"
+        """The refit's and ReplaceMe's statistics come from one down projection that writes the stream."""
+        return self.branch_folds and self.down_proj is not None
+
+    def writers_under(self, path: str) -> tuple[str, ...]:
+        """The residual writers inside the module at `path` (relative to a block)."""
+        return tuple(w for w in self.residual_writers if w.startswith(path + "."))
+
+    def refusal(self, requirement: str, operator: str) -> str | None:
+        """Why `operator` cannot act on this family, which lacks `requirement` ("writers": modules known to write the
+        residual stream; "scale": those, and blocks that read the stream through a norm; "branch": one module
+        computing the MLP branch; "mlp": one MLP module; "down_proj": one MLP output projection writing the
+        stream), or None where it can."""
+        if requirement == "scale" and not self.pre_norm:
+            return (f"{operator} scales the residual stream, and {self.family}'s blocks read the stream without a "
+                    "norm before them (their norms come after each branch), so a scaled stream changes what they "
+                    "compute: it would not be the same model")
+        if self.generic and requirement in ("writers", "scale"):
+            return (f"{operator} acts on the modules that write to the residual stream, and {self.model_type!r} has no "
+                    "entry in the architecture table that names them; the residual-stream operators (none, diag, "
+                    "rotate, ghost, ghost_capped, …) run on it")
+        if requirement == "branch" and self.branch is None:
+            return (f"{operator} maps the MLP branch, and " + (
+                f"{self.model_type!r} has no architecture-table entry that names it" if self.generic
+                else f"no single module of a {self.family} block computes it"))
+        if requirement == "mlp" and self.mlp is None:
+            return f"{operator} trains the MLP module, and no single module of a {self.family} block is the MLP"
+        if requirement == "down_proj" and not self.branch_folds_into_down_proj:
+            return (f"{operator} refits the one MLP output projection that writes the residual stream; "
+                    + (f"{self.model_type!r} has no architecture-table entry that names it" if self.generic
+                       else f"{self.family}'s " + ("MLP is experts" if self.down_proj is None
+                                                   else "MLP output passes a norm first")))
+        return None
+
+
+def _moe(model_type: str, family: str, writers: tuple[str, ...] = ATTENTION_OUT + EXPERTS_OUT, **facts) -> Architecture:
+    return Architecture(model_type, family, kind=EXPERTS, residual_writers=writers, down_proj=None, **facts)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -55,22 +115,60 @@ ARCHITECTURES: dict[str, Architecture] = {
     for arch in (
         Architecture("llama", "Llama"),
         Architecture("mistral", "Mistral"),
-        Architecture("qwen2", "Qwen2", leading_count_fields=("max_window_layers",)),
-        Architecture("qwen3", "Qwen3", leading_count_fields=("max_window_layers",)),
+        Architecture("qwen2", "Qwen2"),
+        Architecture("qwen3", "Qwen3"),
         Architecture("gemma3_text", "Gemma3", branch="post_feedforward_layernorm", norm_gain_offset=1.0,
-                     post_norms=True, residual_writers=("post_attention_layernorm", "post_feedforward_layernorm")),
+                     post_norms=True, residual_writers=POST_NORMS),
+        # dense, 2025-26
+        Architecture("phi3", "Phi-3"),
+        Architecture("smollm3", "SmolLM3"),
+        Architecture("granite", "Granite"),  # its residual multiplier scales every writer alike: a scale still folds
+        Architecture("olmo2", "OLMo-2", branch="post_feedforward_layernorm", post_norms=True, pre_norm=False,
+                     residual_writers=POST_NORMS),
+        Architecture("olmo3", "OLMo-3", branch="post_feedforward_layernorm", post_norms=True, pre_norm=False,
+                     residual_writers=POST_NORMS),
+        Architecture("gemma2", "Gemma2", branch="post_feedforward_layernorm", norm_gain_offset=1.0, post_norms=True,
+                     residual_writers=POST_NORMS),
+        # mixture of experts: a dense MLP on some blocks (mlp_only_layers) writes through mlp.down_proj
+        _moe("mixtral", "Mixtral"),
+        _moe("qwen2_moe", "Qwen2-MoE", ATTENTION_OUT + MLP_OUT + EXPERTS_OUT + SHARED_OUT),
+        _moe("qwen3_moe", "Qwen3-MoE", ATTENTION_OUT + MLP_OUT + EXPERTS_OUT),
+        _moe("olmoe", "OLMoE"),
+        _moe("gpt_oss", "gpt-oss", experts_transposed=True),
+        # hybrid: linear-attention (Gated DeltaNet), short-convolution or Mamba mixers on some blocks
+        Architecture("qwen3_next", "Qwen3-Next", kind=HYBRID, norm_gain_offset=1.0, down_proj=None,
+                     residual_writers=ATTENTION_OUT + ("linear_attn.out_proj",) + MLP_OUT + EXPERTS_OUT + SHARED_OUT),
+        Architecture("lfm2", "LFM2", kind=HYBRID, final_norm="embedding_norm", branch="feed_forward", mlp="feed_forward",
+                     residual_writers=("self_attn.out_proj", "conv.out_proj", "feed_forward.w2"),
+                     down_proj="feed_forward.w2"),
+        Architecture("granitemoehybrid", "Granite-4 hybrid", kind=HYBRID, branch=None, mlp=None, down_proj=None,
+                     residual_writers=ATTENTION_OUT + ("mamba.out_proj", "block_sparse_moe.experts",
+                                                       "shared_mlp.output_linear")),
     )
 }
 
 
 def families() -> str:
-    """The supported families, for messages ("Gemma3, Llama, Mistral, Qwen2, Qwen3")."""
-    return ", ".join(sorted({arch.family for arch in ARCHITECTURES.values()}))
+    """The families in the table, by kind, for messages ("dense: Gemma2, …; mixture of experts: …")."""
+    parts = []
+    for kind in KINDS:
+        names = sorted({arch.family for arch in ARCHITECTURES.values() if arch.kind == kind}, key=str.lower)
+        parts.append(f"{kind}: {', '.join(names)}")
+    return "; ".join(parts)
 
 
-def architecture_of(config) -> Architecture:
-    """The table entry of a model's config; GhostedError naming the supported families otherwise."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise GhostedError(f"unsupported architecture {model_type!r}; supported families: {families()}")
-    return ARCHITECTURES[model_type]
+def generic_architecture(model_type: str) -> Architecture:
+    """The entry of a decoder with no table entry: its blocks run, its folds are refused (see `refusal`)."""
+    return Architecture(model_type, model_type, residual_writers=(), branch=None, mlp=None, down_proj=None,
+                        generic=True)
+
+
+def architecture_of(config, strict: bool = False) -> Architecture:
+    """The table entry of a model's config, or the generic one where the table has none; `strict`: GhostedError
+    naming the table's families instead."""
+    model_type = str(getattr(config, "model_type", None))
+    if model_type in ARCHITECTURES:
+        return ARCHITECTURES[model_type]
+    if strict:
+        raise GhostedError(f"no architecture-table entry for {model_type!r}; the table has {families()}")
+    return generic_architecture(model_type)

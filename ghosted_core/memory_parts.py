@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from ghosted_core.architectures import ARCHITECTURES
+from ghosted_core.architectures import architecture_of
 from ghosted_core.statistics import STATS_ITEM
 
 GIB = 2**30
@@ -39,18 +39,81 @@ def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 def estimate_parameters(config: PretrainedConfig) -> int:
-    """Parameter count of a decoder-only LM from its config (to refuse what cannot fit before loading)."""
+    """Parameter count of a decoder-only LM from its config (to refuse what cannot fit before loading): the model
+    transformers builds from it, counted on the meta device (experts, mixers and per-layer sizes included); the
+    dense formula where that config builds no model."""
+    counted = skeleton_counts(config)
+    if counted is not None:
+        return counted.total
     c = config.hidden_size
     layers = config.num_hidden_layers
     return int(layers * block_parameters(config) + config.vocab_size * c * (1 if _tied(config) else 2) + c)
 
 
 def block_parameters(config: PretrainedConfig) -> int:
-    """Parameters of one decoder block: attention projections, the gated MLP and two norms."""
+    """Parameters of the largest decoder block (attention or a mixer, a gated MLP or experts, the norms): what one
+    block on a device holds; the dense formula where the config builds no model."""
+    counted = skeleton_counts(config)
+    if counted is not None:
+        return counted.block
     c = config.hidden_size
     heads, kv_heads, head_dim = _heads(config)
     attention = c * head_dim * (2 * heads + 2 * kv_heads)
     return attention + 3 * c * config.intermediate_size + 2 * c
+
+
+@dataclass(frozen=True)
+class SkeletonCounts:
+    """What the model transformers builds from a config holds, counted on the meta device."""
+
+    total: int  # parameters (a tied head once)
+    block: int  # the largest block's parameters
+    mlp: int  # the largest MLP module's parameters (the family's `Architecture.mlp`; a block of experts whole)
+    linear_widths: int  # the largest block's Σ (in + out) over its nn.Linear modules (what rank-r changes add per r)
+
+
+def skeleton_counts(config: PretrainedConfig) -> SkeletonCounts | None:
+    """`SkeletonCounts` of `config` (cached per config), None where no causal-LM class builds it."""
+    try:
+        key = (type(config).__name__, config.to_json_string(use_diff=False))
+    except (TypeError, ValueError):
+        return None
+    if key not in _COUNTS:
+        _COUNTS[key] = _count_on_meta(config)
+    return _COUNTS[key]
+
+
+_COUNTS: dict[tuple[str, str], SkeletonCounts | None] = {}
+
+
+def _count_on_meta(config: PretrainedConfig) -> SkeletonCounts | None:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001  a config no causal-LM class builds: the caller's formula answers
+        return None
+    blocks = list(getattr(getattr(model, "model", None), "layers", None) or ())
+    mlp = architecture_of(config).mlp
+
+    def size(module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    def widths(block) -> int:
+        return sum(m.in_features + m.out_features for m in block.modules() if isinstance(m, torch.nn.Linear))
+
+    mlps = [size(b.get_submodule(mlp)) for b in blocks if mlp and _has(b, mlp)]
+    return SkeletonCounts(size(model), max(map(size, blocks), default=0), max(mlps, default=0),
+                          max(map(widths, blocks), default=0))
+
+
+def _has(module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def block_run_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int) -> int:
@@ -164,8 +227,7 @@ class OperatorCost:
 
 
 def _folds(config: PretrainedConfig) -> bool:
-    arch = ARCHITECTURES.get(config.model_type)
-    return arch is None or arch.branch_folds_into_down_proj
+    return architecture_of(config).branch_folds_into_down_proj
 
 
 def inner_width(config: PretrainedConfig, needs) -> int:

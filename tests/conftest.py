@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from ghosted_core.architectures import architecture_of
 from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
 from ghosted_core.plan import PruningPlan
 from ghosted_core.recovery.operators import OPERATORS, FitOptions, get_operator
@@ -34,22 +33,58 @@ TINY_VOCAB = 97
 TINY_INNER = 72  # intermediate size: the down_proj refit's I
 
 
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary (some defaults are not)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)  # I ≠ C: a layout reads as one way
+GRANITE_SCALARS = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=1 / 6, logits_scaling=8.0)
+LINEAR_ATTENTION = dict(linear_conv_kernel_dim=4, linear_key_head_dim=6, linear_value_head_dim=6, linear_num_key_heads=2,
+                        linear_num_value_heads=4)
+
+# family -> (transformers class prefix, config overrides beyond the common tiny shape). Each is what that family
+# brings that a cut must keep true: sliding windows, per-layer lists, index lists and steps, post-norms, multipliers,
+# experts (with a shared expert, dense blocks among sparse ones), linear-attention, convolution and Mamba layers.
+TINY_FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("Llama", {}),
+    "mistral": ("Mistral", dict(sliding_window=8)),  # a short window, so that windows of 32 tokens exercise it
+    "qwen2": ("Qwen2", {}),
+    "qwen3": ("Qwen3", dict(head_dim=6)),  # per-head q/k norms and an explicit head_dim
+    "gemma3": ("Gemma3", dict(head_dim=6, sliding_window=8, config="Gemma3TextConfig",
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
+    # dense, 2025-26
+    "phi3": ("Phi3", dict(IDS)),  # fused qkv and gate_up projections
+    "olmo2": ("Olmo2", dict(IDS)),  # norms after attention and MLP, inside the residual
+    "olmo3": ("Olmo3", dict(IDS, sliding_window=8)),  # post-norms and a sliding/full pattern
+    "smollm3": ("SmolLM3", dict(IDS)),  # RoPE off on every 4th block (no_rope_layers)
+    "granite": ("Granite", dict(IDS, **GRANITE_SCALARS)),  # multipliers on embeddings, branches, attention, logits
+    "gemma2": ("Gemma2", dict(IDS, head_dim=6, query_pre_attn_scalar=6, sliding_window=8)),  # soft-capping
+    # mixture of experts
+    "mixtral": ("Mixtral", dict(IDS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
+    "qwen2_moe": ("Qwen2Moe", dict(IDS, **EXPERTS, shared_expert_intermediate_size=48, mlp_only_layers=[0],
+                                   decoder_sparse_step=2)),  # a shared expert; dense blocks 0, 2 and 4
+    "qwen3_moe": ("Qwen3Moe", dict(IDS, **EXPERTS, head_dim=6, mlp_only_layers=[4])),
+    "olmoe": ("Olmoe", dict(IDS, num_experts=4, num_experts_per_tok=2, intermediate_size=24)),
+    "gpt_oss": ("GptOss", dict(IDS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, head_dim=6,
+                               sliding_window=8)),  # learned attention sinks, biased experts, alternating windows
+    # hybrid: linear-attention, short-convolution and Mamba layers among attention layers
+    "qwen3_next": ("Qwen3Next", dict(IDS, **EXPERTS, **LINEAR_ATTENTION, head_dim=8, shared_expert_intermediate_size=24,
+                                     mlp_only_layers=[1], layer_types=["linear_attention", "full_attention"] * 3)),
+    "lfm2": ("Lfm2", dict(IDS, full_attn_idxs=[2, 5], conv_L_cache=3, block_multiple_of=8)),
+    "granitemoehybrid": ("GraniteMoeHybrid", dict(
+        IDS, **GRANITE_SCALARS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+        shared_intermediate_size=48, layer_types=["mamba", "attention"] * 3, mamba_n_heads=6, mamba_n_groups=1,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, position_embedding_type="rope")),
+}
+
+
 def _tiny_config(family: str, vocab_size: int = TINY_VOCAB, **overrides):
-    common = dict(vocab_size=vocab_size, hidden_size=TINY_WIDTH, intermediate_size=TINY_INNER, num_hidden_layers=TINY_LAYERS,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256) | overrides
-    if family == "llama":
-        return LlamaForCausalLM, LlamaConfig(**common)
-    if family == "mistral":  # a short sliding window, so that windows of 32 tokens exercise it
-        return MistralForCausalLM, MistralConfig(**common, sliding_window=8)
-    if family == "qwen2":
-        return Qwen2ForCausalLM, Qwen2Config(**common)
-    if family == "qwen3":  # per-head q/k norms and an explicit head_dim
-        return Qwen3ForCausalLM, Qwen3Config(**common, head_dim=6)
-    if family == "gemma3":
-        return Gemma3ForCausalLM, Gemma3TextConfig(
-            **common, head_dim=6, sliding_window=8,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * (TINY_LAYERS // 3))
-    raise ValueError(family)
+    import transformers
+
+    prefix, extras = TINY_FAMILIES[family]
+    extras = dict(extras)
+    config_name = extras.pop("config", f"{prefix}Config")
+    common = dict(vocab_size=vocab_size, hidden_size=TINY_WIDTH, intermediate_size=TINY_INNER,
+                  num_hidden_layers=TINY_LAYERS, num_attention_heads=6, num_key_value_heads=2,
+                  max_position_embeddings=256) | extras | overrides
+    return getattr(transformers, f"{prefix}ForCausalLM"), getattr(transformers, config_name)(**common)
 
 
 def make_tiny_model(family: str, seed: int = 0, **config_overrides):
@@ -69,6 +104,7 @@ def make_tiny_model(family: str, seed: int = 0, **config_overrides):
 
 FAMILIES = ["llama", "qwen2", "gemma3"]  # the unit tests' fixtures (kept to three for time)
 ALL_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]  # every family the README claims, run end to end
+NEW_FAMILIES = [f for f in TINY_FAMILIES if f not in ALL_FAMILIES]
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
@@ -191,12 +227,15 @@ def run_blocks(model, hidden: torch.Tensor, blocks) -> torch.Tensor:
 
 
 def recovered_variants(model, removed):
-    """Every registered operator fitted on the tiny model for one plan."""
+    """Every registered operator that the model's family takes, fitted on the tiny model for one plan."""
     plan = PruningPlan(TINY_LAYERS, removed, "manual")
     stats = collect_stats(model, plan.boundaries, make_batches(random_tokens(4, 12), None, 4),
                           CalibrationOptions(quiet=True))
+    arch = architecture_of(model.config)
     variants = {}
-    for name in OPERATORS:
+    for name, spec in OPERATORS.items():
+        if any(arch.refusal(need, name) for need in spec.requires):
+            continue
         fits = [get_operator(name).fit(s, FitOptions()) for s in stats]
         variants[name] = build_recovered(model, plan, VariantSpec(name, name), fits)
     return plan, variants

@@ -15,6 +15,9 @@ import textwrap
 
 import pytest
 
+from transformers import GPT2Config, Starcoder2Config
+
+from conftest import _tiny_config
 from ghosted_core.plan import MAX_BLOCKS
 
 # Reads the rows (argv lists) on stdin; forks one child per row whose stdout and stderr go to files,
@@ -57,7 +60,20 @@ def table(tmp) -> list[tuple[list[str], str]]:
     (tmp / "empty.txt").write_bytes(b"")
     (tmp / "binary.txt").write_bytes(b"\x00\x01\x02binary" * 10)
     manual = ["--pruning_method", "manual", "--layers"]
+    configs = {"hybrid": _tiny_config("granitemoehybrid")[1], "moe": _tiny_config("qwen3_moe")[1],
+               "gpt2": GPT2Config(n_layer=2, n_embd=16, n_head=2), "generic": Starcoder2Config(
+                   num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=97)}
+    for name, config in configs.items():  # a config alone: the family is refused before weights are read
+        config.save_pretrained(tmp / name)
+    family = {name: ["--model", str(tmp / name), "--seqlen", "64", "--total_num_prune", "2"] for name in configs}
     return [
+        ([*family["hybrid"], "--insert_type", "none,replaceme"], "no single module of a Granite-4 hybrid block computes"),
+        ([*family["hybrid"], "--insert_type", "none+kd_mlp"], "no single module of a Granite-4 hybrid block is the MLP"),
+        ([*family["moe"], "--insert_type", "refit"], "Qwen3-MoE's MLP is experts"),
+        ([*family["generic"], "--insert_type", "magcomp"], "'starcoder2' has no entry in the architecture table"),
+        ([*family["generic"], "--pruning_method", "weights"], "the weights criterion acts on the modules"),
+        (family["gpt2"], "unsupported architecture 'gpt2': no decoder blocks at model.layers"),
         (["--total_num_prune", "30"], "leaves none"),
         ([*manual, ""], "needs the blocks to remove"),  # refused before the model and the corpus load
         (["--total_num_prune", "0"], "must be at least 1"),

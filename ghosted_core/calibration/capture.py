@@ -18,28 +18,23 @@ from transformers import PreTrainedModel
 
 from ghosted_core.model.modeling_ghosted import PatchedBlock
 from ghosted_core.model.scaling import writer_path
-from ghosted_core.architectures import ARCHITECTURES, architecture_of
+from ghosted_core.architectures import Architecture, architecture_of
+from ghosted_core.model.loading import final_norm
 
 
 class StopForward(Exception):
     """Raised by a capture hook once everything needed was seen: ends the forward early."""
 
 
-def branch_module(block: nn.Module) -> nn.Module:
+def branch_module(block: nn.Module, arch: Architecture) -> nn.Module:
     """The module whose output is the MLP branch added to the residual (ReplaceMe regresses it).
 
     `Architecture.branch` names it per family: the MLP itself, or the norm that follows it
-    (Gemma3's `post_feedforward_layernorm`).
+    (Gemma's `post_feedforward_layernorm`).
     """
-    block = unwrap(block)
-    for name in BRANCH_NORMS:
-        post_norm = getattr(block, name, None)
-        if post_norm is not None:
-            return post_norm
-    return block.mlp
-
-
-BRANCH_NORMS = tuple(sorted({arch.branch for arch in ARCHITECTURES.values()} - {"mlp"}))
+    if arch.branch is None:
+        raise ValueError(f"{arch.family} has no single module computing its MLP branch")
+    return unwrap(block).get_submodule(arch.branch)
 
 
 def down_projection(model: PreTrainedModel, block: nn.Module) -> nn.Module:
@@ -69,6 +64,7 @@ def capture(model: PreTrainedModel, residuals: Iterable[int], branches: Iterable
     """
     residuals, branches, inners = sorted(set(residuals)), sorted(set(branches)), sorted(set(inners))
     layers = model.model.layers
+    arch = architecture_of(model.config)
     store: dict[tuple[str, int], torch.Tensor] = {}
     sink = on_tensor or store.__setitem__
     owner = threading.get_ident()
@@ -99,10 +95,10 @@ def capture(model: PreTrainedModel, residuals: Iterable[int], branches: Iterable
 
     try:
         for j in residuals:
-            target = unwrap(layers[j]) if j < len(layers) else unwrap(model.model.norm)
+            target = unwrap(layers[j]) if j < len(layers) else unwrap(final_norm(model))
             handles.append(target.register_forward_pre_hook(residual_hook(j), with_kwargs=True))
         for j in branches:
-            handles.append(branch_module(layers[j]).register_forward_hook(branch_hook(j)))
+            handles.append(branch_module(layers[j], arch).register_forward_hook(branch_hook(j)))
         for j in inners:
             handles.append(down_projection(model, layers[j]).register_forward_pre_hook(inner_hook(j)))
         yield store

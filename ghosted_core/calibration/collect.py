@@ -21,6 +21,7 @@ already pruned-and-recovered view) for the `sequential` fit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.progress import track
 from ghosted_core.calibration.pipelines import CALIBRATION_PIPELINES, get_pipeline
+from ghosted_core.architectures import architecture_of
 from ghosted_core.calibration.capture import capture, inner_folds, run_forward
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory import choose_pipeline
@@ -222,6 +224,15 @@ class HeldoutRows:
         return sum(seen.values())
 
 
+def family_needs(needs: StatNeeds, config) -> StatNeeds:
+    """`needs` less what the model's family cannot give: branch statistics where no single module computes the MLP
+    branch (the operators that read them are refused before any work there; a caller asking for every statistic
+    gets the rest)."""
+    if needs.branch and architecture_of(config).branch is None:
+        return dataclasses.replace(needs, branch=False)
+    return needs
+
+
 def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batches: Sequence[CalibrationBatch],
                   options: CalibrationOptions = CalibrationOptions(), needs: StatNeeds = ALL_NEEDS,
                   accumulators: list[BoundaryAccumulator] | None = None,
@@ -237,6 +248,7 @@ def collect_stats(dense: PreTrainedModel, boundaries: Sequence[Boundary], batche
     """
     if not boundaries:
         return []
+    needs = family_needs(needs, dense.config)
     fit_batches = [b for b in batches if not b.heldout]
     sequences = sum(len(b.input_ids) for b in fit_batches)
     live = [BoundaryAccumulator(b, options, needs, sequences) for b in boundaries]
@@ -267,6 +279,7 @@ def collect_boundary_stats(source: PreTrainedModel, source_start: int, dense: Pr
                            needs: StatNeeds = ALL_NEEDS) -> BoundaryStats:
     """Statistics of one boundary with X_pre (and m) from `source` at its layer `source_start`
     and the target X_post from the dense model (the sequential fit; two `full` forwards per batch)."""
+    needs = family_needs(needs, source.config)
     fit_batches = [b for b in batches if not b.heldout]
     acc = BoundaryAccumulator(boundary, options, needs, sum(len(b.input_ids) for b in fit_batches))
     before = {source_start - 1} if boundary.start > 0 else set()

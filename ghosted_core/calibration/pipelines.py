@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ghosted_core.architectures import architecture_of
+from ghosted_core.model.loading import final_norm
 from ghosted_core.progress import track
 from ghosted_core.calibration.capture import StopForward, branch_module, capture, down_projection, inner_folds, \
     run_forward
@@ -203,7 +205,7 @@ def record_block_inputs(model: PreTrainedModel, batch, upto: int) -> tuple[torch
             return states
         return forward
 
-    stop = layers[upto] if upto < len(layers) else model.model.norm
+    stop = layers[upto] if upto < len(layers) else final_norm(model)
 
     def halt(_module, _args, _kwargs=None):  # torch registers a kwargs hook in two steps: another thread's forward
         # may call it between them without kwargs
@@ -279,7 +281,7 @@ def blocks_pipeline(model: PreTrainedModel, boundaries: Sequence[Boundary], bran
         with on_compute_device(layers[j], device, model) as block, torch.no_grad():
             handles = []  # on the block that runs (a copy on the compute device, or the shared one)
             if j in branch_blocks:
-                handles.append(branch_module(block).register_forward_hook(_recorder(outputs, _output)))
+                handles.append(branch_module(block, architecture_of(model.config)).register_forward_hook(_recorder(outputs, _output)))
             if j in inner_blocks:
                 handles.append(down_projection(model, block).register_forward_pre_hook(_recorder(inputs, _input)))
             try:

@@ -28,6 +28,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ghosted_core.architectures import architecture_of
+from ghosted_core.memory_parts import skeleton_counts
+from ghosted_core.model.loading import final_norm
 from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard_transform
@@ -70,18 +72,21 @@ class TrainableSpec:
     description: str
     stock: bool  # trains only weights a stock checkpoint has: a stock variant stays stock
     lr: float  # default learning rate (bench/distill.py)
+    requires: tuple[str, ...] = ()  # the parts of a block it trains (`Architecture.refusal`): refused where absent
 
 
 TRAINABLES: dict[str, TrainableSpec] = {}
 
 
-def register_trainable(name: str, *, parameters: Count, description: str, stock: bool, lr: float):
+def register_trainable(name: str, *, parameters: Count, description: str, stock: bool, lr: float,
+                       requires: tuple[str, ...] = ()):
     """Add `fn(variant, dense, sites, opts) -> {path: module}` to TRAINABLES; its signature is checked at import."""
 
     def decorator(fn: Build) -> Build:
         check_signature(fn, f"distillation target {name}", {"variant": PreTrainedModel, "dense": PreTrainedModel,
                                                              "sites": CutSites, "opts": DistillOptions})
-        add(TRAINABLES, name, TrainableSpec(name, fn, parameters, description, stock, lr), "distillation target")
+        add(TRAINABLES, name, TrainableSpec(name, fn, parameters, description, stock, lr, tuple(requires)),
+            "distillation target")
         return fn
 
     return decorator
@@ -177,14 +182,19 @@ def operator_target(variant: PreTrainedModel, dense: PreTrainedModel, sites: Cut
 
 
 def _mlp_parameters(config: PretrainedConfig, boundaries: int, opts: DistillOptions, kept: str) -> int:
-    return boundaries * 3 * config.hidden_size * _inner(config)
+    """The largest MLP module of the model as transformers builds it (a gated MLP's three projections; a block of
+    experts whole: router, every expert, a shared expert and its gate), per cut."""
+    counted = skeleton_counts(config)
+    return boundaries * (counted.mlp if counted is not None else 3 * config.hidden_size * _inner(config))
 
 
-@register_trainable("mlp", parameters=_mlp_parameters, stock=True, lr=1e-3,
-                    description="block s−1's MLP before each cut (gate, up and down projections)")
+@register_trainable("mlp", parameters=_mlp_parameters, stock=True, lr=1e-3, requires=("mlp",),
+                    description="block s−1's MLP before each cut (gate, up and down projections; a block of experts: "
+                                "its router, every expert and a shared expert)")
 def mlp_target(variant: PreTrainedModel, dense: PreTrainedModel, sites: CutSites,
                opts: DistillOptions) -> dict[str, nn.Module]:
-    paths = [_block_path(variant, a, "mlp") for a in _befores(sites, "+kd_mlp")]
+    mlp = architecture_of(variant.config).mlp
+    paths = [_block_path(variant, a, mlp) for a in _befores(sites, "+kd_mlp")]
     return {path: trainable_copy(variant.get_submodule(path)) for path in paths}
 
 
@@ -192,7 +202,7 @@ def _down_parameters(config: PretrainedConfig, boundaries: int, opts: DistillOpt
     return boundaries * config.hidden_size * _inner(config)
 
 
-@register_trainable("down", parameters=_down_parameters, stock=True, lr=1e-3,
+@register_trainable("down", parameters=_down_parameters, stock=True, lr=1e-3, requires=("down_proj",),
                     description="block s−1's down_proj before each cut")
 def down_target(variant: PreTrainedModel, dense: PreTrainedModel, sites: CutSites,
                 opts: DistillOptions) -> dict[str, nn.Module]:
@@ -225,7 +235,8 @@ def norm_target(variant: PreTrainedModel, dense: PreTrainedModel, sites: CutSite
             if _is_norm(module):
                 found[f"model.layers.{index}.{path}"] = trainable_copy(module)
     if None in sites.after:
-        path = "model.norm.inner" if not _is_norm(variant.model.norm) else "model.norm"
+        norm = f"model.{architecture_of(variant.config).final_norm}"
+        path = f"{norm}.inner" if not _is_norm(final_norm(variant)) else norm
         found[path] = trainable_copy(variant.get_submodule(path))
     return found
 
@@ -244,7 +255,11 @@ def lora_blocks(sites: CutSites, window: int) -> list[int]:
 
 
 def _linear_widths(config: PretrainedConfig) -> int:
-    """Σ (in + out) over one block's projections (q, k, v, o, gate, up, down)."""
+    """Σ (in + out) over one block's linear projections, the largest block's (q, k, v, o, gate, up, down; a
+    mixer's or a shared expert's where the block has them; fused experts are not linears and get none)."""
+    counted = skeleton_counts(config)
+    if counted is not None:
+        return counted.linear_widths
     c, inner = config.hidden_size, _inner(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or c // heads

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from ghosted_core.model.loading import final_norm
 from ghosted_core.progress import track
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.distill.loss import chunk_tokens, teacher_log_probs
@@ -117,7 +118,7 @@ def build_teacher(dense: PreTrainedModel, train_ids: torch.Tensor, val_ids: torc
                 run_forward(dense, ids[lo:hi].to(device))
             for j in keep:
                 prefix[j][lo:hi] = seen[("residual", j)]
-            hidden = dense.model.norm(seen[("residual", layers)]).reshape(-1, dense.config.hidden_size)  # (n, C)
+            hidden = final_norm(dense)(seen[("residual", layers)]).reshape(-1, dense.config.hidden_size)  # (n, C)
             values, where = [], []
             for a in range(0, hidden.shape[0], step):
                 target, index = teacher_log_probs(head_logits(dense, hidden[a:a + step]), kept)

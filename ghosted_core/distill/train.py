@@ -139,7 +139,7 @@ class _Prefix:
         self.dense_states = cache.prefix.get(start) if start <= shared_prefix(dense, student.model) else None
         self.source = "dense states kept by the teacher pass" if self.dense_states is not None else \
             f"the student's own {start} frozen block(s), run without gradients" if start else "the embeddings"
-        self.model = slice_view(student.model, dense, 0, start, final_norm=False)
+        self.model = slice_view(student.model, dense, 0, start, normed=False)
         self.ids = torch.cat([cache.train_ids, cache.val_ids])
         self.kept: dict[int, torch.Tensor] = {}
         self.budget = budget
@@ -169,7 +169,7 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
     device = module_device(student.model.model.layers[0]) if student.model.model.layers else input_device(dense)
     prefix = _Prefix(student, dense, cache, options.prefix_budget)
     report.prefix = prefix.source
-    suffix = slice_view(student.model, dense, student.first_block)
+    suffix = slice_view(student.model, dense, student.first_block, stream_input=True)
     optimizer = torch.optim.AdamW(student.parameters, lr=report.lr, weight_decay=options.weight_decay)
     best = [p.detach().clone() for p in student.parameters]  # memory: one copy of what trains
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ghosted_core.model.loading import final_norm
 from ghosted_core.progress import track
 from ghosted_core.calibration.collect import CalibrationOptions, sink_mask
 from ghosted_core.calibration.capture import capture, run_forward
@@ -79,8 +80,9 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
         raise GhostedError("perplexity needs windows of at least 2 tokens")
     groups = _by_prefix(dense, variants, None)
     depths = sorted(groups)
-    segments = [slice_view(dense, dense, a, b, final_norm=False) for a, b in zip([0, *depths[:-1]], depths)]
-    suffixes = {name: slice_view(variants[name], dense, d) for d in depths for name in groups[d]}
+    segments = [slice_view(dense, dense, a, b, normed=False, stream_input=k > 0)  # the first one takes the ids
+                for k, (a, b) in enumerate(zip([0, *depths[:-1]], depths))]
+    suffixes = {name: slice_view(variants[name], dense, d, stream_input=True) for d in depths for name in groups[d]}
     nll = dict.fromkeys(variants, 0.0)
     count = 0
     device = input_device(dense)
@@ -162,7 +164,7 @@ def dense_prefix_states(dense: PreTrainedModel, windows: torch.Tensor, indices: 
                 run_forward(dense, ids)
             for j in wanted:
                 states[j].append(seen[("residual", j)])  # (B, T, C)
-            out = dense.model.norm(seen[("residual", num_layers)])  # (B, T, C) as the full forward ends
+            out = final_norm(dense)(seen[("residual", num_layers)])  # (B, T, C) as the full forward ends
             total, tokens = _token_nll(dense, out, ids)
             nll += total
             count += tokens
@@ -174,8 +176,9 @@ def perplexity_from_states(dense: PreTrainedModel, variants: Mapping[str, PreTra
     """`perplexity` of variants that share the dense prefix up to a cached index: only their suffixes run (a
     variant sharing less than any cached index, e.g. one that changes block 0, runs from the embeddings)."""
     groups = _by_prefix(dense, variants, cached.states)
-    suffixes = {name: slice_view(variants[name], dense, start) for start, names in groups.items() for name in names}
-    embed = slice_view(dense, dense, 0, 0, final_norm=False)  # the embeddings alone
+    suffixes = {name: slice_view(variants[name], dense, start, stream_input=True) for start, names in groups.items()
+                for name in names}
+    embed = slice_view(dense, dense, 0, 0, normed=False)  # the embeddings alone
     nll = dict.fromkeys(variants, 0.0)
     count = 0
     device = input_device(dense)

@@ -12,6 +12,10 @@ What lm-eval's HFLM computes per request, with three exact savings:
 - **The head where it is read.** The LM head runs on the positions that predict continuation tokens
   only, in chunks, in float32.
 
+A model with recurrent layers (linear attention, convolution, Mamba: `layer_config.recurrent`) cannot be told which
+earlier nodes of a row a node descends from, so its rows are single sequences (a request, with its repeats and
+prefixes), padded on the right, under the model's own causal masks: the shared blocks still run once.
+
 Requests follow HFLM's truncation: the input is (context + continuation)[-(max_length+1):][:-1], and
 the last len(continuation) positions are scored. A sliding-window layer sees ancestors whose depth is
 within its window, as transformers' own masks do.
@@ -34,6 +38,7 @@ from transformers import PreTrainedModel
 from ghosted_core.evaluation.perplexity import _by_prefix, input_device
 from ghosted_core.memory_parts import LOGITS_BUDGET
 from ghosted_core.model.head import head_logits
+from ghosted_core.model.layer_config import recurrent
 from ghosted_core.model.surgery import slice_view
 from ghosted_core.progress import track
 
@@ -82,9 +87,23 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def pack(pairs: Sequence[TokenPair], options: ScoringOptions) -> list[_Packed]:
+def _extends(row: _Packed, length: int, shared: int, row_tokens: int, branching: bool = True) -> bool:
+    """Whether a request of `length` input tokens, `shared` of them already in `row`, joins the row: when its
+    new nodes fit, or when it shares at least as many as it adds (recomputing the shared part in a row of its own
+    would cost more than the longer row's attention; BoolQ's yes/no share a whole passage beyond a row's length).
+    The second rule keeps a row within twice the longer of a row and the request, so attention stays bounded."""
+    new = length - shared
+    if not branching:  # only a request already on the row's one path joins it (a repeat, or a prefix)
+        return new == 0
+    if len(row.tokens) + new <= row_tokens:
+        return True
+    return shared >= new and len(row.tokens) + new <= 2 * max(row_tokens, length)
+
+
+def pack(pairs: Sequence[TokenPair], options: ScoringOptions, branching: bool = True) -> list[_Packed]:
     """Rows of a trie over the requests' inputs, in lexicographic order so that sharing requests are neighbours
-    (in sorted order a sequence shares most with the one before it, so a row is filled greedily)."""
+    (in sorted order a sequence shares most with the one before it, so a row is filled greedily). `branching`
+    False: each row is one path (a request and the repeats and prefixes of it), for models with recurrent layers."""
     inputs = [_truncated(p, options.max_length) for p in pairs]
     order = sorted(range(len(pairs)), key=lambda i: inputs[i][0])
     rows: list[_Packed] = []
@@ -94,7 +113,7 @@ def pack(pairs: Sequence[TokenPair], options: ScoringOptions) -> list[_Packed]:
     for i in order:
         tokens, targets = inputs[i]
         shared = _common_prefix(previous, tokens) if row is not None else 0
-        if row is None or (row.tokens and len(row.tokens) + len(tokens) - shared > options.row_tokens):
+        if row is None or not _extends(row, len(tokens), shared, options.row_tokens, branching):
             row, path, shared = _Packed([], [], [], []), [], 0  # a request longer than a row gets one of its own
             rows.append(row)
         path = path[:shared]
@@ -130,7 +149,11 @@ def _attention_kinds(config) -> dict[str, int | None]:
 
 def _masks(rows: Sequence[_Packed], config, dtype: torch.dtype, device: torch.device):
     """The batch's 4D masks (B, 1, L, L) per attention kind: a tensor when the model has one kind, else a dict
-    by kind (the form transformers' models take ready-made masks in). Padding nodes see only themselves."""
+    by kind (the form transformers' models take ready-made masks in). Padding nodes see only themselves.
+    None for a model with recurrent layers: its rows are single paths padded on the right, which the model's
+    own causal masks already handle (no valid node sees a later one)."""
+    if recurrent(config):
+        return None
     length = max(len(r.tokens) for r in rows)
     kinds = _attention_kinds(config)
     out = {}
@@ -178,8 +201,10 @@ class SharedScorer:
         self.groups = _by_prefix(dense, self.variants, None)  # dense block index → variants departing there
         self.depths = sorted(self.groups)
         starts = [0, *self.depths[:-1]]
-        self.segments = [slice_view(dense, dense, a, b, final_norm=False) for a, b in zip(starts, self.depths)]
-        self.suffixes = {name: slice_view(self.variants[name], dense, d) for d in self.depths for name in self.groups[d]}
+        self.segments = [slice_view(dense, dense, a, b, normed=False, stream_input=k > 0)  # the first: token ids
+                         for k, (a, b) in enumerate(zip(starts, self.depths))]
+        self.suffixes = {name: slice_view(self.variants[name], dense, d, stream_input=True) for d in self.depths
+                         for name in self.groups[d]}
         self.cache: dict[str, dict[TokenPair, Answer]] = {name: {} for name in self.variants}
         self.forwards = 0  # forward passes run (batches), for the benches
 
@@ -191,7 +216,7 @@ class SharedScorer:
         return [known[p] for p in pairs]
 
     def _compute(self, pairs: list[TokenPair]) -> None:
-        rows = pack(pairs, self.options)
+        rows = pack(pairs, self.options, branching=not recurrent(self.dense.config))
         device = input_device(self.dense)
         config = self.dense.config
         with torch.no_grad():

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
-from ghosted_core.architectures import ARCHITECTURES
+from ghosted_core.model.layer_config import layer_fields
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,9 @@ def export_config(config: PretrainedConfig, record: Mapping, **overrides) -> dic
     """config.json content for an export of a variant: clean and self-consistent.
 
     Drops the `ghosted` record and `_name_or_path` (a local path where the model came from a
-    folder), slices the family's per-layer lists (`Architecture.per_layer_fields`, and only those: a
-    list that merely has as many entries as there are blocks is no per-layer field) still at the dense
-    length to the kept blocks (surgery already sliced `layer_types`), and applies `overrides`.
+    folder), slices every per-layer list still at the dense length to the kept blocks (surgery already
+    sliced the config's own; `layer_config` says which lists are per-layer: the same rule for both), and
+    applies `overrides`.
     """
     values = config.to_diff_dict()  # what save_pretrained writes: values that differ from the class defaults
     for key in ("ghosted", "_name_or_path", "_commit_hash"):
@@ -138,11 +138,9 @@ def export_config(config: PretrainedConfig, record: Mapping, **overrides) -> dic
     values["num_hidden_layers"] = kept_count
     dense_count = kept_count + len(removed)
     kept = [j for j in range(dense_count) if j not in removed]
-    arch = ARCHITECTURES.get(getattr(config, "model_type", None))
-    per_layer = set(arch.per_layer_fields if arch else ("layer_types",))
-    for key, value in list(values.items()):
-        if key in per_layer and isinstance(value, list) and len(value) == dense_count and removed:
-            values[key] = [value[j] for j in kept]
+    if removed:
+        for key in layer_fields(config, values, dense_count).per_layer:
+            values[key] = [values[key][j] for j in kept]
             log.info("sliced per-layer config list %s to the %d kept blocks", key, kept_count)
     values.update(overrides)
     return values

@@ -30,6 +30,7 @@ from ghosted_core.model.low_rank import LowRankLinear
 from ghosted_core.model.modeling_ghosted import OPERATOR_TYPES, PatchedBlock
 from ghosted_core.model.scaling import ScaledOutput, StreamScale, stream_scale
 from ghosted_core.architectures import architecture_of
+from ghosted_core.model.loading import final_norm
 
 Chunk = dict[str, torch.Tensor]
 
@@ -70,22 +71,37 @@ def operator_layout(model: PreTrainedModel) -> list[dict]:
     return [entry for _path, entry in _layout(model)]
 
 
+EXPERT_OUTPUTS = ("down_proj", "down_proj_bias")  # fused experts' tensors that their output is linear in
+
+
+def _writer_kind(module: nn.Module) -> str:
+    """How a scaled writer's tensors carry the scale: every one (a linear), the down projection (fused experts),
+    or the gain (a norm)."""
+    if isinstance(module, (nn.Linear, LowRankLinear)):
+        return "linear"
+    down = getattr(module, "down_proj", None)
+    return "experts" if isinstance(down, torch.Tensor) and down.ndim == 3 else "norm"
+
+
 def fold_scales(module: nn.Module, chunk: Chunk, offset: float) -> tuple[Chunk, float]:
     """`chunk` (module_tensors of `module`, keys relative to it) with every `ScaledOutput` under `module` folded
     into its inner weights, and a block-0 `StreamScale` wrapper stripped; also returns that stream scale (the
-    factor the embeddings must carry, 1.0 if none). A Linear's weight and bias are multiplied by s; a norm's
-    gain γ becomes (offset + γ)·s − offset. Memory: one new tensor per scaled weight, in float64 while computed.
+    factor the embeddings must carry, 1.0 if none). A Linear's weight and bias are multiplied by s, fused experts' down projection and its bias;
+    a norm's gain γ becomes (offset + γ)·s − offset. Memory: one new tensor per scaled weight, in float64 while computed.
     """
     for path, sub in module.named_modules():
         if not isinstance(sub, ScaledOutput):
             continue
         inner, outer = (f"{path}.inner.", f"{path}.") if path else ("inner.", "")
-        linear = isinstance(sub.inner, (nn.Linear, LowRankLinear))
+        kind = _writer_kind(sub.inner)
         for key in [k for k in chunk if k.startswith(inner)]:
             value = chunk.pop(key)
-            v = value.double()
-            v = v * sub.scale if linear else (offset + v) * sub.scale - offset
-            chunk[outer + key[len(inner):]] = v.to(value.dtype)
+            name = key[len(inner):]
+            if kind == "linear" or (kind == "experts" and name in EXPERT_OUTPUTS):
+                value = (value.double() * sub.scale).to(value.dtype)
+            elif kind == "norm":
+                value = ((offset + value.double()) * sub.scale - offset).to(value.dtype)
+            chunk[outer + name] = value
     scale = stream_scale(module)
     if _is_stream_scale(module):
         chunk = {key.removeprefix("inner."): value for key, value in chunk.items()}  # StreamScale holds no tensor
@@ -112,7 +128,8 @@ def fold_low_rank(module: nn.Module, chunk: Chunk) -> Chunk:
 def _folds_into_down_proj(model: PreTrainedModel, path: str) -> bool:
     down = getattr(model.get_submodule(path)[0], "down_proj", None)
     down = down.inner if isinstance(down, ScaledOutput) else down
-    return architecture_of(model.config).branch_folds_into_down_proj and path.rpartition(".")[2] == "mlp" \
+    arch = architecture_of(model.config)
+    return arch.branch_folds and arch.down_proj == "mlp.down_proj" and path.rpartition(".")[2] == "mlp" \
         and isinstance(down, (nn.Linear, LowRankLinear))
 
 
@@ -127,8 +144,9 @@ def stock_blockers(model: PreTrainedModel) -> list[str]:
             reasons.append(f"a {width}x{width} map on the residual stream entering {site} does not fold into stock "
                            "weights (every RMSNorm after it would see a different norm)")
         elif not _folds_into_down_proj(model, view_path):
-            reasons.append(f"the map after {entry['path']} does not fold: a norm sits between the MLP's down_proj "
-                           "and the residual stream (Gemma3's post_feedforward_layernorm)")
+            why = "its writers are offloaded (a fold needs them in memory)" if entry["path"].endswith(".mlp") \
+                else "a norm sits between the MLP and the residual stream"
+            reasons.append(f"the map after {entry['path']} does not fold: {why}")
     return reasons
 
 
@@ -162,8 +180,10 @@ def _rest(model: PreTrainedModel, embed_scale: float = 1.0, device: str = "cpu")
         key = "model.embed_tokens.weight"
         chunk[key] = (chunk[key].double() * embed_scale).to(chunk[key].dtype)
         if tied:  # the head reads the scaled embeddings: the final norm's output must shrink by as much
-            offset = architecture_of(model.config).norm_gain_offset
-            key = "model.norm.inner.weight" if isinstance(model.model.norm, PatchedBlock) else "model.norm.weight"
+            arch = architecture_of(model.config)
+            norm = f"model.{arch.final_norm}"
+            key = f"{norm}.inner.weight" if isinstance(final_norm(model), PatchedBlock) else f"{norm}.weight"
+            offset = arch.norm_gain_offset
             chunk[key] = ((offset + chunk[key].double()) / embed_scale - offset).to(chunk[key].dtype)
     return chunk
 

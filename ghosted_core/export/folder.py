@@ -114,7 +114,7 @@ def check_export(operators: Sequence[str], mode: str) -> None:
 def _expected_keys(model: PreTrainedModel, config_values: dict, remote: bool) -> set[str]:
     """State-dict keys transformers will look for when it loads the exported config (built on meta)."""
     if remote:
-        config_cls, model_cls = modeling_ghosted.FAMILIES[model.config.model_type]
+        config_cls, model_cls = modeling_ghosted.ghosted_classes(model.config.model_type)
     else:
         config_cls, model_cls = type(model.config), type(model)
     config = config_cls.from_dict({k: v for k, v in config_values.items() if k not in ("auto_map", "model_type")})
@@ -140,7 +140,7 @@ def _config_values(model: PreTrainedModel, record: dict, remote: bool) -> dict:
     if not remote:
         return export_config(model.config, record, architectures=[architecture])
     model_type = model.config.model_type
-    config_cls, model_cls = modeling_ghosted.FAMILIES[model_type]
+    config_cls, model_cls = modeling_ghosted.ghosted_classes(model_type)
     module = Path(MODELING_FILE).stem
     return export_config(model.config, record, model_type=config_cls.model_type, architectures=[model_cls.__name__],
                          auto_map={"AutoConfig": f"{module}.{config_cls.__name__}",
@@ -308,10 +308,11 @@ def load_recovered(folder: str | Path, device: str = "cpu", dtype: torch.dtype |
     kwargs = {"dtype": dtype} if dtype is not None else {}
     if export_mode(folder) == "remote_code":
         model_type = json.loads((folder / "config.json").read_text())["model_type"]
-        families = {config_cls.model_type: model_cls for config_cls, model_cls in modeling_ghosted.FAMILIES.values()}
-        if model_type not in families:
-            raise GhostedError(f"{folder} has an unknown Ghosted model type {model_type!r}")
-        model = families[model_type].from_pretrained(folder, **kwargs)
+        try:
+            _config_cls, model_cls = modeling_ghosted.ghosted_classes(model_type)
+        except KeyError:
+            raise GhostedError(f"{folder} has an unknown Ghosted model type {model_type!r}") from None
+        model = model_cls.from_pretrained(folder, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     model.to(device).eval().requires_grad_(False)

@@ -5,8 +5,10 @@
 - `parts`: a file split over several PyPI wheels, fetched, joined in order and checked (size, sha256).
 - `embedded`: the catalog of models shipped in PyPI packages, and their GGUF → safetensors conversion.
 - `surgery`: pruned and recovered models as views over the dense model's modules.
+- `layer_config`: the config of the kept blocks: per-layer lists, layer-index lists and counts, found and made true.
 - `scaling`: a scalar on the residual stream carried by the weights upstream of a cut (magcomp's view), copying none.
 - `low_rank`: a low-rank change of a shared linear layer (distillation's lora), merged by an export.
-- `head`: the LM head (with any logit soft-capping) on chosen positions only.
-- `modeling_ghosted`: the operator modules and remote-code model classes (self-contained; copied into exports).
+- `head`: the LM head as the model finishes it (logits scaling, soft-capping), on chosen positions only.
+- `modeling_ghosted`: the operator modules and remote-code classes wrapping any family's (self-contained; copied
+  into exports).
 """

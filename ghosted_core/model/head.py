@@ -1,4 +1,4 @@
-"""The LM head as evaluation and training read it: float32 logits, soft-capped where the family caps them."""
+"""The LM head as evaluation and training read it: float32 logits, scaled or soft-capped where the family does."""
 
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 
 def softcapped(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
-    """`logits` with the model's final soft-capping (Gemma-2: tanh(z / cap)·cap) where it has one."""
+    """`logits` as the model's own head finishes them: divided by Granite's `logits_scaling`, soft-capped where
+    the family caps them (Gemma-2: tanh(z / cap)·cap). Both are config scalars, read wherever a family sets them."""
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling and scaling != 1:
+        logits = logits / scaling
     softcap = getattr(config, "final_logit_softcapping", None)
     return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
 def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """float32 logits (N, V) of final hidden states (N, C), with the model's final soft-capping where it has one.
+    """float32 logits (N, V) of final hidden states (N, C), finished as the model's own head does (`softcapped`).
     Memory: N × V × 4 B (plus the head's own output in the model's dtype)."""
     return softcapped(model.config, model.lm_head(hidden).float())

@@ -27,7 +27,7 @@ from ghosted_core.hub import hub_reachable
 from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED, converted_embedded, needs_conversion
 from ghosted_core.memory import check_fits
 from ghosted_core.model import hub_cache
-from ghosted_core.architectures import ARCHITECTURES, families
+from ghosted_core.architectures import architecture_of, families
 
 log = logging.getLogger(__name__)
 
@@ -95,18 +95,55 @@ def model_placement(model: PreTrainedModel) -> tuple[str, torch.dtype]:
 
 
 def decoder_blocks(model: PreTrainedModel) -> nn.ModuleList:
-    """The list of decoder blocks of a supported causal LM."""
-    check_supported(model.config)
+    """The list of decoder blocks of a causal LM whose layout we can cut (`check_layout`)."""
+    check_layout(model)
     return model.model.layers
 
 
+def final_norm(model: PreTrainedModel) -> nn.Module:
+    """The norm after the blocks (its input is the stream a cut at the end maps), named by the family's entry."""
+    return getattr(model.model, architecture_of(model.config).final_norm)
+
+
 def check_supported(config: PretrainedConfig) -> None:
-    """Refuse architectures whose block layout we have not verified."""
+    """Refuse, from the config alone, what is not a decoder-only causal LM with a stack of blocks."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise GhostedError(
-            f"unsupported architecture {model_type!r}: Ghosted Layers supports decoder-only {families()} models"
-        )
+    reason = None
+    if getattr(config, "is_encoder_decoder", False):
+        reason = "an encoder-decoder model (only decoder-only models have one residual stream through their blocks)"
+    elif getattr(config, "text_config", None) is not None:
+        reason = "a multimodal checkpoint (its text decoder sits inside a wrapper, which is not cut yet)"
+    elif model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        reason = "not a causal LM that transformers can build"
+    elif not isinstance(getattr(config, "num_hidden_layers", None), int):
+        reason = "its config has no num_hidden_layers"
+    if reason:
+        raise GhostedError(f"unsupported architecture {model_type!r}: {reason}; Ghosted Layers cuts decoder-only "
+                           f"causal LMs (in the architecture table, {families()}; others run the residual-stream "
+                           "operators only)")
+    check_layout(_skeleton(config))
+
+
+def _skeleton(config: PretrainedConfig) -> PreTrainedModel:
+    """The model's module tree on the meta device (no weights, no memory): where its parts are, before loading."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_layout(model: PreTrainedModel) -> None:
+    """Refuse a model whose blocks and final norm are not where a cut looks for them (`model.layers`, the final
+    norm its table entry names), with what was found instead."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    norm = architecture_of(model.config).final_norm
+    if not isinstance(layers, nn.ModuleList) or getattr(base, norm, None) is None:
+        found = ", ".join(name for name, _ in (base or model).named_children()) or "nothing"
+        raise GhostedError(f"unsupported architecture {model.config.model_type!r}: no decoder blocks at model.layers "
+                           f"with a final norm model.{norm} (found {found}); Ghosted Layers cuts decoder-only causal "
+                           f"LMs laid out as transformers' Llama-style models are (the architecture table has "
+                           f"{families()})")
 
 
 def resolve_dtype(dtype: str, device: str, model: str | None = None) -> torch.dtype:
@@ -249,7 +286,7 @@ def _readable(name: str) -> Iterator[None]:
             raise GhostedError(_not_found(name, "a local folder or an embedded model")) from None
         if "trust_remote_code" in text or "custom code" in text:
             raise GhostedError(f"{name} needs its own modelling code (trust_remote_code), which Ghosted Layers does "
-                               f"not run; use a {families()} checkpoint") from None
+                               f"not run; use a checkpoint of a family transformers ships (the architecture table has {families()})") from None
         if "does not recognize this architecture" in text:
             raise GhostedError(f"unsupported architecture in {name}: this transformers version does not know it") from None
         if isinstance(err, OSError):

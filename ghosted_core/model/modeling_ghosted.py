@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 
 class ResidualLinear(nn.Module):
@@ -108,28 +106,46 @@ class _GhostedMixin:
         self._keep_in_fp32_modules_strict = set(self._keep_in_fp32_modules_strict or ()) | operator_paths(layout)
 
 
-def _family(base_config: type, base_model: type, model_type: str) -> tuple[type, type]:
+PREFIX = "Ghosted"
+
+
+def _family(base_config: type, base_model: type) -> tuple[type, type]:
     """The config and model classes of one architecture's Ghosted variant (stock classes, subclassed)."""
-    prefix = "Ghosted"
-    config_cls = type(prefix + base_config.__name__, (base_config,),
-                      {"model_type": model_type, "__module__": __name__, "__qualname__": prefix + base_config.__name__})
-    model_cls = type(prefix + base_model.__name__, (_GhostedMixin, base_model),
-                     {"config_class": config_cls, "_no_split_modules": [*base_model._no_split_modules, "PatchedBlock"],
-                      "__module__": __name__, "__qualname__": prefix + base_model.__name__})
+    config_name, model_name = PREFIX + base_config.__name__, PREFIX + base_model.__name__
+    config_cls = type(config_name, (base_config,), {"model_type": f"ghosted_{base_config.model_type}",
+                                                    "__module__": __name__, "__qualname__": config_name})
+    model_cls = type(model_name, (_GhostedMixin, base_model),
+                     {"config_class": config_cls, "_no_split_modules": [*(base_model._no_split_modules or ()), "PatchedBlock"],
+                      "__module__": __name__, "__qualname__": model_name})
     return config_cls, model_cls
 
 
-# stock model_type -> (config class, model class) of its Ghosted variant
-FAMILIES = {
-    "llama": _family(LlamaConfig, LlamaForCausalLM, "ghosted_llama"),
-    "mistral": _family(MistralConfig, MistralForCausalLM, "ghosted_mistral"),
-    "qwen2": _family(Qwen2Config, Qwen2ForCausalLM, "ghosted_qwen2"),
-    "qwen3": _family(Qwen3Config, Qwen3ForCausalLM, "ghosted_qwen3"),
-    "gemma3_text": _family(Gemma3TextConfig, Gemma3ForCausalLM, "ghosted_gemma3_text"),
-}
-# the names config.json's auto_map points at
-GhostedLlamaConfig, GhostedLlamaForCausalLM = FAMILIES["llama"]
-GhostedMistralConfig, GhostedMistralForCausalLM = FAMILIES["mistral"]
-GhostedQwen2Config, GhostedQwen2ForCausalLM = FAMILIES["qwen2"]
-GhostedQwen3Config, GhostedQwen3ForCausalLM = FAMILIES["qwen3"]
-GhostedGemma3TextConfig, GhostedGemma3ForCausalLM = FAMILIES["gemma3_text"]
+_CLASSES: dict[str, tuple[type, type]] = {}  # stock model_type -> (config class, model class), built once each
+
+
+def ghosted_classes(model_type: str) -> tuple[type, type]:
+    """The Ghosted config and model classes wrapping whatever causal-LM classes transformers maps `model_type` to
+    (a stock type such as "llama", or its Ghosted name "ghosted_llama"): no class is written per family."""
+    import transformers.models.auto.modeling_auto as auto
+
+    from transformers import CONFIG_MAPPING
+
+    stock = model_type.removeprefix("ghosted_")
+    if stock not in _CLASSES:
+        base_config = CONFIG_MAPPING[stock]  # KeyError: a model type this transformers does not know
+        base_model = auto.MODEL_FOR_CAUSAL_LM_MAPPING[base_config]
+        _CLASSES[stock] = _family(base_config, base_model)
+    return _CLASSES[stock]
+
+
+def __getattr__(name: str) -> type:
+    """`GhostedLlamaConfig`, `GhostedLlamaForCausalLM`, …: the names an export's `auto_map` points at, built from
+    the stock class of the same name (transformers reads them with getattr on this module)."""
+    import transformers
+
+    stock = getattr(transformers, name.removeprefix(PREFIX), None) if name.startswith(PREFIX) else None
+    config_cls = getattr(stock, "config_class", stock)
+    if stock is None or not isinstance(getattr(config_cls, "model_type", None), str):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    config_out, model_out = ghosted_classes(config_cls.model_type)
+    return config_out if stock is config_cls else model_out

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ghosted_core.model.loading import final_norm
 from ghosted_core.architectures import architecture_of
+from ghosted_core.errors import GhostedError
 from ghosted_core.model.modeling_ghosted import OPERATOR_TYPES, PatchedBlock
 from ghosted_core.model.surgery import assemble, replace_submodules
 
@@ -61,6 +63,12 @@ def is_after_map(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and len(module) == 2 and type(module[1]).__name__ in OPERATOR_TYPES
 
 
+def unwrap_patches(block: nn.Module) -> nn.Module:
+    while isinstance(block, PatchedBlock):
+        block = block.inner
+    return block
+
+
 def writer_path(block: nn.Module, path: str) -> str:
     """Where the module named `path` of a stock block sits in a view's block: through a `PatchedBlock`'s
     inner module and into the first module of an after-map (a scalar commutes with the map after it)."""
@@ -84,9 +92,23 @@ def _scaled(module: nn.Module, scale: float) -> ScaledOutput:
     return ScaledOutput(module, scale)
 
 
+def present_writers(block: nn.Module, writers: tuple[str, ...]) -> list[str]:
+    """The paths in a view's block of those of the family's candidate writers this block has (attention or linear
+    attention, experts or a dense MLP)."""
+    paths = []
+    for name in writers:
+        try:
+            paths.append(writer_path(block, name))
+        except AttributeError:
+            continue
+    return paths
+
+
 def scale_writers(block: nn.Module, writers: tuple[str, ...], scale: float) -> nn.Module:
     """A view of `block` whose residual writers' outputs are multiplied by `scale`."""
-    paths = [writer_path(block, name) for name in writers]
+    paths = present_writers(block, writers)
+    if not paths:
+        raise ValueError(f"{type(unwrap_patches(block)).__name__} has none of the residual writers {writers}")
     return replace_submodules(block, {path: _scaled(block.get_submodule(path), scale) for path in paths})
 
 
@@ -114,10 +136,14 @@ def scale_before(model: PreTrainedModel, cut: int, scale: float) -> PreTrainedMo
     layers = list(model.model.layers)
     if not 0 <= cut <= len(layers):
         raise ValueError(f"cut {cut} outside the model's {len(layers)} blocks")
-    writers = architecture_of(model.config).residual_writers
+    arch = architecture_of(model.config)
+    refusal = arch.refusal("scale", "a scale upstream of the cut")
+    if refusal:
+        raise GhostedError(refusal)
+    writers = arch.residual_writers
     new = [scale_writers(block, writers, scale) if i < cut else block for i, block in enumerate(layers)]
     if new:
         new[0] = _scale_stream(new[0], scale)
     if cut == len(layers):
         log.info("a scale on the stream entering the final norm changes nothing (it is normalized away)")
-    return assemble(model, new, model.config, model.model.norm)
+    return assemble(model, new, model.config, final_norm(model))

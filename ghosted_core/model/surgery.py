@@ -5,7 +5,7 @@ objects whose state must differ are new (shallow copies), the weights never are.
 block after a removed run gets a shallow copy whose attention carries its new `layer_idx`
 (so the KV cache has one slot per surviving block); the boundary operator wraps the first
 surviving block after the run (or the final norm) as a real submodule; the config is a copy
-with the right `num_hidden_layers` and per-layer fields (`sliced_config`). The dense model is never modified.
+with the right `num_hidden_layers` and block-describing fields (`layer_config.sliced_config`). The dense model is never modified.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
-from ghosted_core.model.loading import decoder_blocks
-from ghosted_core.plan import Boundary
 from ghosted_core.architectures import architecture_of
+from ghosted_core.model.loading import decoder_blocks, final_norm
+from ghosted_core.model.layer_config import check_kept_kinds, sliced_config
+from ghosted_core.plan import Boundary
 
 log = logging.getLogger(__name__)
 
@@ -82,29 +83,6 @@ def _layer_index(block: nn.Module) -> int | None:
     return None
 
 
-def sliced_config(config, kept: Sequence[int]):
-    """A copy of `config` for the blocks at indices `kept` (ascending) of the model it describes.
-
-    Every per-layer field its family lists (`Architecture.per_layer_fields`, e.g. `layer_types`)
-    is sliced to the kept blocks, and every leading count (`leading_count_fields`, e.g. Qwen2's
-    `max_window_layers`: blocks below it use full attention) becomes the number of kept blocks
-    below it, so that engines reading either field put each attention kind on the same blocks.
-    """
-    arch = architecture_of(config)
-    config = copy.deepcopy(config)
-    layers = int(config.num_hidden_layers)
-    for name in arch.per_layer_fields:
-        values = getattr(config, name, None)
-        if values is not None and len(values) == layers:
-            setattr(config, name, [values[j] for j in kept])
-    for name in arch.leading_count_fields:
-        count = getattr(config, name, None)
-        if count is not None:
-            setattr(config, name, sum(1 for j in kept if j < count))
-    config.num_hidden_layers = len(kept)
-    return config
-
-
 def assemble(dense: PreTrainedModel, layers: Sequence[nn.Module], config, norm: nn.Module,
              record: Mapping | None = None) -> PreTrainedModel:
     """A causal LM view over `dense` with the given block list, final norm and config (see `sliced_config`).
@@ -114,7 +92,7 @@ def assemble(dense: PreTrainedModel, layers: Sequence[nn.Module], config, norm: 
     """
     if record is not None:
         config.ghosted = dict(record)
-    base = shallow_view(dense.model, layers=nn.ModuleList(layers), norm=norm)
+    base = shallow_view(dense.model, layers=nn.ModuleList(layers), **{architecture_of(dense.config).final_norm: norm})
     base.config = config
     view = shallow_view(dense, model=base)
     view.config = config
@@ -148,7 +126,8 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
             block = PatchedBlock(patches[j], block)
         layers.append(block)
         kept.append(j)
-    norm = dense.model.norm
+    check_kept_kinds(dense.config, kept)
+    norm = final_norm(dense)
     if num_layers in patches:
         norm = PatchedBlock(patches[num_layers], norm)
     return assemble(dense, layers, sliced_config(dense.config, kept), norm, record)
@@ -159,14 +138,31 @@ def patch_site(boundary: Boundary) -> int:
     return boundary.end
 
 
+# base-model attributes that multiply `inputs_embeds` inside the forward (Granite's family, HRM): a view fed a
+# residual stream instead of embeddings must not scale it again
+INPUT_SCALES = ("embedding_multiplier", "embedding_scale")
+
+
+def stream_fed(view: PreTrainedModel) -> PreTrainedModel:
+    """`view` (a new module tree: `assemble`'s) made to take a residual stream as `inputs_embeds`: the scalars its
+    base model applies to embeddings, where it has them, become 1 on the view only."""
+    for name in INPUT_SCALES:
+        if isinstance(getattr(view.model, name, None), (int, float)):
+            setattr(view.model, name, 1.0)
+    return view
+
+
 def slice_view(model: PreTrainedModel, dense: PreTrainedModel, start: int, stop: int | None = None,
-               final_norm: bool = True) -> PreTrainedModel:
+               normed: bool = True, stream_input: bool | None = None) -> PreTrainedModel:
     """Blocks `start:stop` of a model (dense or variant) as a model of their own, for prefix sharing.
 
     Fed `inputs_embeds=h_start`, it returns the residual after block `stop-1` (normed only
-    when `final_norm`). Only for cache-free forwards: layer indices are left as they are.
+    when `normed`). `stream_input` (default: `start > 0`): it is fed a residual stream, not token ids,
+    so it applies no embedding scalar of its own (`stream_fed`). Only for cache-free forwards: layer
+    indices are left as they are.
     """
     layers = list(model.model.layers)
     kept = range(len(layers))[start:stop]
-    norm = model.model.norm if final_norm else nn.Identity()
-    return assemble(dense, layers[start:stop], sliced_config(model.config, kept), norm)
+    norm = final_norm(model) if normed else nn.Identity()
+    view = assemble(dense, layers[start:stop], sliced_config(model.config, kept), norm)
+    return stream_fed(view) if (start > 0 if stream_input is None else stream_input) else view

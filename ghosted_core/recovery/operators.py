@@ -118,27 +118,37 @@ class OperatorSpec:
     stock: bool = False  # its variants fold into a stock checkpoint (plain pruning, maps on the MLP branch)
     fold: str = ""  # how its variants fold into stock weights (the export's reason)
     cost: OperatorCost = OperatorCost()  # what its fit works in and its variant keeps (the memory plan)
+    # what of the block it must find in the model's family (`Architecture.refusal`): "scale" (a scale on every
+    # residual writer, blocks that read the stream through a norm), "branch" (a module computing the MLP branch),
+    # "down_proj" (one MLP output projection)
+    requires: tuple[str, ...] = ()
 
 
 OPERATORS: dict[str, OperatorSpec] = {}
+REQUIREMENTS = ("writers", "scale", "branch", "mlp", "down_proj")
 
 
 def register_operator(name: str, *, paper: str, description: str, cost: OperatorCost, needs: StatNeeds = ALL_NEEDS,
-                      stock: bool = False, fold: str = ""):
+                      stock: bool = False, fold: str = "", requires: tuple[str, ...] = ()):
     """Add `fn(stats: BoundaryStats, opts: FitOptions) -> Fit` to OPERATORS; checked at import.
 
     `needs` names the statistics the fit reads; calibration keeps only the union over the
     requested operators (an operator that does not say gets every statistic). `stock`: the
     operator's variants fold into a stock checkpoint (see `export.fold`), as `fold` says. `cost` (required:
     an entry without it fails at import): the C×C matrices its fit works in and what its variant keeps,
-    which the memory plan counts (`memory_parts.fit_bytes`, `kept_bytes`).
+    which the memory plan counts (`memory_parts.fit_bytes`, `kept_bytes`). `requires`: the parts of a block it
+    acts on (see `OperatorSpec.requires`); a family without them is refused before any work.
     """
     if not isinstance(cost, OperatorCost):
         raise TypeError(f"operator {name}: cost must be an OperatorCost, not {type(cost).__name__}")
 
     def decorator(fn):
         check_signature(fn, f"operator {name}", {"stats": BoundaryStats, "opts": FitOptions}, Fit)
-        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock, fold, cost), "operator")
+        unknown = set(requires) - set(REQUIREMENTS)
+        if unknown:
+            raise TypeError(f"operator {name}: unknown requirement(s) {sorted(unknown)}; known: {REQUIREMENTS}")
+        add(OPERATORS, name, OperatorSpec(name, fn, paper, description, needs, stock, fold, cost, tuple(requires)),
+            "operator")
         return fn
 
     return decorator
@@ -248,7 +258,7 @@ def fit_rotate_pooled(stats: BoundaryStats, opts: FitOptions) -> Fit:
                    fold="the magnitude scale is folded into the embeddings and the o_proj/down_proj (Gemma3: the "
                         "post-norm gains) of every block before each cut, the final norm's gain divided by it where "
                         "the embeddings are tied (exact up to the RMSNorm ε)",
-                   cost=OperatorCost(1, "scale"))
+                   cost=OperatorCost(1, "scale"), requires=("scale",))
 def fit_magcomp(stats: BoundaryStats, opts: FitOptions) -> Fit:
     s = magnitude_scale(stats, opts.magcomp_form)
     scale = torch.full((stats.width,), s, dtype=torch.float64)  # (C,) s·1: errors and reports read it like diag's
@@ -300,7 +310,7 @@ def _unrecovered_branch(name: str, stats: BoundaryStats) -> Fit | None:
 
 @register_operator("replaceme", paper="ReplaceMe-LS",
                    description="least-squares map on block s−1's MLP output, folded into its down projection",
-                   needs=BRANCH, stock=True, fold=REPLACEME_FOLD, cost=OperatorCost(5, "branch"))
+                   needs=BRANCH, stock=True, fold=REPLACEME_FOLD, cost=OperatorCost(5, "branch"), requires=("branch",))
 def fit_replaceme(stats: BoundaryStats, opts: FitOptions) -> Fit:
     # m T ≈ Δ + m  ⇔  T = I + A with (mᵀm + εI) A = mᵀΔ
     return _unrecovered_branch("replaceme", stats) or _least_squares_fit("replaceme", stats, "all", opts, site="branch")
@@ -357,7 +367,7 @@ def choose_by_calibration(candidates: list[Fit], stats: BoundaryStats) -> Fit:
                    description="ReplaceMe fitted on ordinary tokens with T = I on the sink tokens' top MLP-output "
                                "directions (their number chosen by held-out error); folded into block s−1's down "
                                "projection", needs=BRANCH, stock=True, fold=REPLACEME_FOLD,
-                   cost=OperatorCost(5, "branch", candidates=True))
+                   cost=OperatorCost(5, "branch", candidates=True), requires=("branch",))
 def fit_replaceme_keepsink(stats: BoundaryStats, opts: FitOptions) -> Fit:
     """The sink token's MLP output is massive; any T ≠ I on it breaks the sink for every block after.
 
@@ -392,7 +402,8 @@ def _refit(name: str, stats: BoundaryStats, opts: FitOptions, scale: float | Non
     choice; where it cannot apply (a cut at block 0, a norm after the MLP), only the scale (or nothing)."""
     if not stats.has_inner:
         why = "the cut starts at block 0" if stats.boundary.start == 0 else \
-            "the MLP output is normalized before it reaches the stream (Gemma3's post_feedforward_layernorm)"
+            "no one down_proj writes the stream in this family (a norm after the MLP, as Gemma's and OLMo's " \
+            "post_feedforward_layernorm, or experts)"
         note = f"{name}: no down_proj refit at boundary {stats.boundary}: {why}"
         log.warning(note)
         if scale is None:
@@ -416,7 +427,7 @@ INNER = StatNeeds(inner=True)
                    description="the change B of block s−1's down_proj fitted on its intermediate activations (I "
                                "features), zero on the sink tokens' span, relative ridge; ridge and sink count "
                                "chosen by held-out error; folded into that down_proj", needs=INNER, stock=True,
-                   fold=REFIT_FOLD, cost=OperatorCost(0, "refit", refit=True))
+                   fold=REFIT_FOLD, cost=OperatorCost(0, "refit", refit=True), requires=("down_proj",))
 def fit_refit(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _refit("refit", stats, opts, None)
 
@@ -427,7 +438,7 @@ def fit_refit(stats: BoundaryStats, opts: FitOptions) -> Fit:
                    needs=StatNeeds(channel=True, inner=True, inner_stream=True), stock=True,
                    fold=f"{REFIT_FOLD}, and the magnitude scale into the embeddings and every residual writer "
                         "before each cut (the final norm's gain divided by it where the head is tied)",
-                   cost=OperatorCost(1, "refit", refit=True))
+                   cost=OperatorCost(1, "refit", refit=True), requires=("scale",))
 def fit_magcomp_refit(stats: BoundaryStats, opts: FitOptions) -> Fit:
     return _refit("magcomp_refit", stats, opts, magnitude_scale(stats, opts.magcomp_form))
 

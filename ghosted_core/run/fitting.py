@@ -19,7 +19,8 @@ from ghosted_core.progress import Tracker
 from ghosted_core.statistics import BoundaryStats
 from ghosted_core.calibration.collect import HeldoutRows, collect_boundary_stats
 from ghosted_core.recovery.heldout import measure_errors
-from ghosted_core.model.loading import decoder_blocks, module_device
+from ghosted_core.architectures import architecture_of
+from ghosted_core.model.loading import decoder_blocks, module_device, final_norm
 from ghosted_core.recovery.assessment import BoundaryMap, Diagnostics, FitReport, assess
 from ghosted_core.recovery.magcomp import cut_index
 from ghosted_core.recovery.operators import Fit, choose_by_heldout, get_operator, needs_of
@@ -39,6 +40,7 @@ def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> Realized:
     """Boundary modules (keyed by the dense index they feed), ReplaceMe and refit replacements (keyed by block)
     and upstream scales (magcomp; keyed by the boundary's first removed block)."""
     blocks = decoder_blocks(dense)
+    arch = architecture_of(dense.config)
     patches: dict[int, nn.Module] = {}
     replacements: dict[int, dict[str, nn.Module]] = {}
     scales: dict[int, float] = {}
@@ -48,15 +50,15 @@ def _realize(dense: PreTrainedModel, fits: Sequence[Fit]) -> Realized:
         if fit.update is None:
             continue
         if fit.site == "inner":
-            replacements[fit.boundary.start - 1] = refit_replacement(fit, blocks[fit.boundary.start - 1])
+            replacements[fit.boundary.start - 1] = refit_replacement(fit, blocks[fit.boundary.start - 1], arch)
         elif fit.upstream_scale is not None:
             continue  # a scalar map: carried by the scales above
         elif fit.site == "residual":
             site = patch_site(fit.boundary)
-            target = blocks[site] if site < len(blocks) else dense.model.norm
+            target = blocks[site] if site < len(blocks) else final_norm(dense)
             patches[site] = residual_module(fit, module_device(target))
         else:
-            replacements[fit.boundary.start - 1] = branch_replacement(fit, blocks[fit.boundary.start - 1])
+            replacements[fit.boundary.start - 1] = branch_replacement(fit, blocks[fit.boundary.start - 1], arch)
     return patches, replacements, scales
 
 

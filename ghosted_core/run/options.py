@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ghosted_core.architectures import architecture_of
 from ghosted_core.data import corpora
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
@@ -178,8 +179,44 @@ class RunOptions:
         return self.user_text.corpus(split, shared)
 
 
-def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None) -> None:
-    """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings)."""
+def for_family(options: RunOptions, config) -> tuple[RunOptions, list[str]]:
+    """The run's default operators less those the model's family refuses (a note each: OLMo's blocks read the
+    stream without a norm, so magcomp_refit's scale is left out of its defaults); operators the user chose are
+    kept, and `check_family` refuses them with the reason."""
+    if options.variants != parse_variants(DEFAULT_VARIANTS):
+        return options, []
+    arch = architecture_of(config)
+    notes, kept = [], []
+    for variant in options.variants:
+        refusal = next((arch.refusal(r, variant.operator) for r in get_operator(variant.operator).requires
+                        if arch.refusal(r, variant.operator)), None)
+        if refusal:
+            notes.append(f"{variant.name} left out of the default operators: {refusal}")
+        else:
+            kept.append(variant)
+    return (dataclasses.replace(options, variants=tuple(kept)), notes) if notes else (options, [])
+
+
+def check_family(options: RunOptions, config) -> None:
+    """Refuse, before any work, an operator that acts on a part of a block the model's family does not have (a
+    scale on residual writers the table does not name, an MLP branch no single module computes, experts where
+    the refit needs one down_proj), with the reason (`Architecture.refusal`)."""
+    arch = architecture_of(config)
+    asked = [(r, "the weights criterion") for r in (("writers",) if options.criterion == "weights" else ())]
+    for variant in options.variants:
+        asked += [(r, variant.operator) for r in get_operator(variant.operator).requires]
+        if variant.distill is not None:
+            asked += [(r, variant.name) for r in get_trainable(variant.distill).requires]
+    for requirement, what in asked:
+        refusal = arch.refusal(requirement, what)
+        if refusal:
+            raise GhostedError(refusal)
+
+
+def validate(options: RunOptions, num_layers: int | None = None, max_positions: int | None = None,
+             config=None) -> None:
+    """Refuse bad input before any expensive step (`max_positions`: the model's max_position_embeddings; `config`:
+    the model's, whose family decides which operators apply)."""
     get_criterion(options.criterion)
     check_blocks_listed(options.criterion, options.layers)
     check_load_options(options.load)
@@ -209,6 +246,8 @@ def validate(options: RunOptions, num_layers: int | None = None, max_positions: 
                            f"(max_position_embeddings); use --seqlen/--eval_seqlen of at most {max_positions}")
     if num_layers is not None:
         check_request(options.criterion, selection_request(options, num_layers))
+    if config is not None:
+        check_family(options, config)
 
 
 SEED_LIMIT = 2**32  # seeds are 0 … 2³² − 1 (what every generator the run seeds accepts)

@@ -29,7 +29,7 @@ from ghosted_core.data.user_text import USER_CORPUS
 from ghosted_core.run.distilling import distill_stage, distilled_variants, train_blocks
 from ghosted_core.run.fitting import fit_variants
 from ghosted_core.memory import resident_bytes
-from ghosted_core.run.options import RunOptions, memory_plan, planned, selection_request, validate
+from ghosted_core.run.options import RunOptions, for_family, memory_plan, planned, selection_request, validate
 from ghosted_core.run.result import RunResult
 
 log = logging.getLogger(__name__)
@@ -65,9 +65,12 @@ def _stages(options: RunOptions, loaded: LoadedModel | None,
         clock = now
         return stage, result
 
+    config = loaded.model.config if loaded is not None else peek_config(options.model, options.load.local_folders)
+    options, family_notes = for_family(options, config)
+    result.options = options
+    result.notes += family_notes
     if loaded is None:  # refuse bad depths, and what cannot fit, before loading any weight
-        config = peek_config(options.model, options.load.local_folders)
-        validate(options, config.num_hidden_layers, max_positions(config))
+        validate(options, config.num_hidden_layers, max_positions(config), config)
     options, plan = planned(options, loaded)
     result.options, result.memory_plan = options, plan
     if loaded is None:
@@ -78,7 +81,7 @@ def _stages(options: RunOptions, loaded: LoadedModel | None,
     result.tokenizer = tokenizer
     result.bos = corpora.resolve_bos(tokenizer, options.bos).to_json()
     result.models["dense"] = dense
-    validate(options, loaded.num_layers, max_positions(dense.config))
+    validate(options, loaded.num_layers, max_positions(dense.config), dense.config)
     yield done("load model")
 
     check_stop(should_stop, "score blocks")

@@ -34,7 +34,8 @@ from ghosted_core.plan import Boundary, PruningPlan
 from ghosted_core.recovery.assessment import FitReport
 from ghosted_core.recovery.operators import needs_of
 from ghosted_core.run.fitting import fit_variants
-from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, statistics_bytes_per_boundary
+from ghosted_core.run.options import PREFIX_CACHE_BYTES, RunOptions, check_family, for_family, \
+    statistics_bytes_per_boundary
 from ghosted_core.model.loading import LoadedModel, load_model, max_positions, peek_config
 from ghosted_core.run.options import planned
 from ghosted_core.run.pipeline import calibration_batches, corpus_entry, window_counts
@@ -78,8 +79,11 @@ def plan_and_load(options: RunOptions, loaded: LoadedModel | None, check: Callab
     (for `boundaries(num_layers)` boundaries alive at once, or a sweep's `depths`: `run.options.planned`),
     load, and record the model's facts in `result` (a sweep's or a comparison's; a comparison passes its
     `criteria`, whose scoring and layer-similarity map the plan then counts)."""
+    config = loaded.model.config if loaded is not None else peek_config(options.model, options.load.local_folders)
+    options, notes = for_family(options, config)  # the defaults a family refuses are left out, with a note
+    result.notes += notes
+    check_family(options, config)
     if loaded is None:
-        config = peek_config(options.model, options.load.local_folders)
         check(config.num_hidden_layers, max_positions(config))
         layers = config.num_hidden_layers
     else:

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.memory_parts import LOGITS_BUDGET
 from ghosted_core.model.head import softcapped
+from ghosted_core.model.loading import final_norm
 from ghosted_core.selection.suffixes import Work
 
 
@@ -30,7 +31,7 @@ def _logits(model: PreTrainedModel, h: torch.Tensor, rows: tuple[torch.Tensor, t
             ) -> torch.Tensor:
     """Logits of final residual states h (N, C), before the final norm → (N, V), or (N, |S|) for a vocabulary
     subset's head rows `rows` = (weight (|S|, C), bias), sliced once by `_subset_head`."""
-    x = model.model.norm(h)
+    x = final_norm(model)(h)
     logits = model.lm_head(x) if rows is None else torch.nn.functional.linear(x, *rows)
     return softcapped(model.config, logits.to(torch.promote_types(logits.dtype, torch.float32)))
 

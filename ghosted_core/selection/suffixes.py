@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.model.loading import decoder_blocks
-from ghosted_core.model.surgery import assemble, sliced_config
+from ghosted_core.model.surgery import assemble, sliced_config, stream_fed
 from ghosted_core.recovery.modules import module_device
 
 STATE_BUDGET = 2**29  # bytes of candidate residual states alive at once (512 MiB)
@@ -92,7 +92,8 @@ class CandidateRunner:
         key = (slot, id(module))
         if key not in self._views:
             config = sliced_config(self.dense.config, [slot])
-            self._views[key] = (assemble(self.dense, [module], config, nn.Identity()), module)  # keeps `module` alive
+            view = stream_fed(assemble(self.dense, [module], config, nn.Identity()))
+            self._views[key] = (view, module)  # keeps `module` alive
         return self._views[key][0]
 
     def run_slot(self, slot: int, module: nn.Module, h: torch.Tensor, windows: int,

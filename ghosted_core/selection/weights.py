@@ -5,9 +5,10 @@ attention-output and MLP down-projection weights across layers, combine the pair
 similarities with the relative scale of the projections, choose from the all-pairs matrix).
 No code of WRP is public; this is not WRP's implementation and is never labelled as it.
 
-- What a branch writes: A = W_o (C × H·d) for attention, W_down (C × I) for the MLP. Where a
-  norm follows the branch (Gemma-3's post-norms), A = diag(offset + γ) W, the norm's gains on
-  the rows. Raw elementwise similarities of these matrices mean little across layers (heads and
+- What a branch writes: A = W_o (C × H·d) for attention (or the out projection of a linear-
+  attention, convolution or Mamba mixer), W_down (C × I) for the MLP (experts: every expert's
+  down projection side by side, and a shared expert's). Where a norm follows the branch
+  (Gemma's, OLMo's post-norms), A = diag(offset + γ) W, the norm's gains on the rows. Raw elementwise similarities of these matrices mean little across layers (heads and
   hidden units are defined only up to permutation), so we compare the spaces they write to: the
   Gram G = A Aᵀ (C × C), with sim(i, j) = ⟨G_i, G_j⟩_F / (‖G_i‖_F ‖G_j‖_F), in [0, 1] (a CKA on
   the output side), averaged over the two branches.
@@ -29,36 +30,58 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ghosted_core.architectures import architecture_of
+from ghosted_core.architectures import Architecture, architecture_of
+from ghosted_core.errors import GhostedError
 from ghosted_core.model.loading import decoder_blocks
+from ghosted_core.model.scaling import present_writers
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes
 
 COST = "no forward pass: L·C²·(H·d + I) multiply-adds for the write-space Grams; memory: 2·L Grams of C × C (float32)"
 LABEL = "ours, inspired by WRP's abstract (no WRP code is public)"
-PROJECTIONS = ("self_attn.o_proj", "mlp.down_proj")  # what each branch writes through, before any post-norm
+ATTENTION_SIDE = ("self_attn", "linear_attn", "conv", "mamba")  # a block's mixer: its first branch (the rest: MLP)
+BEHIND_NORM = {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"}
 
 
-def _write_matrix(block: nn.Module, projection: str, post_norm: str | None, offset: float) -> tuple[torch.Tensor, float]:
-    """(A (C × k) float32, its scale r) for one branch of one block."""
-    weight = block.get_submodule(projection).weight.detach().float()  # (C, k): nn.Linear is (out, in)
-    if post_norm is None:
-        return weight, float(weight.norm())
-    gain = block.get_submodule(post_norm).weight.detach().float() + offset  # (C,)
-    return gain[:, None] * weight, float(gain.norm())
+def _columns(module: nn.Module, transposed: bool) -> torch.Tensor:
+    """What a writer writes with, as C × k float32 columns: a Linear's weight (out, in), or fused experts' down
+    projections side by side ((E, C, I) or, transposed, (E, I, C) → C × E·I)."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach().float()
+    down = module.down_proj.detach().float()
+    return (down.permute(2, 0, 1) if transposed else down.permute(1, 0, 2)).reshape(down.shape[2 if transposed else 1], -1)
+
+
+def _write_matrix(block: nn.Module, arch: Architecture, side: int) -> tuple[torch.Tensor, float]:
+    """(A (C × k) float32, its scale r) for one branch of one block: side 0 the mixer (attention, linear attention,
+    convolution or Mamba, whichever the block has), side 1 the MLP (a down_proj, or every expert and a shared one,
+    side by side: memory C × (E·I + I_shared) float32 for experts, none beyond the weight for one fp32 Linear)."""
+    matrices, gain = [], None
+    for writer in present_writers(block, arch.residual_writers):
+        if (writer.split(".")[0] in ATTENTION_SIDE or writer == "post_attention_layernorm") != (side == 0):
+            continue
+        if arch.post_norms:  # the projection behind the norm, rows scaled by the norm's gains
+            gain = block.get_submodule(writer).weight.detach().float() + arch.norm_gain_offset  # (C,)
+            matrices.append(gain[:, None] * _columns(block.get_submodule(BEHIND_NORM[writer]), False))
+        else:
+            matrices.append(_columns(block.get_submodule(writer), arch.experts_transposed))
+    a = matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)  # (C, k)
+    return a, float(a.norm() if gain is None else gain.norm())
 
 
 def weight_similarity(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
     """(sim (L × L), the mean over both branches of the write-space Gram cosine; ρ (L,), each layer's scale)."""
     arch = architecture_of(model.config)
+    refusal = arch.refusal("writers", "the weights criterion")
+    if refusal:
+        raise GhostedError(refusal)
     blocks = decoder_blocks(model)
     sims, scales = [], []
-    post_norms = arch.residual_writers if arch.post_norms else (None, None)  # Gemma3: the norms after each branch
-    for projection, post_norm in zip(PROJECTIONS, post_norms):
+    for side in (0, 1):
         grams, rs = [], []
         for block in blocks:
-            a, r = _write_matrix(block, projection, post_norm, arch.norm_gain_offset)
+            a, r = _write_matrix(block, arch, side)
             grams.append((a @ a.T).reshape(-1))  # (C²,) memory: C² float32 per layer
             rs.append(r)
         flat = torch.stack(grams)  # (L, C²)
@@ -92,11 +115,23 @@ def choose(matrix: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
     return order, first
 
 
+def write_columns(config) -> int:
+    """k of the MLP branch's write matrix: I, or every expert's and a shared expert's intermediate side by side."""
+    experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+    if not experts:
+        return int(config.intermediate_size)
+    inner = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+    shared = int(getattr(config, "shared_expert_intermediate_size", None) or getattr(config, "shared_intermediate_size",
+                                                                                   None) or 0)
+    return experts * inner + shared
+
+
 def weights_bytes(shapes: ScoreShapes) -> Footprint:
     """One branch at its peak: the L flattened Grams, their stacked copy and its normalized copy (C² float32
-    each per layer), and the float32 copy of a projection where the model's dtype is not float32."""
+    each per layer), and the float32 write matrix of a branch where it is a copy (a dtype other than float32, experts)."""
     s = shapes
-    copy = 0 if s.item == 4 else s.width * max(int(s.config.intermediate_size), s.width) * 4
+    columns = write_columns(s.config)
+    copy = 0 if s.item == 4 and columns == int(s.config.intermediate_size) else s.width * max(columns, s.width) * 4
     return Footprint((3 * s.layers + 2) * s.width * s.width * 4 + copy)  # + a Gram being made and its flat view
 
 

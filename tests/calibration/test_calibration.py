@@ -10,6 +10,7 @@ import torch
 from conftest import TINY_INNER, TINY_WIDTH, random_tokens
 from ghosted_core.calibration.collect import BoundaryAccumulator, CalibrationBatch, CalibrationOptions, \
     collect_boundary_stats, collect_stats, make_batches, sink_mask
+from ghosted_core.architectures import architecture_of
 from ghosted_core.calibration.capture import branch_module, capture, run_forward
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard
@@ -179,8 +180,9 @@ def test_sequential_stats_come_from_the_recovered_upstream_model(tiny_llama):
 
 
 def test_branch_module_per_family(tiny_llama, tiny_gemma):
-    assert branch_module(tiny_llama.model.layers[0]) is tiny_llama.model.layers[0].mlp
-    assert branch_module(tiny_gemma.model.layers[0]) is tiny_gemma.model.layers[0].post_feedforward_layernorm
+    assert branch_module(tiny_llama.model.layers[0], architecture_of(tiny_llama.config)) is tiny_llama.model.layers[0].mlp
+    assert branch_module(tiny_gemma.model.layers[0], architecture_of(tiny_gemma.config)) is \
+        tiny_gemma.model.layers[0].post_feedforward_layernorm
 
 
 def test_run_forward_without_capture_runs_every_block_but_not_the_head(tiny_llama):
@@ -216,7 +218,7 @@ def _numpy_fits(model, boundary: Boundary, ids: torch.Tensor, ratio: float, batc
     """ghost, ghost_capped and replaceme from the concatenated activations (numpy, float64)."""
     h = [model_h for model_h in hidden_states(model, ids)]
     outputs = []
-    handle = branch_module(model.model.layers[boundary.start - 1]).register_forward_hook(
+    handle = branch_module(model.model.layers[boundary.start - 1], architecture_of(model.config)).register_forward_hook(
         lambda m, a, out: outputs.append(out.detach()))
     with torch.no_grad():
         model(ids)

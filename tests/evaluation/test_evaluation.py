@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import TINY_LAYERS, random_tokens, run_blocks
+from conftest import TINY_LAYERS, make_tiny_model, random_tokens, run_blocks
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.generation import GenerationOptions, generate
@@ -38,6 +38,22 @@ def test_perplexity_with_shared_prefix_equals_plain(tiny_model):
     got = perplexity(tiny_model, models, windows, batch_size=2, quiet=True)
     for name, model in models.items():
         assert got[name] == pytest.approx(plain_perplexity(model, windows), rel=1e-5), name
+
+
+@pytest.mark.parametrize("family", ["granite", "granitemoehybrid", "gemma2", "qwen3_next", "lfm2", "gpt_oss"])
+def test_perplexity_with_shared_prefix_equals_plain_on_the_new_families(family):
+    """Granite multiplies the embeddings inside the base model's forward: a suffix fed the stream must not multiply
+    it again. Its embeddings are made small here, so that what the blocks write matters to the logits (with the
+    tiny models' scaled-up embeddings a second multiplication hides in the noise)."""
+    model = make_tiny_model(family)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.div_(20 * getattr(model.config, "embedding_multiplier", 1.0))
+    plan, variants = recovered_variants(model, (2, 3))
+    models = {"dense": model, **{k: variants[k] for k in ("none", "ghost", "magcomp")}}
+    windows = random_tokens(4, 12, seed=4)
+    got = perplexity(model, models, windows, batch_size=2, quiet=True)
+    for name, variant in models.items():
+        assert got[name] == pytest.approx(plain_perplexity(variant, windows), rel=1e-5), (family, name)
 
 
 def test_cached_dense_states_serve_variants_that_share_less_than_any_of_them(tiny_llama):

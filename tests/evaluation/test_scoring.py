@@ -11,6 +11,7 @@ from lm_eval.models.huggingface import HFLM
 from conftest import ALL_FAMILIES, make_tiny_model, recovered_variants
 from ghosted_core.evaluation import tasks
 from ghosted_core.evaluation.scoring import ScoringOptions, SharedScorer, pack
+from ghosted_core.model.layer_config import recurrent
 
 
 def token_requests(seed: int = 0) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -47,30 +48,40 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+# beyond the five first families: soft-capping and eager attention, logits scaling, RoPE-free blocks, experts with a
+# shared expert and with sinks, and the three recurrent mixers (whose rows hold one sequence each)
+SCORED_FAMILIES = [*ALL_FAMILIES, "gemma2", "granite", "smollm3", "qwen2_moe", "gpt_oss", "qwen3_next", "lfm2",
+                   "granitemoehybrid"]
+
+
+@pytest.mark.parametrize("family", SCORED_FAMILIES)
 def test_every_variant_agrees_with_hflm(family, tokenizer):
     torch.set_num_threads(1)
     dense = make_tiny_model(family)
     _, fitted = recovered_variants(dense, [2, 3])
     # departing after dense blocks 0–5 (dense), 0–1 (the cut: none, ghost), 0 (replaceme's fold in block 1) and none
     # (magcomp scales every writer before the cut)
-    variants = {"dense": dense} | {name: fitted[name] for name in ("none", "ghost", "replaceme", "magcomp")}
+    names = [name for name in ("none", "ghost", "replaceme", "magcomp") if name in fitted]
+    variants = {"dense": dense} | {name: fitted[name] for name in names}
     pairs = token_requests()
     scorer = SharedScorer(dense, variants, ScoringOptions(row_tokens=48, batch_tokens=96, max_length=256))
-    assert scorer.depths == [0, 1, 2, 6]
+    assert scorer.depths == ([0, 1, 2, 6] if "replaceme" in names else [0, 2, 6])
     for name, model in variants.items():
         expected, _ = hflm_answers(model, tokenizer, pairs)
         got = scorer.answers(name, pairs)
         for (lp, greedy), (ref_lp, ref_greedy) in zip(got, expected):
             assert lp == pytest.approx(ref_lp, abs=1e-4)
             assert greedy == ref_greedy
-    assert scorer.forwards == len(scorer_batches(pairs, scorer.options))  # one pass answered every variant
+    assert scorer.forwards == len(scorer_batches(pairs, scorer.options, dense.config))  # one pass for every variant
+    if recurrent(dense.config):  # a row holds one sequence: no request's node follows another request's branch
+        rows = pack(list(dict.fromkeys(pairs)), scorer.options, branching=False)
+        assert all(parent == node - 1 for row in rows for node, parent in enumerate(row.parent))
 
 
-def scorer_batches(pairs, options):
+def scorer_batches(pairs, options, config):
     from ghosted_core.evaluation.scoring import _batches
 
-    return _batches(pack(list(dict.fromkeys(pairs)), options), options.batch_tokens)
+    return _batches(pack(list(dict.fromkeys(pairs)), options, branching=not recurrent(config)), options.batch_tokens)
 
 
 def test_truncation_follows_hflm(tokenizer):
@@ -91,6 +102,18 @@ def test_packing_shares_each_context_once():
     (row,) = pack(pairs, ScoringOptions())
     assert len(row.tokens) == 20 + sum(k for k in range(4))  # each input drops its last token
     assert sorted(len(nodes) for _, nodes, _ in row.scored) == [1, 2, 3, 4]
+
+
+def test_packing_shares_a_context_longer_than_a_row():
+    """BoolQ's shape: a passage longer than a row answered " yes" and " no" (one-token continuations, so both
+    inputs are the passage itself) is computed once, and a third request sharing most of it joins the row."""
+    options = ScoringOptions(row_tokens=16, batch_tokens=16)
+    passage = tuple(range(1, 41))  # 40 tokens, over the 16-token row
+    pairs = [(passage, (50,)), (passage, (51,)), (passage[:-2] + (60, 61), (52, 53))]
+    (row,) = pack(pairs, options)
+    assert len(row.tokens) == 40 + 3  # the passage once, the third request's 2 new tokens and its continuation's first
+    far = [(passage, (50,)), (tuple(range(100, 140)), (51,))]  # nothing shared: a row each
+    assert [len(r.tokens) for r in pack(far, options)] == [40, 40]
 
 
 def test_tasks_through_lm_eval_choose_as_hflm_does(tiny_folder):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
-from conftest import ALL_FAMILIES, TINY_LAYERS, make_tiny_model, random_tokens
+from conftest import ALL_FAMILIES, TINY_FAMILIES, TINY_LAYERS, _tiny_config, make_tiny_model, random_tokens
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import export_variant, load_recovered
@@ -21,8 +21,8 @@ from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run
-from ghosted_core.architectures import ARCHITECTURES
-from ghosted_core.model.modeling_ghosted import FAMILIES
+from ghosted_core.architectures import ARCHITECTURES, architecture_of
+from fresh_process import assert_same_model, load_in_fresh_process
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +50,8 @@ def test_folder_without_config(tmp_path):
 
 def test_unsupported_architecture_is_refused(tmp_path):
     GPT2Config(n_layer=2, n_embd=16, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(GhostedError, match="unsupported architecture 'gpt2'.*Gemma3, Llama, Mistral, Qwen2, Qwen3"):
+    with pytest.raises(GhostedError, match="unsupported architecture 'gpt2': no decoder blocks at model.layers.*"
+                                           "found transformer.*dense: .*Llama"):
         load_model(str(tmp_path))
 
 
@@ -115,46 +116,81 @@ def test_placement_loads_straight_onto_the_device(monkeypatch):
         placement("m", LoadOptions(device="cpu", max_memory={"cpu": 2**30}))
 
 
-def test_every_supported_family_is_tested_end_to_end():
-    assert {make_tiny_model(family).config.model_type for family in ALL_FAMILIES} == set(ARCHITECTURES)
+def test_every_family_in_the_table_has_a_tiny_config():
+    assert {_tiny_config(family)[1].model_type for family in TINY_FAMILIES} == set(ARCHITECTURES)
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+def family_variants(family: str) -> str:
+    """The least-squares fits, the sequential fit and every fold the family takes (refused ones are not asked)."""
+    arch = architecture_of(_tiny_config(family)[1])
+    folds = [name for name, need in (("magcomp", "scale"), ("replaceme", "branch")) if arch.refusal(need, name) is None]
+    return ",".join(["none", "ghost", "ghost+seq", *folds])
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_family_runs_the_whole_pipeline(tiny_folder, smollm2_tokenizer, family, tmp_path):
-    """Load → score → calibrate → fit → perplexity, drift, generation → save → reload, for every claimed family."""
+    """Every family in the table: load → score → calibrate → fit → perplexity, drift, generation, tasks → export →
+    reload. Stock exports reload in plain transformers in a process that cannot import ghosted_core, as the same
+    class, with the same logits and greedy tokens; the others reload through their modeling file, exactly."""
     loaded = load_model(str(tiny_folder(family)), LoadOptions(device="cpu"))
     # the folder's tokenizer is SmolLM2's; the session's copy has its corpus tokens cached on disk across runs
     loaded = dataclasses.replace(loaded, tokenizer=smollm2_tokenizer)
+    variants = family_variants(family)
     options = RunOptions(model=str(tiny_folder(family)), criterion="shortgpt", num_prune=2,
-                         variants=parse_variants("none,ghost,replaceme,ghost+seq"), calibration="ptb", train_size=4,
-                         seqlen=32, eval_corpora=("ptb",), eval_max_tokens=128, prompt="The market",
-                         generation=GenerationOptions(max_new_tokens=4), quiet=True, load=LoadOptions(device="cpu"),
-                         diagnostics=Diagnostics())
+                         variants=parse_variants(variants), calibration="ptb", train_size=4, seqlen=32,
+                         eval_corpora=("ptb",), eval_max_tokens=128, prompt="The market", tasks=("copa",),
+                         task_limit=3, generation=GenerationOptions(max_new_tokens=4), quiet=True,
+                         load=LoadOptions(device="cpu"), diagnostics=Diagnostics())
     result = run(options, loaded)
     assert result.model_description.startswith("local folder") and result.num_layers == TINY_LAYERS
-    assert type(result.models["dense"]).__name__.lower().startswith(family)
+    stock_class = type(result.models["dense"]).__name__
+    assert stock_class == _tiny_config(family)[0].__name__
     for name, ppl in result.perplexity["ptb"].items():
         assert 1 < ppl < float("inf"), name
-    for name in ("none", "ghost", "replaceme", "ghost+seq"):  # the least-squares fits: W = I is feasible, so
-        for report in result.fits[name]:  # a fit is never worse than plain pruning on its own tokens
+    for name in ("none", "ghost", "ghost+seq", *(["replaceme"] if "replaceme" in variants else [])):
+        for report in result.fits[name]:  # a least-squares fit: W = I is feasible, so never worse on its own tokens
             assert report.fit_error <= 1 + 1e-9, (family, name, report)
     assert set(result.generations) == set(result.models) and set(result.drift) == set(result.models) - {"dense"}
+    assert {name: scores.scores[0].n for name, scores in result.tasks.items()} == dict.fromkeys(result.models, 3)
     ids = random_tokens(2, 20, seed=2)
-    for name in ("ghost", "replaceme", "ghost+seq"):
+    stock = {}
+    for name in variants.split(","):
         variant = result.models[name]
         with torch.no_grad():
             full = variant(ids, use_cache=False).logits
             prefill = variant(ids[:, :12], use_cache=True)
             step = variant(ids[:, 12:13], past_key_values=prefill.past_key_values, use_cache=True).logits
-            torch.testing.assert_close(step[:, -1], full[:, 12], rtol=1e-4, atol=1e-4, msg=f"{family} {name} cache")
-            reloaded, _ = load_recovered(export_variant(variant, result.tokenizer, tmp_path / name).folder)
+        torch.testing.assert_close(step[:, -1], full[:, 12], rtol=1e-4, atol=1e-4, msg=f"{family} {name} cache")
+        exported = export_variant(variant, result.tokenizer, tmp_path / name.replace("+", "_"))
+        if exported.mode == "stock":
+            stock[name] = exported.folder
+        else:
+            reloaded, _ = load_recovered(exported.folder)
             assert torch.equal(reloaded(ids).logits, full), f"{family} {name} reload"
+    assert set(stock) >= {"none"} | ({"magcomp"} & set(variants.split(",")))
+    fresh = load_in_fresh_process(tmp_path / "fresh", stock, ids, trust_remote_code=False)
+    for name, folder in stock.items():
+        assert fresh[name]["class"] == stock_class, name
+        assert_same_model(fresh[name], result.models[name], ids)
 
 
 def test_embedded_registry():
     assert {"smollm2-135m", "gemma3-270m"} <= set(EMBEDDED)
 
 
-def test_remote_code_classes_cover_exactly_the_supported_families():
-    """modeling_ghosted keeps its own list (it is copied into exports and imports only torch and transformers)."""
-    assert set(FAMILIES) == set(ARCHITECTURES)
+@pytest.mark.parametrize("model_type", [*ARCHITECTURES, "starcoder2", "cohere"])  # in the table, and not
+def test_remote_code_classes_wrap_whatever_class_the_config_names(model_type):
+    """modeling_ghosted writes no class per family: the names an export's auto_map points at are built from the stock
+    class of the same name, and the config's model type says which."""
+    import transformers
+
+    from ghosted_core.model import modeling_ghosted
+
+    config_cls, model_cls = modeling_ghosted.ghosted_classes(model_type)
+    stock_config = transformers.CONFIG_MAPPING[model_type]
+    assert config_cls.model_type == f"ghosted_{model_type}" and issubclass(config_cls, stock_config)
+    assert getattr(modeling_ghosted, config_cls.__name__) is config_cls  # what transformers' getattr finds
+    assert getattr(modeling_ghosted, model_cls.__name__) is model_cls and model_cls.config_class is config_cls
+    assert modeling_ghosted.ghosted_classes(f"ghosted_{model_type}") == (config_cls, model_cls)
+    with pytest.raises(AttributeError):
+        modeling_ghosted.GhostedNoSuchModelForCausalLM

@@ -12,7 +12,6 @@ from ghosted_core.plan import PruningPlan, boundaries_of, Boundary
 from ghosted_core.model.modeling_ghosted import PatchedBlock
 from ghosted_core.model.surgery import build_variant, shallow_view
 from ghosted_core.calibration.capture import unwrap
-from ghosted_core.architectures import architecture_of
 
 PLANS = [(1, 2), (0, 3, 4), (4, 5), (1, 3, 5)]  # one run, a run at block 0, a run to the end, non-contiguous
 
@@ -174,24 +173,3 @@ def test_gemma3_plan_removing_every_layer_of_one_attention_type(tiny_gemma, remo
         assert generated[0, 6:].tolist() == greedy.tolist(), name
 
 
-@pytest.mark.parametrize("family, removed", [("qwen2", (1, 2)), ("qwen3", (0, 4)), ("gemma3", (2, 3)),
-                                             ("llama", (5,)), ("mistral", (0, 1))])
-def test_every_per_layer_field_follows_the_kept_blocks(family, removed):
-    """Each per-layer config list is sliced and each leading count re-counted, field by field, and a config
-    rebuilt from the saved dict (as engines and transformers read it) puts each attention kind on the same blocks."""
-    overrides = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3} \
-        if family in ("qwen2", "qwen3") else {}
-    dense = make_tiny_model(family, **overrides)
-    kept = [j for j in range(TINY_LAYERS) if j not in removed]
-    config = build_variant(dense, removed).config
-    arch = architecture_of(dense.config)
-    assert config.num_hidden_layers == len(kept)
-    for name in arch.per_layer_fields:
-        dense_values = getattr(dense.config, name, None)
-        assert getattr(config, name, None) == (None if dense_values is None else [dense_values[j] for j in kept]), name
-    for name in arch.leading_count_fields:
-        assert getattr(config, name) == sum(j < getattr(dense.config, name) for j in kept), name
-    rebuilt = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "layer_types"})
-    if getattr(dense.config, "layer_types", None) is not None and family != "gemma3":  # gemma3 regenerates a pattern
-        assert rebuilt.layer_types == config.layer_types  # derived from max_window_layers alone, it agrees
-    assert dense.config.num_hidden_layers == TINY_LAYERS  # the dense config is never touched

@@ -15,13 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_tiny_model, random_tokens
+from conftest import TINY_FAMILIES, _tiny_config, make_tiny_model, random_tokens
+from ghosted_core.architectures import architecture_of
 from ghosted_core.calibration.collect import CalibrationOptions, collect_stats, make_batches
 from ghosted_core.errors import GhostedError
 from ghosted_core.export.folder import export_variant
 from ghosted_core.model.modeling_ghosted import PatchedBlock
-from ghosted_core.model.scaling import ScaledOutput, scale_before
-from ghosted_core.model.surgery import build_variant
+from ghosted_core.model.loading import final_norm
+from ghosted_core.model.scaling import ScaledOutput, StreamScale, scale_before, scale_writers
+from ghosted_core.model.surgery import assemble, build_variant
 from ghosted_core.plan import PruningPlan
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS, magnitude_scale
 from ghosted_core.recovery.operators import FitOptions, get_operator
@@ -191,3 +193,47 @@ def test_unknown_form_and_missing_sums_are_refused(tiny_llama):
                              CalibrationOptions(quiet=True), get_operator("ghost").needs)
     with pytest.raises(GhostedError, match="per-channel sums"):
         magnitude_scale(stats)
+
+
+SCALED_FAMILIES = [f for f in TINY_FAMILIES if architecture_of(_tiny_config(f)[1]).refusal("scale", "magcomp") is None]
+
+
+@pytest.mark.parametrize("family", SCALED_FAMILIES)
+def test_every_family_carries_the_scale_in_its_writers(family):
+    """The architecture table's writers are all that write the residual stream: scaling them (and the embeddings)
+    scales the stream entering the cut by s exactly, on every family (experts, shared experts, post-norms, linear-
+    attention, convolution and Mamba mixers, Granite's multipliers), in float64 with a tiny norm ε."""
+    config = _tiny_config(family)[1]
+    eps = {key: 1e-12 for key in ("rms_norm_eps", "norm_eps") if hasattr(config, key)}
+    model = make_tiny_model(family, **eps).double()
+    model.config._experts_implementation = "eager"  # the grouped-matmul kernel has no float64
+    plan, fits, view = magcomp_view(model, (2, 3), FORCED)
+    ids = random_tokens(2, 10, seed=3)
+    with torch.no_grad():
+        folded, reference = view(ids).logits, unfolded(model, plan, fits)(ids).logits
+        pruned = build_variant(model, plan.removed)(ids).logits
+    gap = relative_gap(folded, reference)
+    assert gap < 1e-6, family
+    assert relative_gap(pruned, reference) > 100 * max(gap, 1e-7), family  # the scale matters: the test can fail
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "olmo2", "olmo3"])
+def test_the_scale_folds_only_where_every_block_reads_the_stream_through_a_norm(family):
+    """Scaling the embeddings and every writer of every block by s leaves a pre-norm model's logits as they were
+    (each block reads RMSNorm(s·h) = RMSNorm(h)); OLMo-2/3 put their norms after each branch only, so their blocks
+    read the scaled stream itself and compute something else: magcomp is refused there, with that reason."""
+    model = make_tiny_model(family, rms_norm_eps=1e-12).double()
+    arch = architecture_of(model.config)
+    blocks = [scale_writers(block, arch.residual_writers, FORCED) for block in model.model.layers]
+    blocks[0] = PatchedBlock(StreamScale(FORCED), blocks[0])
+    scaled = assemble(model, blocks, model.config, final_norm(model))
+    ids = random_tokens(2, 10, seed=3)
+    with torch.no_grad():
+        gap = relative_gap(scaled(ids).logits, model(ids).logits)
+    if arch.pre_norm:
+        assert gap < 1e-6
+        scale_before(model, 3, FORCED)
+    else:
+        assert gap > 1e-3
+        with pytest.raises(GhostedError, match="read the stream without a norm"):
+            scale_before(model, 3, FORCED)

@@ -1,0 +1,197 @@
+"""Which model types the studio cuts: every decoder-only type in transformers' causal-LM mapping, tried on a tiny
+random model built from its config's defaults, through the command line.
+
+    .venv/bin/python bench/families.py              # every type; resumes where it stopped (results file)
+    .venv/bin/python bench/families.py --types llama,phi3 --out /tmp/f.json
+    .venv/bin/python bench/families.py --page       # docs/families.md from the results file, runs nothing
+
+Per type, in a process of its own (a hang or a crash costs that type only, after --timeout seconds): the config
+class's defaults at a tiny size (4 blocks, width 64, 4 experts where it has experts, SmolLM2's tokenizer), saved
+as a local folder; then the CLI: streamline removes 1 block, none + ghost_capped (+ magcomp and replaceme where
+the architecture table names the writers), 4 × 32 calibration tokens of PTB, perplexity on 64, greedy text, and
+`--save_model --export auto` (stock where the variant folds, remote code for ghost_capped). Each folder is reloaded
+with transformers and must give the CLI's greedy text. Written per type: runs (and the variants), reloads, or the first line of the reason it stopped.
+
+This is coverage, not quality: random weights say nothing about recovery (the tests' trained tiny models do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_paths import result_path  # noqa: E402  (bench/ is the script's folder)
+
+PAGE = ROOT / "docs" / "families.md"
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=512, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# what a tiny size breaks in a few types' defaults (their defaults assume a real width)
+EXTRA = {
+    "qwen3_5_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                          "mrope_section": [2, 1, 1]}),
+    "qwen3_5_moe_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                              "mrope_section": [2, 1, 1]}),
+}
+
+
+def tiny_config(model_type: str, vocab_size: int):
+    """The type's config class with its defaults, at the tiny sizes it has fields for."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    values = {k: v for k, v in TINY.items() if k in defaults} | {"vocab_size": vocab_size} | EXTRA.get(model_type, {})
+    return cls(**values)
+
+
+def one(model_type: str) -> dict:
+    """The CLI on a tiny model of `model_type` (run in its own process)."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ghosted_core import cli
+    from ghosted_core.architectures import ARCHITECTURES, architecture_of
+    from ghosted_core.model.embedded import EMBEDDED
+
+    torch.set_num_threads(1)
+    spec = EMBEDDED["smollm2-135m"]
+    tokenizer = AutoTokenizer.from_pretrained(importlib.util.find_spec(spec.package).submodule_search_locations[0],
+                                              gguf_file=spec.gguf_file)
+    record: dict = {"type": model_type, "in_table": model_type in ARCHITECTURES}
+    try:
+        config = tiny_config(model_type, len(tokenizer))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    except Exception as err:  # noqa: BLE001  a default that does not build at a tiny size is a reason too
+        return record | {"stage": "build", "reason": f"tiny config from defaults: {type(err).__name__}: {err}"}
+    arch = architecture_of(config)
+    record["kind"] = arch.kind if not arch.generic else "generic"
+    variants = ["none", "ghost_capped"] + [v for v, r in (("magcomp", "scale"), ("replaceme", "branch"))
+                                           if arch.refusal(r, v) is None]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, out = Path(tmp) / "model", Path(tmp) / "out"
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        args = ["--model", str(folder), "--pruning_method", "streamline", "--total_num_prune", "1",
+                "--insert_type", ",".join(variants), "--calibration_data", "ptb", "--train_size", "4", "--seqlen", "32",
+                "--eval_ppl", "ptb", "--eval_max_tokens", "64", "--prompt", "The market", "--max_new_tokens", "4",
+                "--save_model", str(out / "models"), "--export", "auto", "--outdir", str(out), "--no_speed",
+                "--device", "cpu", "--quiet"]
+        started = time.perf_counter()
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+                code = cli.main(args)
+        except Exception as err:  # noqa: BLE001  a bug shows as its exception's first line
+            return record | {"stage": "cli", "reason": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"}
+        record["seconds"] = round(time.perf_counter() - started, 1)
+        if code not in (0, None):
+            last = (errors.getvalue().strip().splitlines() or ["no message"])[-1]
+            return record | {"stage": "refused", "reason": last[:300]}
+        result = json.loads((out / "results.json").read_text())
+        record["variants"] = variants
+        record["perplexity"] = {k: v.get("ppl") for k, v in result["variants"].items()}
+        reloaded = {}
+        for name in variants:  # stock folders in plain transformers; ghost_capped's with its modeling file
+            saved = AutoModelForCausalLM.from_pretrained(out / "models" / name, trust_remote_code=name == "ghost_capped")
+            saved.eval()
+            ids = tokenizer("The market", return_tensors="pt").input_ids
+            with torch.no_grad():
+                text = tokenizer.decode(saved.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1]:])
+            reloaded[name] = text == result["variants"][name]["generation"]
+        record["reloads"] = reloaded
+        return record | {"stage": "done"}
+
+
+def causal_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def run_all(types: list[str], path: Path, timeout: int) -> None:
+    results = json.loads(path.read_text()) if path.exists() else {}
+    for model_type in types:
+        if model_type in results:
+            continue
+        started = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
+                                  timeout=timeout, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            record = json.loads(lines[-1]) if lines else {
+                "type": model_type, "stage": "crash",
+                "reason": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+        except subprocess.TimeoutExpired:
+            record = {"type": model_type, "stage": "timeout", "reason": f"no answer in {timeout} s"}
+        record["wall_seconds"] = round(time.perf_counter() - started, 1)
+        results[model_type] = record
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))
+        print(f"{model_type}: {record['stage']} {record.get('reason', '')[:120]}", flush=True)
+
+
+def page(path: Path) -> str:
+    results = json.loads(path.read_text())
+    done = [r for r in results.values() if r["stage"] == "done"]
+    reloaded = [r for r in done if r.get("reloads") and all(r["reloads"].values())]
+    lines = ["# Which model types the studio cuts", "",
+             f"**{len(done)} of the {len(results)} causal-LM types of transformers run the whole command line** on a "
+             f"tiny random model built from their config's defaults, and {len(reloaded)} of them export folders "
+             "that transformers reloads with the same greedy text (stock where the variant folds). The rest are listed with the first "
+             "line of the reason they stopped.", "",
+             "```bash", ".venv/bin/python bench/families.py          # bench/results/families.json, resumable",
+             ".venv/bin/python bench/families.py --page   # this page", "```", "",
+             "In the architecture table means the folds (magcomp's scale, ReplaceMe's map) ran too; a type outside it "
+             "runs the residual-stream operators (none, ghost_capped, …) and refuses the folds with the reason. "
+             "Random weights: this is coverage, not quality.", "",
+             "| type | in the table | kind | runs | reload, same greedy text | reason |", "|---|---|---|---|---|---|"]
+    for name in sorted(results):
+        r = results[name]
+        runs = "yes" if r["stage"] == "done" else f"no ({r['stage']})"
+        reload = "" if r["stage"] != "done" else ("yes" if all(r.get("reloads", {}).values()) else
+                                                 "no: " + ", ".join(k for k, v in r["reloads"].items() if not v))
+        reason = r.get("reason", "").replace("|", "\\|").replace("\n", " ")[:160]
+        lines.append(f"| {name} | {'yes' if r.get('in_table') else ''} | {r.get('kind', '')} | {runs} | {reload} | "
+                     f"{reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", default=None, help="comma list (default: every causal-LM type)")
+    parser.add_argument("--timeout", type=int, default=300)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--page", action="store_true", help="write docs/families.md from the results, run nothing")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one)), flush=True)
+        return
+    path = result_path("families", False, args.out)
+    if args.page:
+        PAGE.write_text(page(path))
+        print(f"written {PAGE}")
+        return
+    types = [t.strip() for t in args.types.split(",")] if args.types else causal_types()
+    run_all(types, path, args.timeout)
+    print(f"written {path}")
+
+
+if __name__ == "__main__":
+    main()
