@@ -5,7 +5,8 @@ random model built from its config's defaults, through the command line.
     .venv/bin/python bench/families.py --types llama,phi3 --out /tmp/f.json
     .venv/bin/python bench/families.py --page       # docs/families.md from the results file, runs nothing
 
-Per type, in a process of its own (a hang or a crash costs that type only, after --timeout seconds): the config
+Per type, in a child process forked from one that imported everything once (a hang or a crash costs that type
+only, after --timeout seconds): the config
 class's defaults at a tiny size (4 blocks, width 64, 4 experts where it has experts, SmolLM2's tokenizer), saved
 as a local folder; then the CLI: streamline removes 1 block, none + ghost_capped (+ magcomp and replaceme where
 the architecture table names the writers), 4 × 32 calibration tokens of PTB, perplexity on 64, greedy text, and
@@ -22,7 +23,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -77,8 +77,11 @@ def one(model_type: str) -> dict:
         config = tiny_config(model_type, len(tokenizer))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
-    except Exception as err:  # noqa: BLE001  a default that does not build at a tiny size is a reason too
-        return record | {"stage": "build", "reason": f"tiny config from defaults: {type(err).__name__}: {err}"}
+        with torch.no_grad():
+            model(torch.arange(3, 19)[None])  # transformers itself runs it: what fails later is ours
+    except Exception as err:  # noqa: BLE001  a default that does not build or run at a tiny size is a reason too
+        return record | {"stage": "build", "reason": f"the tiny config from defaults does not run in transformers: "
+                                                     f"{type(err).__name__}: {err}"[:300]}
     arch = architecture_of(config)
     record["kind"] = arch.kind if not arch.generic else "generic"
     variants = ["none", "ghost_capped"] + [v for v, r in (("magcomp", "scale"), ("replaceme", "branch"))
@@ -125,20 +128,41 @@ def causal_types() -> list[str]:
 
 
 def run_all(types: list[str], path: Path, timeout: int) -> None:
+    """Each type not in the results file yet, in a child forked from this process (torch, transformers and the CLI
+    imported once): a crash or a hang costs that type only. Each result is written as it comes."""
+    import signal
+
+    from ghosted_core import cli  # noqa: F401  imported before the forks
+    import torch  # noqa: F401
+
     results = json.loads(path.read_text()) if path.exists() else {}
     for model_type in types:
         if model_type in results:
             continue
         started = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, __file__, "--one", model_type], capture_output=True, text=True,
-                                  timeout=timeout, env=os.environ | {"HF_HUB_OFFLINE": "1"})
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            record = json.loads(lines[-1]) if lines else {
-                "type": model_type, "stage": "crash",
-                "reason": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-        except subprocess.TimeoutExpired:
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one type, its record on the pipe
+            os.close(reader)
+            try:
+                record = one(model_type)
+            except BaseException as err:  # noqa: BLE001  what a type breaks is its result
+                record = {"type": model_type, "stage": "crash", "reason": f"{type(err).__name__}: {err}"[:300]}
+            os.write(writer, json.dumps(record).encode())
+            os._exit(0)
+        os.close(writer)
+        signal.signal(signal.SIGALRM, lambda *_: os.kill(pid, signal.SIGKILL))
+        signal.alarm(timeout)
+        with os.fdopen(reader) as pipe:
+            text = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        signal.alarm(0)
+        if text:
+            record = json.loads(text)
+        elif os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
             record = {"type": model_type, "stage": "timeout", "reason": f"no answer in {timeout} s"}
+        else:
+            record = {"type": model_type, "stage": "crash", "reason": f"the process ended with status {status}"}
         record["wall_seconds"] = round(time.perf_counter() - started, 1)
         results[model_type] = record
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -178,11 +202,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=300)
     parser.add_argument("--out", default=None)
     parser.add_argument("--page", action="store_true", help="write docs/families.md from the results, run nothing")
-    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one(args.one)), flush=True)
-        return
     path = result_path("families", False, args.out)
     if args.page:
         PAGE.write_text(page(path))

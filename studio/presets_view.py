@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+from ghosted_core.architectures import ARCHITECTURES, KINDS
 from ghosted_core.planning.estimate import DeviceInfo, current_device
 from ghosted_core.model.embedded import EMBEDDED
 from ghosted_core.run.options import RunOptions
@@ -31,11 +32,16 @@ def find_preset(name: str) -> Preset | None:
 
 
 def model_choices() -> list[tuple[str, str]]:
-    """(label, value) pairs: the embedded models, then the Hub presets by size."""
+    """(label, value) pairs: the embedded models, then the Hub presets by kind and family (dense, mixture of experts,
+    hybrid; families alphabetically), by size within a family."""
     embedded = [(f"{name} (embedded; {spec.parts.size / 1e9:.1f} GB fetched from PyPI on first use)" if spec.on_demand
                  else f"{name} (embedded, offline)", name) for name, spec in EMBEDDED.items()]
-    presets = sorted(PRESETS.values(), key=lambda p: p.params)
-    hub = [(f"{p.hub_id} ({p.params / 1e9:.2f}B{', gated' if p.gated else ''}; Hub)", p.hub_id) for p in presets]
+
+    def order(p: Preset) -> tuple:
+        return KINDS.index(ARCHITECTURES[p.model_type].kind), p.family.lower(), p.params
+
+    hub = [(f"{p.family} · {p.hub_id} ({p.params / 1e9:.2f}B, {ARCHITECTURES[p.model_type].kind}"
+            f"{', gated' if p.gated else ''}; Hub)", p.hub_id) for p in sorted(PRESETS.values(), key=order)]
     return embedded + hub
 
 

@@ -29,7 +29,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ghosted_core.architectures import architecture_of
 from ghosted_core.memory_parts import skeleton_counts
-from ghosted_core.model.loading import final_norm
+from ghosted_core.model.loading import final_norm, final_norm_name
 from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
 from ghosted_core.errors import GhostedError
 from ghosted_core.hadamard import hadamard_transform
@@ -235,7 +235,7 @@ def norm_target(variant: PreTrainedModel, dense: PreTrainedModel, sites: CutSite
             if _is_norm(module):
                 found[f"model.layers.{index}.{path}"] = trainable_copy(module)
     if None in sites.after:
-        norm = f"model.{architecture_of(variant.config).final_norm}"
+        norm = f"model.{final_norm_name(variant)}"
         path = f"{norm}.inner" if not _is_norm(final_norm(variant)) else norm
         found[path] = trainable_copy(variant.get_submodule(path))
     return found

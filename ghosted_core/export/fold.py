@@ -30,7 +30,7 @@ from ghosted_core.model.low_rank import LowRankLinear
 from ghosted_core.model.modeling_ghosted import OPERATOR_TYPES, PatchedBlock
 from ghosted_core.model.scaling import ScaledOutput, StreamScale, stream_scale
 from ghosted_core.architectures import architecture_of
-from ghosted_core.model.loading import final_norm
+from ghosted_core.model.loading import final_norm, final_norm_name
 
 Chunk = dict[str, torch.Tensor]
 
@@ -180,10 +180,9 @@ def _rest(model: PreTrainedModel, embed_scale: float = 1.0, device: str = "cpu")
         key = "model.embed_tokens.weight"
         chunk[key] = (chunk[key].double() * embed_scale).to(chunk[key].dtype)
         if tied:  # the head reads the scaled embeddings: the final norm's output must shrink by as much
-            arch = architecture_of(model.config)
-            norm = f"model.{arch.final_norm}"
+            norm = f"model.{final_norm_name(model)}"
             key = f"{norm}.inner.weight" if isinstance(final_norm(model), PatchedBlock) else f"{norm}.weight"
-            offset = arch.norm_gain_offset
+            offset = architecture_of(model.config).norm_gain_offset
             chunk[key] = ((offset + chunk[key].double()) / embed_scale - offset).to(chunk[key].dtype)
     return chunk
 

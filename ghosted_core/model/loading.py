@@ -101,8 +101,19 @@ def decoder_blocks(model: PreTrainedModel) -> nn.ModuleList:
 
 
 def final_norm(model: PreTrainedModel) -> nn.Module:
-    """The norm after the blocks (its input is the stream a cut at the end maps), named by the family's entry."""
-    return getattr(model.model, architecture_of(model.config).final_norm)
+    """The norm after the blocks (its input is the stream a cut at the end maps): `final_norm_name`'s."""
+    return getattr(model.model, final_norm_name(model))
+
+
+def final_norm_name(model: PreTrainedModel) -> str:
+    """The base model's attribute holding the norm after the blocks: the family's entry names it; for a type the
+    table lacks whose base has no `norm`, its one child norm module (Bamba's `final_layernorm`), if it has one."""
+    arch = architecture_of(model.config)
+    base = getattr(model, "model", None)
+    if not arch.generic or base is None or getattr(base, arch.final_norm, None) is not None:
+        return arch.final_norm
+    norms = [name for name, child in base.named_children() if type(child).__name__.endswith(("Norm", "NormGated"))]
+    return norms[0] if len(norms) == 1 else arch.final_norm
 
 
 def check_supported(config: PretrainedConfig) -> None:
@@ -137,7 +148,7 @@ def check_layout(model: PreTrainedModel) -> None:
     norm its table entry names), with what was found instead."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
-    norm = architecture_of(model.config).final_norm
+    norm = final_norm_name(model)
     if not isinstance(layers, nn.ModuleList) or getattr(base, norm, None) is None:
         found = ", ".join(name for name, _ in (base or model).named_children()) or "nothing"
         raise GhostedError(f"unsupported architecture {model.config.model_type!r}: no decoder blocks at model.layers "

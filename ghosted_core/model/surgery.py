@@ -18,8 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
-from ghosted_core.architectures import architecture_of
-from ghosted_core.model.loading import decoder_blocks, final_norm
+from ghosted_core.model.loading import decoder_blocks, final_norm, final_norm_name
 from ghosted_core.model.layer_config import check_kept_kinds, sliced_config
 from ghosted_core.plan import Boundary
 
@@ -92,7 +91,7 @@ def assemble(dense: PreTrainedModel, layers: Sequence[nn.Module], config, norm: 
     """
     if record is not None:
         config.ghosted = dict(record)
-    base = shallow_view(dense.model, layers=nn.ModuleList(layers), **{architecture_of(dense.config).final_norm: norm})
+    base = shallow_view(dense.model, layers=nn.ModuleList(layers), **{final_norm_name(dense): norm})
     base.config = config
     view = shallow_view(dense, model=base)
     view.config = config

@@ -1,11 +1,13 @@
-"""Curated Hugging Face Hub models for a GPU Space, from 0.36B to 8B parameters.
+"""Curated Hugging Face Hub models for a GPU Space, from 0.36B to 70B parameters, dense, experts and windowed.
 
 Each preset carries the numbers the memory plan and the time estimate need, written down
 here because offline we cannot fetch a config: they are copied from each model's published
 `config.json` on the Hub (hidden_size, num_hidden_layers, num_attention_heads,
-num_key_value_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings).
-Each is double-checked in tests/test_presets.py: the parameter count computed from these
-shapes must match the size the model card publishes (`published_params`) within 1%.
+num_key_value_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, and in `extra`
+what a family adds: experts, windows, partial rotary). Each is double-checked in
+tests/planning/test_presets.py: the parameter count of the model transformers builds from these numbers
+(on the meta device) must match the size the model card publishes (`published_params`) within 1.5%, or,
+where the card gives only a rounded size ("7B"), within that rounding.
 
 `preset_status` says, before anything downloads, whether a preset can run here and why not
 (offline, gated without a token, too big for the device); `check_preset` raises that reason as
@@ -36,7 +38,7 @@ class Preset:
 
     key: str  # short name shown in the app
     hub_id: str
-    family: str  # Llama, Mistral, Qwen2, Qwen3
+    family: str  # the architecture table's family name (Llama, Qwen3-MoE, gpt-oss, ...)
     model_type: str  # transformers' config model_type
     published_params: float  # the size on the model card (e.g. 7.61e9)
     hidden_size: int
@@ -50,6 +52,8 @@ class Preset:
     license: str
     gated: bool = False  # the Hub asks to accept terms first: a token of an account that did is needed
     published_non_embedding: float | None = None  # where the model card also states it (Qwen)
+    extra: tuple[tuple[str, object], ...] = ()  # further config.json numbers the family has (experts, windows)
+    rounded: bool = False  # the card gives only a rounded size ("7B"): the count is held to that rounding
 
     def config(self) -> PretrainedConfig:
         """A transformers config with these numbers (for the memory plan and the time estimate)."""
@@ -57,11 +61,11 @@ class Preset:
             self.model_type, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
             num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
             intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
-            tie_word_embeddings=self.tied_embeddings)
+            tie_word_embeddings=self.tied_embeddings, **dict(self.extra))
 
     @property
     def params(self) -> int:
-        """Parameters counted from the shapes (biases and norms of Qwen2's attention aside)."""
+        """Parameters of the model transformers builds from these numbers (counted on the meta device)."""
         return estimate_parameters(self.config())
 
     @property
@@ -72,9 +76,9 @@ class Preset:
 
 
 def _p(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied, license,
-       gated=False, non_embedding=None) -> Preset:
+       gated=False, non_embedding=None, rounded=False, **extra) -> Preset:
     return Preset(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied,
-                  license, gated, non_embedding)
+                  license, gated, non_embedding, tuple(extra.items()), rounded)
 
 
 PRESETS: dict[str, Preset] = {p.key: p for p in (
@@ -105,6 +109,23 @@ PRESETS: dict[str, Preset] = {p.key: p for p in (
        "llama3.2", gated=True),
     _p("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "Llama", "llama", 8.03e9, 4096, 32, 32, 8, 128, 14336, 128256,
        False, "llama3.1", gated=True),
+    # 2025-26: dense with windows, post-norms or RoPE-free blocks; mixtures of experts
+    _p("gemma-3-1b", "google/gemma-3-1b-pt", "Gemma3", "gemma3_text", 1.0e9, 1152, 26, 4, 1, 256, 6912, 262144, True,
+       "gemma", gated=True, non_embedding=0.698e9, sliding_window=512),
+    _p("smollm3-3b", "HuggingFaceTB/SmolLM3-3B", "SmolLM3", "smollm3", 3e9, 2048, 36, 16, 4, 128, 11008, 128256,
+       True, "apache-2.0", rounded=True),
+    _p("phi-4-mini", "microsoft/Phi-4-mini-instruct", "Phi-3", "phi3", 3.8e9, 3072, 32, 24, 8, 128, 8192, 200064,
+       True, "mit", partial_rotary_factor=0.75),
+    _p("olmo-3-7b", "allenai/Olmo-3-1025-7B", "OLMo-3", "olmo3", 7e9, 4096, 32, 32, 32, 128, 11008, 100278, False,
+       "apache-2.0", rounded=True, sliding_window=4096),
+    _p("olmo-3-32b", "allenai/Olmo-3-1125-32B", "OLMo-3", "olmo3", 32e9, 5120, 64, 40, 8, 128, 27648, 100278, False,
+       "apache-2.0", rounded=True, sliding_window=4096),
+    _p("gpt-oss-20b", "openai/gpt-oss-20b", "gpt-oss", "gpt_oss", 20.9e9, 2880, 24, 64, 8, 64, 2880, 201088, False,
+       "apache-2.0", num_local_experts=32, num_experts_per_tok=4, sliding_window=128),
+    _p("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", "Qwen3-MoE", "qwen3_moe", 30.5e9, 2048, 48, 32, 4, 128, 6144, 151936,
+       False, "apache-2.0", non_embedding=29.9e9, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    _p("llama-3.3-70b", "meta-llama/Llama-3.3-70B-Instruct", "Llama", "llama", 70.6e9, 8192, 80, 64, 8, 128, 28672,
+       128256, False, "llama3.3", gated=True),
 )}
 
 

@@ -27,8 +27,11 @@ def test_parameter_count_from_the_shapes_matches_the_published_size(key):
     with torch.device("meta"):  # the real architecture, no memory: count what transformers would allocate
         model = AutoModelForCausalLM.from_config(preset.config())
     counted = sum(p.numel() for p in model.parameters())  # tied embeddings appear once
-    assert counted == pytest.approx(preset.params, rel=2e-3)  # estimate_parameters leaves out biases and q/k norms
-    assert preset.params == pytest.approx(preset.published_params, rel=0.015)  # cards round to 2-3 digits
+    assert counted == preset.params  # estimate_parameters counts what transformers builds
+    if preset.rounded:  # "7B": anything that rounds to it
+        assert abs(preset.params - preset.published_params) <= 0.5e9
+    else:
+        assert preset.params == pytest.approx(preset.published_params, rel=0.015)  # cards round to 2-3 digits
     if preset.published_non_embedding:
         embeddings = preset.vocab_size * preset.hidden_size * (1 if preset.tied_embeddings else 2)
         assert counted - embeddings == pytest.approx(preset.published_non_embedding, rel=0.015)
@@ -37,7 +40,9 @@ def test_parameter_count_from_the_shapes_matches_the_published_size(key):
 
 def test_presets_span_the_curated_list():
     sizes = [p.published_params for p in PRESETS.values()]
-    assert min(sizes) == pytest.approx(0.36e9, rel=0.01) and max(sizes) == pytest.approx(8.2e9)
+    assert min(sizes) == pytest.approx(0.36e9, rel=0.01) and max(sizes) == pytest.approx(70.6e9)
+    families = {p.family for p in PRESETS.values()}
+    assert {"Qwen3-MoE", "gpt-oss", "OLMo-3", "SmolLM3", "Phi-3", "Gemma3"} <= families  # the 2025-26 ones
     gated = {p.key for p in PRESETS.values() if p.gated}
     assert {"llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"} <= gated
     assert not {p.key for p in PRESETS.values() if p.family == "Qwen3" or "smollm2" in p.key} & gated

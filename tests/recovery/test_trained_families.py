@@ -41,7 +41,7 @@ def trained(family: str):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return model.eval().requires_grad_(False), float(loss)
+    return model.eval().requires_grad_(False), float(loss.detach())
 
 
 @pytest.mark.slow
