@@ -119,7 +119,7 @@ def magcomp_keepsink(dense: PreTrainedModel, plan: PruningPlan, stats: list[Boun
         directions = principal_directions(rows, None, keep.sink_directions or 0, st.width)
         update, *_ = solve_keeping(gram, cross, directions, st.ordinary.tokens, options.fit)
         fit = Fit("magcomp_keepsink", st.boundary, "branch", update)
-        replacements[st.boundary.start - 1] = branch_replacement(fit, blocks[st.boundary.start - 1])
+        replacements[st.boundary.start - 1] = branch_replacement(fit, blocks[st.boundary.start - 1], architecture_of(dense.config))
         scales[st.boundary.start] = s
     if not replacements:
         return None
@@ -146,7 +146,8 @@ def magcomp_refit_down(dense: PreTrainedModel, plan: PruningPlan, fits: list[Fit
                       dense_residuals={"y": j + 1})
         fit_rows, held_rows = _rows(view, batches, False, **kwargs), _rows(view, batches, True, **kwargs)
         update = _fit_rows(fit_rows, held_rows, "a", lambda r: r["y"] - r["x"])
-        replacements[j] = refit_replacement(Fit("down", boundary, "inner", update), unwrap(dense.model.layers[j]))
+        replacements[j] = refit_replacement(Fit("down", boundary, "inner", update), unwrap(dense.model.layers[j]),
+                                           architecture_of(dense.config))
         added = True
     if not added:
         return None
@@ -169,7 +170,7 @@ def joint_o_refit(dense: PreTrainedModel, plan: PruningPlan, stats: list[Boundar
         update = _fit_rows(fit_rows, held_rows, "za", lambda r: r["y"] - r["x"])
         width = fit_rows["z"].shape[1]
         o_proj = _changed_linear(block.self_attn.o_proj, update[:width])
-        down = refit_replacement(Fit("joint", st.boundary, "inner", update[width:]), block)
+        down = refit_replacement(Fit("joint", st.boundary, "inner", update[width:]), block, architecture_of(dense.config))
         replacements[st.boundary.start - 1] = {"self_attn.o_proj": o_proj, **down}
     if not replacements:
         return None

@@ -120,6 +120,7 @@ def orthogonal_fold_variants(dense: PreTrainedModel, plan, stats: BoundaryStats,
     Each returned model has its own (rotated) embeddings: evaluate them with themselves as the
     base, not with the dense model's prefix.
     """
+    from ghosted_core.architectures import architecture_of
     from ghosted_core.calibration.collect import collect_boundary_stats
     from ghosted_core.recovery.modules import branch_replacement
     from ghosted_core.recovery.operators import get_operator, needs_of
@@ -141,7 +142,8 @@ def orthogonal_fold_variants(dense: PreTrainedModel, plan, stats: BoundaryStats,
                                               needs_of([refit]))
         fit = choose_fit(dense, get_operator(refit).fit(branch_stats, options.fit), batches, options, rotated,
                          source_start)
-        replacement = branch_replacement(fit, rotated.model.layers[source_start - 1])
+        replacement = branch_replacement(fit, rotated.model.layers[source_start - 1],
+                                         architecture_of(rotated.config))
         variants[f"ghost_orth+{refit}"] = build_variant(rotated, (), replacements={source_start - 1: replacement},
                                                         record=record | {"operator": f"ghost_orth+{refit}"})
     return variants
