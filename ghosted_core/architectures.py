@@ -64,6 +64,9 @@ class Architecture:
     # fused experts store their down projection as (E, I, C), applied x @ W (gpt-oss), not (E, C, I)
     experts_transposed: bool = False
     generic: bool = False  # no table entry: only the residual-stream operators apply
+    # the per-layer kinds under the names the family's checkpoints use, where transformers renames them on load
+    # (an export writes these: llama.cpp's converter and vLLM read the checkpoints' names)
+    hub_layer_types: tuple[tuple[str, str], ...] = ()
 
     @property
     def branch_folds(self) -> bool:
@@ -143,7 +146,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                      down_proj="feed_forward.w2"),
         Architecture("granitemoehybrid", "Granite-4 hybrid", kind=HYBRID, branch=None, mlp=None, down_proj=None,
                      residual_writers=ATTENTION_OUT + ("mamba.out_proj", "block_sparse_moe.experts",
-                                                       "shared_mlp.output_linear")),
+                                                       "shared_mlp.output_linear"),
+                     hub_layer_types=(("linear_attention", "mamba"), ("full_attention", "attention"))),
     )
 }
 

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
+from ghosted_core.architectures import architecture_of
 from ghosted_core.model.layer_config import layer_fields
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,9 @@ def export_config(config: PretrainedConfig, record: Mapping, **overrides) -> dic
         for key in layer_fields(config, values, dense_count).per_layer:
             values[key] = [values[key][j] for j in kept]
             log.info("sliced per-layer config list %s to the %d kept blocks", key, kept_count)
+    names = dict(architecture_of(config).hub_layer_types)
+    if names and isinstance(values.get("layer_types"), list):
+        values["layer_types"] = [names.get(kind, kind) for kind in values["layer_types"]]
     values.update(overrides)
     return values
 

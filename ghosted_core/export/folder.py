@@ -120,16 +120,31 @@ def _expected_keys(model: PreTrainedModel, config_values: dict, remote: bool) ->
     config = config_cls.from_dict({k: v for k, v in config_values.items() if k not in ("auto_map", "model_type")})
     with torch.device("meta"):
         skeleton = model_cls(config)
-    keys = set(skeleton.state_dict())
+    if remote:
+        keys = set(skeleton.state_dict())
+    else:
+        skeleton._weight_conversions = getattr(model, "_weight_conversions", None)
+        keys = set(hub_layout(skeleton, skeleton.state_dict()))
     if getattr(config, "tie_word_embeddings", False):
         keys.discard("lm_head.weight")
     return keys
+
+
+def hub_layout(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (one block's, or the rest) under the names and layout of the model's checkpoints on the Hub:
+    transformers' own reversal of what it converts at load time (per-expert weights that it fuses, renamed
+    modules), as its `save_pretrained` does. vLLM and llama.cpp's converter read that layout (Mixtral's
+    `experts.N.w1`, OLMoE's per-expert projections, GraniteMoeHybrid's `input_linear`), not the fused one."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, tensors)
 
 
 def _write_weights(model: PreTrainedModel, folder: Path, remote: bool, shard_bytes: int) -> tuple[list[str], int, set[str]]:
     writer = ShardWriter(folder, shard_bytes)
     keys: set[str] = set()
     for chunk in (variant_tensors(model) if remote else stock_tensors(model)):
+        chunk = chunk if remote else hub_layout(model, chunk)
         keys |= set(chunk)
         writer.add(chunk)
     return writer.close(), writer.total_bytes, keys

@@ -11,11 +11,11 @@ CPU tools of one commit) and runs its tools; this module runs the converter and 
   and q8_0 made from it by llama-quantize, with an importance matrix if asked), each scored by
   llama-perplexity beside transformers' fp32, and a GGUF section in its model card (`--export gguf`).
 
-One gap in the converter is closed: for Gemma-3 it writes no per-layer attention types, and llama.cpp
-then assumes Google's pattern (every 6th layer global, with its own RoPE base). A pruned Gemma-3 whose
-kept layers break that pattern would load and run with the wrong attention (and RoPE) in some layers, so
-the converter is started with its Gemma-3 class extended to write llama.cpp's per-layer
-`sliding_window_pattern` array (a key its runtime already reads) from the export's `layer_types`.
+llama.cpp decides some facts from the block count or a layer's index, not from the file (`runtime_rules`): the
+converter is started with its class extended to write what a cut model needs (the kept layers'
+`sliding_window_pattern` array for Gemma-2, Gemma-3 and gpt-oss; Gemma's attention scale folded into the query),
+and a cut whose difference no file can carry (SmolLM3's RoPE-less blocks) is refused before converting.
+Qwen3-Next-style classes are told the export has no multi-token-prediction head (transformers does not load it).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from ghosted_core.export.llamacpp import (LLAMACPP_COMMIT, LLAMACPP_ENV, LLAMACP
                                           compute_imatrix, find_llamacpp, llamacpp_generate, llamacpp_perplexity,
                                           quantize_gguf, _run)
 from ghosted_core.export.model_card import gguf_section
+from ghosted_core.export.runtime_rules import converter_fixes, runtime_refusal
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +48,35 @@ OUTTYPES = ("f16", "q8_0", "bf16", "f32")  # the converter's own --outtype value
 # Runs in the subprocess as `python -c CONVERTER_MAIN <convert_hf_to_gguf.py> <its arguments>`, with the
 # converter's folder and its gguf-py first on sys.path. It imports nothing from ghosted_core.
 CONVERTER_MAIN = r"""
-import runpy, sys
-script = sys.argv[1]
+import json, os, runpy, sys
+script, folder = sys.argv[1], sys.argv[2]
 sys.argv = [script, *sys.argv[2:]]
-from conversion import gemma
+from conversion import get_model_class
+from conversion.base import ModelBase
 
-_set_parameters = gemma.Gemma3Model.set_gguf_parameters
+fixes = json.loads(os.environ.get("GHOSTED_CONVERTER_FIXES") or "{}")
+config = json.load(open(os.path.join(folder, "config.json")))
+model_class = get_model_class(config["architectures"][0])
+if getattr(model_class, "supports_mtp_export", False):  # transformers loads no MTP head: the export has none
+    sys.argv.append("--no-mtp")
+
+_set_parameters = model_class.set_gguf_parameters
 
 def set_gguf_parameters(self):
     _set_parameters(self)
-    types = self.hparams.get("layer_types")
-    if self.model_arch != gemma.gguf.MODEL_ARCH.GEMMA3 or not types or "sliding_window" not in self.hparams:
-        return
-    swa = [t == "sliding_attention" for t in types]
-    if swa != [i % 6 < 5 for i in range(len(types))]:  # llama.cpp's default for Gemma-3: 5 local, 1 global
-        self.gguf_writer.add_sliding_window_pattern(swa)
+    if "swa_pattern" in fixes:  # the kept layers' kinds, which the runtime reads before its index rule
+        self.gguf_writer.add_sliding_window_pattern(fixes["swa_pattern"])
 
-gemma.Gemma3Model.set_gguf_parameters = set_gguf_parameters
+model_class.set_gguf_parameters = set_gguf_parameters
+_modify = ModelBase.modify_tensors
+
+def modify_tensors(self, data_torch, name, bid):
+    scale = fixes.get("query_scale")
+    if scale and name.endswith(scale["suffix"]):  # after the class's own shift (Gemma's 1 + w)
+        data_torch = data_torch * scale["factor"]
+    return _modify(self, data_torch, name, bid)
+
+ModelBase.modify_tensors = modify_tensors
 runpy.run_path(script, run_name="__main__")
 """
 
@@ -83,6 +96,9 @@ def check_gguf_exportable(folder: str | Path) -> dict:
     if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer.model").exists():
         raise GhostedError(f"{folder.name} has no tokenizer files, and a GGUF must carry its vocabulary: export it "
                            "with its tokenizer")
+    refusal = runtime_refusal(config)
+    if refusal is not None:
+        raise GhostedError(f"{folder.name}: {refusal}")
     return config
 
 
@@ -117,6 +133,7 @@ def convert_to_gguf(folder: str | Path, out_path: str | Path, outtype: str = "f1
     tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.tmp")
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env["PYTHONPATH"] = os.pathsep.join([str(llama.converter.parent), str(llama.gguf_py)])  # the matching gguf-py
+    env["GHOSTED_CONVERTER_FIXES"] = json.dumps(converter_fixes(config))
     cmd = [python or sys.executable, "-c", CONVERTER_MAIN, str(llama.converter), str(folder),
            "--outfile", str(tmp), "--outtype", outtype]
     start = time.perf_counter()
@@ -230,6 +247,9 @@ def export_gguf(model, tokenizer, folder: str | Path, types: str | Sequence[str]
     """
     types = parse_gguf_types(types)
     find_llamacpp()
+    refusal = runtime_refusal(model.config.to_dict())
+    if refusal is not None:
+        raise GhostedError(f"GGUF: {refusal}")
     result = export_variant(model, tokenizer, folder, mode="stock")
     folder = result.folder
     written: list[GGUFResult] = []

@@ -1,0 +1,97 @@
+"""What llama.cpp's runtime decides from a GGUF's block count or a layer's index instead of reading the file, and
+what a pruned export must therefore write (or refuse) so that llama.cpp computes what transformers computes.
+
+Audited in the llama.cpp that `make llamacpp` builds (commit `LLAMACPP_COMMIT`, src/models/*.cpp): for every
+architecture of the table, each fact that depends on `n_layer` (through the model "type") or on a layer's index
+and reaches the compute graph. A dense checkpoint matches those rules by construction; a cut one usually does not.
+
+- `swa_period` n (Gemma-2, Gemma-3, gpt-oss: `load_swa_pattern(ml, n)`): without the per-layer array
+  `<arch>.attention.sliding_window_pattern`, layer i is windowed when i % n < n − 1. Fix: write the kept layers'
+  array (the runtime reads it first). On Gemma-3 it also picks each layer's RoPE base.
+- `scale_layers` (Gemma-2 at 46 blocks, Gemma-3 at 62: their 27B): attention is scaled by 1/√(hidden/heads) at
+  that block count and by 1/√head_dim at any other; no key overrides it. transformers uses
+  1/√query_pre_attn_scalar. Fix: fold the ratio into the query (`scale_into`: Gemma-3's q_norm gain, exact;
+  Gemma-2's q_proj, exact before quantization), as llama.cpp will read it.
+- `all_sparse` (Qwen2-MoE, Qwen3-MoE): the graph has experts in every block; a config with dense blocks among
+  them (`mlp_only_layers`, `decoder_sparse_step`) does not convert, and is refused with the reason.
+- `no_rope_step` (SmolLM3): layer i runs without RoPE when (i + 1) % 4 == 0, from no key. No weight can carry
+  RoPE, so a cut whose kept `no_rope_layers` break that rule is refused for GGUF, with the reason.
+
+Other uses of the type in these architectures only name the model in logs (llama, mistral, qwen2/3, their MoEs,
+phi3, olmo2/3, olmoe, granite, granitehybrid, lfm2); Qwen3-Next's, OLMo's and LFM2's per-layer kinds are read from
+the file the converter writes from the sliced config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimeRules:
+    swa_period: int | None = None  # layer i windowed when i % n < n - 1, unless the file lists the layers
+    scale_layers: int | None = None  # the block count at which attention is scaled by 1/sqrt(hidden / heads)
+    scale_into: str = ""  # the tensor (name suffix) whose output scales the query, for the fold
+    no_rope_step: int | None = None  # layer i without RoPE when (i + 1) % n == 0, from no key
+    all_sparse: bool = False  # the graph has experts in every block: dense blocks among them do not convert
+
+
+RULES: dict[str, RuntimeRules] = {
+    "gemma2": RuntimeRules(swa_period=2, scale_layers=46, scale_into="self_attn.q_proj.weight"),
+    "gemma3_text": RuntimeRules(swa_period=6, scale_layers=62, scale_into="self_attn.q_norm.weight"),
+    "gpt_oss": RuntimeRules(swa_period=2),
+    "smollm3": RuntimeRules(no_rope_step=4),
+    "qwen2_moe": RuntimeRules(all_sparse=True),
+    "qwen3_moe": RuntimeRules(all_sparse=True),
+}
+
+
+def converter_fixes(config: dict) -> dict:
+    """What the converter must write beyond its own output for `config` (a stock export's config.json):
+    {"swa_pattern": [bool per layer]} where the kept layer kinds differ from the runtime's index rule, and
+    {"query_scale": {"suffix": ..., "factor": f}} where the runtime's attention scale differs from the config's."""
+    rules = RULES.get(str(config.get("model_type")))
+    fixes: dict = {}
+    if rules is None:
+        return fixes
+    types, n = config.get("layer_types"), config.get("num_hidden_layers", 0)
+    if rules.swa_period and types:
+        pattern = [t == "sliding_attention" for t in types]
+        if pattern != [i % rules.swa_period < rules.swa_period - 1 for i in range(n)]:
+            fixes["swa_pattern"] = pattern
+    if rules.scale_layers and config.get("query_pre_attn_scalar"):
+        factor = attention_scale_ratio(config, rules)
+        if not math.isclose(factor, 1.0, rel_tol=1e-7):
+            fixes["query_scale"] = {"suffix": rules.scale_into, "factor": factor}
+    return fixes
+
+
+def attention_scale_ratio(config: dict, rules: RuntimeRules) -> float:
+    """transformers' attention scale over the one llama.cpp applies to a model of this block count."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    runtime = (hidden // heads if config["num_hidden_layers"] == rules.scale_layers else head_dim) ** -0.5
+    return config["query_pre_attn_scalar"] ** -0.5 / runtime
+
+
+def runtime_refusal(config: dict) -> str | None:
+    """Why llama.cpp would run this export differently from its config, where no file key or weight can say
+    otherwise (None: it runs as transformers does)."""
+    rules = RULES.get(str(config.get("model_type")))
+    if rules is not None and rules.all_sparse and (config.get("mlp_only_layers")
+                                                   or config.get("decoder_sparse_step", 1) != 1):
+        return (f"llama.cpp's {config['model_type']} graph has experts in every block, and this model has dense "
+                f"blocks among them (mlp_only_layers {config.get('mlp_only_layers')}, decoder_sparse_step "
+                f"{config.get('decoder_sparse_step', 1)}): serve the stock folder (transformers, vLLM)")
+    if rules is None or not rules.no_rope_step or "no_rope_layers" not in config:
+        return None
+    step, kept = rules.no_rope_step, [int(v) for v in config["no_rope_layers"]]
+    runtime = [int((i + 1) % step != 0) for i in range(len(kept))]
+    if kept == runtime:
+        return None
+    wrong = [i for i, (a, b) in enumerate(zip(kept, runtime)) if a != b]
+    return (f"llama.cpp runs {config['model_type']} without RoPE on every {step}th block by position and reads no "
+            f"per-layer list, so this cut's blocks {wrong[:6]} would run with the wrong RoPE; keep the pattern (remove "
+            f"runs of {step} blocks that start at a multiple of {step}, or the last blocks), or serve the stock "
+            "folder (transformers, vLLM)")

@@ -1,0 +1,126 @@
+"""Every family whose architecture llama.cpp's converter knows, cut and exported stock, runs in llama.cpp as in
+transformers: the same prompt and greedy tokens, and the same perplexity on an f32 GGUF (mean NLL within 5e-4 nats,
+windows of 64 tokens, longer than every sliding window here). The cuts break what llama.cpp would otherwise assume from a layer's
+index (`export.runtime_rules`): Gemma-3's and gpt-oss's window patterns, Gemma-3's attention scale
+(query_pre_attn_scalar 256 ≠ head_dim 6, as on the 27B once cut). SmolLM3's RoPE-less blocks are kept in llama.cpp's
+places (the last blocks removed), and a cut that moves them is refused.
+
+Skipped without `make llamacpp`, except in CI (CI=true), where a missing build fails (see test_gguf.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import _tiny_config, make_tiny_model
+from ghosted_core.data.corpora import load_corpus
+from ghosted_core.errors import GhostedError
+from ghosted_core.evaluation.perplexity import llamacpp_windowed_perplexity
+from ghosted_core.export.gguf import convert_to_gguf, export_gguf
+from ghosted_core.export.llamacpp import llamacpp_generate, llamacpp_perplexity
+from ghosted_core.export.runtime_rules import RULES, attention_scale_ratio, converter_fixes, runtime_refusal
+from test_gguf import NEW_TOKENS, PROMPT, export_pruned, greedy_in_process, llamacpp  # noqa: F401 (a fixture)
+
+UNTIED = dict(tie_word_embeddings=False)  # these families' checkpoints are untied; llama.cpp's graph wants output
+# family -> (config overrides that make the tiny model one the runtime's graph describes, the blocks removed).
+# Left out: qwen2, phi3 and gemma2, whose converters want a tokenizer the tiny fixture's (SmolLM2's BPE) is not.
+GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
+    "llama": ({}, (1,)),
+    "mistral": (dict(sliding_window=None), (1,)),  # llama.cpp runs Mistral without a window (the export warns)
+    "qwen3": ({}, (1,)),
+    "gemma3": ({}, (1,)),  # kept kinds off the every-6th pattern; query_pre_attn_scalar's default 256
+    "smollm3": ({}, (4, 5)),
+    "granite": ({}, (1,)),
+    "olmo2": (UNTIED, (1,)),
+    "olmo3": (UNTIED, (1,)),
+    "mixtral": (UNTIED, (1,)),
+    "qwen2_moe": (dict(UNTIED, mlp_only_layers=[], decoder_sparse_step=1), (1,)),
+    "qwen3_moe": (dict(mlp_only_layers=[]), (1,)),
+    "olmoe": (dict(UNTIED, num_key_value_heads=6), (1,)),  # OLMoE's k_norm spans the width: no grouped heads
+    "gpt_oss": (UNTIED, (1,)),  # kept kinds off the alternating pattern
+    "qwen3_next": ({}, (1,)),
+    "lfm2": ({}, (1,)),
+    "granitemoehybrid": (UNTIED, (1,)),
+}
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "ptb.txt"
+    path.write_text(load_corpus("ptb").text[:3_000])  # ~700 tokens: 8 windows of 64
+    return path
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_cut_family_runs_in_llamacpp_as_in_transformers(family, llamacpp, smollm2_tokenizer, text_file, tmp_path):
+    overrides, removed = GGUF_FAMILIES[family]
+    model = make_tiny_model(family, vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                            **({"tie_word_embeddings": True} | overrides))
+    ids = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(1))
+    folder = export_pruned(model, smollm2_tokenizer, removed, "none", tmp_path / family, ids)
+    gguf = convert_to_gguf(folder, tmp_path / f"{family}.gguf", outtype="f32").path
+    generated = llamacpp_generate(gguf, PROMPT, max_new_tokens=NEW_TOKENS)
+    prompt_ids, expected = greedy_in_process(folder)
+    assert list(generated.prompt_tokens) == prompt_ids
+    assert list(generated.tokens) == expected
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = llamacpp_windowed_perplexity(loaded, AutoTokenizer.from_pretrained(folder), text_file.read_text(), 64, 8)
+    theirs = llamacpp_perplexity(gguf, text_file, 64, 8).value
+    # mean NLL per scored token, nats: f32 sums in another order can flip a near-tie of an expert router
+    assert math.log(ours) == pytest.approx(math.log(theirs), abs=5e-4), (family, ours, theirs)
+
+
+def test_the_fixes_are_needed(llamacpp, smollm2_tokenizer, text_file, tmp_path, monkeypatch):
+    """Without the written window pattern and the folded scale, llama.cpp's Gemma-3 computes something else."""
+    model = make_tiny_model("gemma3", vocab_size=len(smollm2_tokenizer), max_position_embeddings=512,
+                            tie_word_embeddings=True)
+    folder = export_pruned(model, smollm2_tokenizer, (1,), "none", tmp_path / "gemma3",
+                           torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(1)))
+    monkeypatch.setattr("ghosted_core.export.gguf.converter_fixes", lambda config: {})
+    gguf = convert_to_gguf(folder, tmp_path / "plain.gguf", outtype="f32").path
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = llamacpp_windowed_perplexity(loaded, AutoTokenizer.from_pretrained(folder), text_file.read_text(), 64, 8)
+    assert llamacpp_perplexity(gguf, text_file, 64, 8).value != pytest.approx(ours, rel=1e-2)
+
+
+@pytest.mark.parametrize("family, layers, fixed", [("gemma3", 62, False), ("gemma3", 48, True),
+                                                    ("gemma2", 46, False), ("gemma2", 40, True)])
+def test_attention_scale_ratio_is_what_transformers_applies_over_what_llamacpp_applies(family, layers, fixed):
+    """The 27B shapes (Gemma-3: 5376 wide, 32 heads of 128, scalar 168; Gemma-2: 4608, 32 × 128, 144), whole and
+    cut: transformers' own attention scaling (built on meta) over llama.cpp's rule, 1/√(hidden/heads) at the 27B's
+    block count and 1/√head_dim otherwise."""
+    width, scalar = (5376, 168) if family == "gemma3" else (4608, 144)
+    _, config = _tiny_config(family, hidden_size=width, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                             query_pre_attn_scalar=scalar, num_hidden_layers=layers, intermediate_size=64,
+                             layer_types=None)
+    with torch.device("meta"):
+        attention = AutoModelForCausalLM.from_config(config).model.layers[0].self_attn
+    values = config.to_dict()
+    runtime = 1 / math.sqrt(width // 32) if layers == RULES[config.model_type].scale_layers else 1 / math.sqrt(128)
+    assert attention_scale_ratio(values, RULES[config.model_type]) == pytest.approx(attention.scaling / runtime)
+    assert ("query_scale" in converter_fixes(values)) == fixed
+
+
+def test_a_cut_that_moves_smollm3s_ropeless_blocks_is_refused_before_writing(smollm2_tokenizer, tmp_path):
+    _, config = _tiny_config("smollm3")
+    assert runtime_refusal(config.to_dict()) is None  # dense: blocks 3 (0-based) without RoPE, as llama.cpp puts it
+    model = make_tiny_model("smollm3", vocab_size=len(smollm2_tokenizer))
+    folder = export_pruned(model, smollm2_tokenizer, (1,), "none", tmp_path / "stock",
+                           torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(1)))
+    with pytest.raises(GhostedError, match=r"without RoPE on every 4th block .* blocks \[2, 3\]"):
+        convert_to_gguf(folder, tmp_path / "x.gguf")
+    from ghosted_core.model.surgery import build_variant
+
+    with pytest.raises(GhostedError, match="without RoPE"):
+        export_gguf(build_variant(model, (1,)), smollm2_tokenizer, tmp_path / "gguf")
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "gguf").exists()
+
+
+def test_dense_blocks_among_experts_are_refused_for_qwen_moe():
+    _, config = _tiny_config("qwen2_moe")  # mlp_only_layers [0], decoder_sparse_step 2
+    assert "dense blocks among them" in runtime_refusal(config.to_dict())
+    assert runtime_refusal(_tiny_config("qwen3_moe", mlp_only_layers=[])[1].to_dict()) is None
