@@ -28,7 +28,8 @@ from ghosted_core.export.gain import SpeedOptions
 from ghosted_core.export.gguf import (GGUF_FORMAT, GGUF_OUTTYPES, GGUFOptions, export_gguf, find_llamacpp,
                                       parse_gguf_types)
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
-from ghosted_core.model.loading import LoadOptions, parse_max_memory
+from ghosted_core.model.loading import LoadOptions, parse_max_memory, peek_config
+from ghosted_core.model.wrapper import from_wrapper
 from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS
 from ghosted_core.recovery.operators import OPERATORS, FitOptions
@@ -299,7 +300,8 @@ def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
     if args.gguf_imatrix_chunks is not None and args.gguf_imatrix_chunks < 1:
         raise GhostedError(f"--gguf_imatrix_chunks must be at least 1 (got {args.gguf_imatrix_chunks})")
     if args.save_model:
-        check_export([v.operator for v in options.variants], "stock" if args.export == GGUF_FORMAT else args.export)
+        check_export([v.operator for v in options.variants], "stock" if args.export == GGUF_FORMAT else args.export,
+                     multimodal=from_wrapper(peek_config(options.model, options.load.local_folders)))
         if args.export == GGUF_FORMAT:
             find_llamacpp()  # refused before the run, not after it
         check_new_folder(args.save_model, "--save_model")

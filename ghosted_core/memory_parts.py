@@ -41,13 +41,15 @@ def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
 def estimate_parameters(config: PretrainedConfig) -> int:
     """Parameter count of a decoder-only LM from its config (to refuse what cannot fit before loading): the model
     transformers builds from it, counted on the meta device (experts, mixers and per-layer sizes included); the
-    dense formula where that config builds no model."""
+    dense formula where that config builds no model. A multimodal checkpoint's text config adds what loads beside
+    its decoder (`model.wrapper.planning_config`)."""
+    beside = getattr(config, "wrapper_parameters", 0) or 0  # a multimodal checkpoint's vision tower, projector, …
     counted = skeleton_counts(config)
     if counted is not None:
-        return counted.total
+        return counted.total + beside
     c = config.hidden_size
     layers = config.num_hidden_layers
-    return int(layers * block_parameters(config) + config.vocab_size * c * (1 if _tied(config) else 2) + c)
+    return int(layers * block_parameters(config) + config.vocab_size * c * (1 if _tied(config) else 2) + c + beside)
 
 
 def block_parameters(config: PretrainedConfig) -> int:

@@ -16,13 +16,14 @@ from safetensors import safe_open
 FRESH_PROCESS = r"""
 import importlib.util, json, sys
 import torch
-from transformers import AutoModelForCausalLM
+import transformers
 assert importlib.util.find_spec("ghosted_core") is None, "ghosted_core is importable"
 job = json.loads(sys.argv[1])
 ids = torch.load(job["ids"])
 out = {}
 for name, folder in job["folders"].items():
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=job["trust_remote_code"], dtype=torch.float32)
+    auto = getattr(transformers, job["auto"])
+    model = auto.from_pretrained(folder, trust_remote_code=job["trust_remote_code"], dtype=torch.float32)
     with torch.no_grad():
         logits = model(ids).logits
     tokens = model.generate(ids[:1, :6], max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -37,11 +38,13 @@ def fresh_env(work: Path) -> dict[str, str]:
     return env | {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_MODULES_CACHE": str(work / "modules")}
 
 
-def load_in_fresh_process(work: Path, folders: dict[str, Path], ids: torch.Tensor, trust_remote_code: bool) -> dict:
-    """Logits and greedy tokens of each folder, loaded by plain transformers in a process without ghosted_core."""
+def load_in_fresh_process(work: Path, folders: dict[str, Path], ids: torch.Tensor, trust_remote_code: bool,
+                          auto: str = "AutoModelForCausalLM") -> dict:
+    """Logits and greedy tokens of each folder, loaded by plain transformers (its `auto` class) in a process
+    without ghosted_core."""
     work.mkdir(parents=True, exist_ok=True)
     torch.save(ids, work / "ids.pt")
-    job = {"ids": str(work / "ids.pt"), "out": str(work / "out.pt"), "trust_remote_code": trust_remote_code,
+    job = {"ids": str(work / "ids.pt"), "out": str(work / "out.pt"), "trust_remote_code": trust_remote_code, "auto": auto,
            "folders": {name: str(folder) for name, folder in folders.items()}}
     done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, json.dumps(job)], cwd=work, env=fresh_env(work),
                           capture_output=True, text=True, timeout=600)

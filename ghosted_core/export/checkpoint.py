@@ -132,7 +132,7 @@ def export_config(config: PretrainedConfig, record: Mapping, **overrides) -> dic
     applies `overrides`.
     """
     values = config.to_diff_dict()  # what save_pretrained writes: values that differ from the class defaults
-    for key in ("ghosted", "_name_or_path", "_commit_hash"):
+    for key in ("ghosted", "_name_or_path", "_commit_hash", "wrapper_parameters"):
         values.pop(key, None)
     removed = set(record.get("removed_layers", ()))
     kept_count = int(config.num_hidden_layers)

@@ -17,6 +17,7 @@ Every export also holds the tokenizer, the generation config, a model card (READ
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -30,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from ghosted_core.model import modeling_ghosted
+from ghosted_core.model.wrapper import wrapped, wrapper_export_config
 from ghosted_core.data.assets import cache_dir
 from ghosted_core.export.checkpoint import DEFAULT_SHARD_BYTES, WEIGHTS, WEIGHTS_INDEX, ShardWriter, export_config, \
     write_json
@@ -84,6 +86,9 @@ def choose_mode(model: PreTrainedModel, mode: str = "auto") -> tuple[str, str]:
     if mode not in EXPORT_MODES:
         raise GhostedError(f"unknown export format {mode!r}; use one of {', '.join(EXPORT_MODES)}")
     blockers = stock_blockers(model)
+    if wrapped(model) is not None and (blockers or mode == "remote_code"):
+        raise GhostedError(f"{variant_name(_record(model))}: {MULTIMODAL_STOCK_ONLY}"
+                           + (f" (this variant does not fold: {blockers[0]})" if blockers else ""))
     if blockers and mode == "stock":
         raise GhostedError(f"{variant_name(_record(model))} cannot be exported as a stock checkpoint: {blockers[0]}; "
                            "use --export remote_code (or auto)")
@@ -100,11 +105,19 @@ def choose_mode(model: PreTrainedModel, mode: str = "auto") -> tuple[str, str]:
     return "stock", reason
 
 
-def check_export(operators: Sequence[str], mode: str) -> None:
-    """Refuse, before any work, an export format that the requested operators cannot have."""
+MULTIMODAL_STOCK_ONLY = ("a multimodal checkpoint exports as stock only (the remote-code classes wrap text models, "
+                         "and a text-only folder would drop the vision tower): save the stock operators (none, the "
+                         "replaceme family, magcomp, the refits) with --export stock or auto")
+
+
+def check_export(operators: Sequence[str], mode: str, multimodal: bool = False) -> None:
+    """Refuse, before any work, an export format that the requested operators cannot have (`multimodal`: the
+    model is a wrapper's text view, whose exports are stock only)."""
     if mode not in EXPORT_MODES:
         raise GhostedError(f"unknown export format {mode!r}; use one of {', '.join(EXPORT_MODES)}")
     never = [name for name in dict.fromkeys(operators) if not get_operator(name).stock]
+    if multimodal and (never or mode == "remote_code"):
+        raise GhostedError(f"--save_model: {MULTIMODAL_STOCK_ONLY}" + (f"; not {', '.join(never)}" if never else ""))
     if mode == "stock" and never:
         raise GhostedError(f"--export stock: {', '.join(never)} cannot fold into a stock checkpoint (a map on the whole "
                            "residual stream); use --export remote_code or auto, or only the stock operators "
@@ -113,8 +126,11 @@ def check_export(operators: Sequence[str], mode: str) -> None:
 
 def _expected_keys(model: PreTrainedModel, config_values: dict, remote: bool) -> set[str]:
     """State-dict keys transformers will look for when it loads the exported config (built on meta)."""
+    outer = wrapped(model)
     if remote:
         config_cls, model_cls = modeling_ghosted.ghosted_classes(model.config.model_type)
+    elif outer is not None:  # the multimodal checkpoint the text view stands for
+        config_cls, model_cls = type(outer.module.config), type(outer.module)
     else:
         config_cls, model_cls = type(model.config), type(model)
     config = config_cls.from_dict({k: v for k, v in config_values.items() if k not in ("auto_map", "model_type")})
@@ -123,7 +139,7 @@ def _expected_keys(model: PreTrainedModel, config_values: dict, remote: bool) ->
     if remote:
         keys = set(skeleton.state_dict())
     else:
-        skeleton._weight_conversions = getattr(model, "_weight_conversions", None)
+        skeleton._weight_conversions = getattr(outer.module if outer else model, "_weight_conversions", None)
         keys = set(hub_layout(skeleton, skeleton.state_dict()))
     if getattr(config, "tie_word_embeddings", False):
         keys.discard("lm_head.weight")
@@ -143,8 +159,13 @@ def hub_layout(model: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict
 def _write_weights(model: PreTrainedModel, folder: Path, remote: bool, shard_bytes: int) -> tuple[list[str], int, set[str]]:
     writer = ShardWriter(folder, shard_bytes)
     keys: set[str] = set()
-    for chunk in (variant_tensors(model) if remote else stock_tensors(model)):
-        chunk = chunk if remote else hub_layout(model, chunk)
+    outer = None if remote else wrapped(model)
+    chunks = variant_tensors(model) if remote else stock_tensors(model)
+    if outer is not None:  # the cut decoder under the wrapper's names, then the wrapper's other parts unchanged
+        chunks = itertools.chain(({outer.key(k): v for k, v in chunk.items()} for chunk in chunks),
+                                 outer.other_tensors())
+    for chunk in chunks:
+        chunk = chunk if remote else hub_layout(outer.module if outer else model, chunk)
         keys |= set(chunk)
         writer.add(chunk)
     return writer.close(), writer.total_bytes, keys
@@ -153,7 +174,9 @@ def _write_weights(model: PreTrainedModel, folder: Path, remote: bool, shard_byt
 def _config_values(model: PreTrainedModel, record: dict, remote: bool) -> dict:
     architecture = type(model).__name__
     if not remote:
-        return export_config(model.config, record, architectures=[architecture])
+        values = export_config(model.config, record, architectures=[architecture])
+        outer = wrapped(model)
+        return values if outer is None else wrapper_export_config(outer, values)
     model_type = model.config.model_type
     config_cls, model_cls = modeling_ghosted.ghosted_classes(model_type)
     module = Path(MODELING_FILE).stem

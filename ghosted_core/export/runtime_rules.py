@@ -51,6 +51,7 @@ def converter_fixes(config: dict) -> dict:
     """What the converter must write beyond its own output for `config` (a stock export's config.json):
     {"swa_pattern": [bool per layer]} where the kept layer kinds differ from the runtime's index rule, and
     {"query_scale": {"suffix": ..., "factor": f}} where the runtime's attention scale differs from the config's."""
+    config = text_values(config)
     rules = RULES.get(str(config.get("model_type")))
     fixes: dict = {}
     if rules is None:
@@ -67,6 +68,11 @@ def converter_fixes(config: dict) -> dict:
     return fixes
 
 
+def text_values(config: dict) -> dict:
+    """A multimodal checkpoint's text config (its decoder is what the rules are about); a text model's as it is."""
+    return config | config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
 def attention_scale_ratio(config: dict, rules: RuntimeRules) -> float:
     """transformers' attention scale over the one llama.cpp applies to a model of this block count."""
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
@@ -78,6 +84,7 @@ def attention_scale_ratio(config: dict, rules: RuntimeRules) -> float:
 def runtime_refusal(config: dict) -> str | None:
     """Why llama.cpp would run this export differently from its config, where no file key or weight can say
     otherwise (None: it runs as transformers does)."""
+    config = text_values(config)
     rules = RULES.get(str(config.get("model_type")))
     if rules is not None and rules.all_sparse and (config.get("mlp_only_layers")
                                                    or config.get("decoder_sparse_step", 1) != 1):

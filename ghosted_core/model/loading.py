@@ -28,6 +28,7 @@ from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED, converted_embed
 from ghosted_core.memory import check_fits
 from ghosted_core.model import hub_cache
 from ghosted_core.architectures import architecture_of, families
+from ghosted_core.model.wrapper import is_wrapper_config, planning_config, text_view
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,14 @@ def check_supported(config: PretrainedConfig) -> None:
     reason = None
     if getattr(config, "is_encoder_decoder", False):
         reason = "an encoder-decoder model (only decoder-only models have one residual stream through their blocks)"
+    elif is_wrapper_config(config):
+        check_supported(config.get_text_config())  # its decoder is cut as the text model it is
+        try:
+            check_layout(_skeleton(config))
+        except ValueError as err:  # no decoder at model.language_model.layers
+            reason = f"a multimodal checkpoint laid out otherwise ({err})"
     elif getattr(config, "text_config", None) is not None:
-        reason = "a multimodal checkpoint (its text decoder sits inside a wrapper, which is not cut yet)"
+        reason = "a multimodal type that transformers does not build as image-text-to-text"
     elif model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         reason = "not a causal LM that transformers can build"
     elif not isinstance(getattr(config, "num_hidden_layers", None), int):
@@ -134,11 +141,18 @@ def check_supported(config: PretrainedConfig) -> None:
         raise GhostedError(f"unsupported architecture {model_type!r}: {reason}; Ghosted Layers cuts decoder-only "
                            f"causal LMs (in the architecture table, {families()}; others run the residual-stream "
                            "operators only)")
-    check_layout(_skeleton(config))
+    if not is_wrapper_config(config):
+        check_layout(_skeleton(config))
 
 
 def _skeleton(config: PretrainedConfig) -> PreTrainedModel:
-    """The model's module tree on the meta device (no weights, no memory): where its parts are, before loading."""
+    """The model's module tree on the meta device (no weights, no memory): where its parts are, before loading
+    (a multimodal checkpoint's: its text view)."""
+    if is_wrapper_config(config):
+        from transformers import AutoModelForImageTextToText
+
+        with torch.device("meta"):
+            return text_view(AutoModelForImageTextToText.from_config(config))
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -354,7 +368,7 @@ def peek_config(name: str, local_folders: bool = True, token: str | bool | None 
     source, where, _description = _locate(name, local_folders)
     if source == "hub" and (not local_folders or token is not None):
         where = _hub_snapshot(name, HUB_CONFIG_FILES, token)
-    return _read_config(name, where)
+    return planning_config(_read_config(name, where))
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
@@ -376,7 +390,7 @@ def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) 
     from_hub = source == "hub" and (not options.local_folders or options.hub_token is not None)
     config = _read_config(name, _hub_snapshot(name, HUB_CONFIG_FILES, options.hub_token) if from_hub else where)
     if source == "hub":
-        check_fits(config, device, kwargs["dtype"], name)
+        check_fits(planning_config(config), device, kwargs["dtype"], name)
     if from_hub:
         if options.hub_cache_bytes is not None:
             _hub_guarded(name, lambda: hub_cache.check_room(name, HUB_MODEL_FILES, options.hub_token))
@@ -384,11 +398,16 @@ def load_model(name: str = DEFAULT_MODEL, options: LoadOptions = LoadOptions()) 
         if options.hub_cache_bytes is not None:
             hub_cache.trim(options.hub_cache_bytes, keep=name)
     with _readable(name):
-        model = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=False, **kwargs)
+        if is_wrapper_config(config):  # the whole checkpoint loads; its text decoder is what gets cut
+            from transformers import AutoModelForImageTextToText
+
+            model = text_view(AutoModelForImageTextToText.from_pretrained(where, trust_remote_code=False, **kwargs))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(where, trust_remote_code=False, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=False)
     model.eval()
     model.requires_grad_(False)
     where_to = f"device map {getattr(model, 'hf_device_map', {})}" if device == "map" else device
-    log.info("loaded %s (%s, %d blocks, hidden %d, %s on %s)", name, source, config.num_hidden_layers,
-             config.hidden_size, str(kwargs["dtype"]).removeprefix("torch."), where_to)
+    log.info("loaded %s (%s, %d blocks, hidden %d, %s on %s)", name, source, model.config.num_hidden_layers,
+             model.config.hidden_size, str(kwargs["dtype"]).removeprefix("torch."), where_to)
     return LoadedModel(name=name, source=source, description=description, model=model, tokenizer=tokenizer)

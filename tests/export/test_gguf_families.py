@@ -124,3 +124,25 @@ def test_dense_blocks_among_experts_are_refused_for_qwen_moe():
     _, config = _tiny_config("qwen2_moe")  # mlp_only_layers [0], decoder_sparse_step 2
     assert "dense blocks among them" in runtime_refusal(config.to_dict())
     assert runtime_refusal(_tiny_config("qwen3_moe", mlp_only_layers=[])[1].to_dict()) is None
+
+
+def test_multimodal_gemma3_export_runs_its_text_decoder_in_llamacpp(llamacpp, smollm2_tokenizer, tmp_path):
+    """A cut Gemma-3 4B-style checkpoint (vision tower kept): the converter reads the wrapper's text config, and
+    llama.cpp's greedy tokens equal transformers' (the window pattern and the folded scale read from text_config)."""
+    from tiny_multimodal import tiny_wrapper_folder
+    from ghosted_core.export.folder import export_variant
+    from ghosted_core.model.loading import LoadOptions, load_model
+    from ghosted_core.model.surgery import build_variant
+
+    tiny_wrapper_folder("gemma3", smollm2_tokenizer, tmp_path / "dense")
+    view = load_model(str(tmp_path / "dense"), LoadOptions(device="cpu")).model
+    variant = build_variant(view, (1,), record={"dense_layers": 6, "removed_layers": [1], "operator": "none",
+                                                "boundaries": [[1, 2]]})
+    folder = export_variant(variant, smollm2_tokenizer, tmp_path / "none", mode="stock").folder
+    gguf = convert_to_gguf(folder, tmp_path / "gemma3.gguf", outtype="f32").path
+    generated = llamacpp_generate(gguf, PROMPT, max_new_tokens=NEW_TOKENS)
+    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        tokens = variant.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert list(generated.prompt_tokens) == ids[0].tolist()
+    assert list(generated.tokens) == tokens[0, ids.shape[1]:].tolist()

@@ -1,0 +1,41 @@
+"""Tiny random multimodal checkpoints (a text decoder of 6 blocks inside its wrapper, a 2-block vision tower),
+saved as local folders: what the multimodal tests cut and export."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers import AutoModelForImageTextToText
+
+from conftest import LINEAR_ATTENTION, TINY_INNER, TINY_WIDTH
+
+TEXT = dict(hidden_size=TINY_WIDTH, intermediate_size=TINY_INNER, num_hidden_layers=6, num_attention_heads=6,
+            num_key_value_heads=2, head_dim=6, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+              patch_size=8)
+# wrapper type -> (text config values beyond TEXT, wrapper values, the stock folds its text family takes)
+WRAPPERS = {
+    "gemma3": (dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
+               dict(mm_tokens_per_image=4), "magcomp"),  # ReplaceMe does not fold past the post-norm
+    "mistral3": (dict(sliding_window=None), {}, "magcomp,replaceme"),
+    "qwen3_5": (dict(LINEAR_ATTENTION, layer_types=["linear_attention", "full_attention"] * 3), {}, ""),
+}
+
+
+def tiny_wrapper_folder(model_type: str, tokenizer, folder):
+    """A random multimodal checkpoint of `model_type` (6 text blocks), saved with SmolLM2's tokenizer."""
+    text_values, outer, _ = WRAPPERS[model_type]
+    config_cls = transformers.CONFIG_MAPPING[model_type]
+    defaults = config_cls()
+    text = {k: v for k, v in defaults.text_config.to_dict().items() if k != "layer_types"}
+    vision = defaults.vision_config.to_dict()
+    config = config_cls(text_config=text | TEXT | text_values | {"vocab_size": len(tokenizer)},
+                        vision_config=vision | {k: v for k, v in VISION.items() if k in vision}, **outer)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
