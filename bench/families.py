@@ -194,6 +194,60 @@ def run_all(types: list[str], path: Path, timeout: int) -> None:
         print(f"{model_type}: {record['stage']} {record.get('reason', '')[:120]}", flush=True)
 
 
+# What each family's stock export needs in the runtimes people serve with (tests/export/test_gguf_families.py
+# holds the llama.cpp column; the vLLM column is what its loaders read, held by tests/export/test_vllm_gpu.py on a GPU)
+SERVING = {
+    "llama": ("runs", ""), "mistral": ("runs (no sliding window in llama.cpp: the export warns)", ""),
+    "qwen2": ("converter knows it (not run: the tiny fixture's tokenizer)", "`max_window_layers` recounted"),
+    "qwen3": ("runs", ""),
+    "gemma3_text": ("runs: kept layers' window pattern written, attention scale folded into q_norm (27B cut)",
+                    "`layer_types` sliced"),
+    "phi3": ("converter knows it (not run: it wants a sentencepiece tokenizer)", ""),
+    "olmo2": ("runs (untied, as its checkpoints)", ""), "olmo3": ("runs", "`layer_types` sliced"),
+    "smollm3": ("runs where the cut keeps every 4th block RoPE-less; refused otherwise (llama.cpp reads no list)",
+                "`no_rope_layers` sliced"),
+    "granite": ("runs", "multipliers kept in the config"),
+    "gemma2": ("converter knows it (not run: it wants a sentencepiece tokenizer); window pattern written, scale "
+               "folded into q_proj", "`layer_types` sliced"),
+    "mixtral": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
+    "qwen2_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
+    "qwen3_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
+    "olmoe": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
+    "gpt_oss": ("runs: kept layers' window pattern written", "`layer_types` sliced"),
+    "qwen3_next": ("runs (told the export has no MTP head)", "`layer_types` sliced; no MTP head"),
+    "lfm2": ("runs", "`layer_types` / `full_attn_idxs` recounted"),
+    "granitemoehybrid": ("runs (the Hub's mamba/attention names written)", "the Hub's `layer_types` names"),
+}
+
+
+def family_section() -> list[str]:
+    """The architecture table, as users meet it: what each operator does on each family, and where it serves."""
+    from ghosted_core.architectures import ARCHITECTURES
+
+    checks = (("magcomp", "scale"), ("replaceme", "branch"), ("refit", "down_proj"), ("kd_mlp", "mlp"))
+    lines = ["## The families in the architecture table", "",
+             "Every family runs the whole command line (`tests/model/test_models.py`: load, every criterion, "
+             "calibration, every operator that applies, distillation, perplexity, generation, tasks, export, a fresh "
+             "reload); ghost and the other residual-stream operators apply to all. A fold that does not apply is "
+             "refused before any work with the reason (yes: the operator runs; stock where it folds, remote code "
+             "otherwise).", "",
+             "| model type | family | kind | " + " | ".join(name for name, _ in checks) + " | llama.cpp (GGUF) | vLLM |",
+             "|---|---|---|" + "---|" * len(checks) + "---|---|"]
+    for model_type, arch in ARCHITECTURES.items():
+        cells = ["yes" if arch.refusal(need, name) is None else "no" for name, need in checks]
+        gguf, vllm = SERVING.get(model_type, ("", ""))
+        lines.append(f"| {model_type} | {arch.family} | {arch.kind} | {' | '.join(cells)} | {gguf} | {vllm} |")
+    lines += ["", "Multimodal checkpoints (`gemma3` 4B–27B, `mistral3`, `qwen3_5`, …; `tests/model/test_multimodal.py`): "
+              "the text decoder inside the wrapper is cut as its family above; the stock export is the whole checkpoint "
+              "(vision tower and projector unchanged) and reloads as the same multimodal class. Remote-code saves of a "
+              "wrapper are refused (the ghost operators' classes wrap text models).", "",
+              "llama.cpp keys some facts to the block count or a layer's index (`ghosted_core/export/runtime_rules.py`, "
+              "audited in the build's commit): the export writes or folds what a cut changes, or refuses with the "
+              "reason. The vLLM column is what its loaders read from the config; the GPU test is ready "
+              "(`tests/export/test_vllm_gpu.py`) and has not run on these families (no GPU was lent).", ""]
+    return lines
+
+
 def page(path: Path) -> str:
     results = json.loads(path.read_text())
     done = [r for r in results.values() if r["stage"] == "done"]
@@ -208,6 +262,7 @@ def page(path: Path) -> str:
              "In the architecture table means the folds (magcomp's scale, ReplaceMe's map) ran too; a type outside it "
              "runs the residual-stream operators (none, ghost_capped, …) and refuses the folds with the reason. "
              "Random weights: this is coverage, not quality.", "",
+             *family_section(), "## Every causal-LM type of transformers", "",
              "| type | in the table | kind | runs | reload, same greedy text | reason |", "|---|---|---|---|---|---|"]
     for name in sorted(results):
         r = results[name]
