@@ -39,9 +39,12 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
             num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
             n_inner=128, ffn_dim=128, d_ff=128, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8, n_group=1, topk_group=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+              patch_size=8)
 MAX_PARAMETERS = 20_000_000  # a type whose defaults stay big at these sizes (fields under other names) is skipped
 # what a tiny size breaks in a few types' defaults (their defaults assume a real width)
 EXTRA = {
+    "gemma3": dict(mm_tokens_per_image=4),
     "qwen3_5_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
                                           "mrope_section": [2, 1, 1]}),
     "qwen3_5_moe_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
@@ -54,7 +57,16 @@ def tiny_config(model_type: str, vocab_size: int):
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}))  # n_embd answers to hidden_size
+    defaults = cls()
+    if getattr(defaults, "text_config", None) is not None:  # a multimodal wrapper: its decoder and tower, tiny
+        text = {k: v for k, v in tiny_config(defaults.text_config.model_type, vocab_size).to_dict().items()
+                if k != "layer_types"}
+        parts = {"text_config": text}
+        if getattr(defaults, "vision_config", None) is not None:
+            vision = defaults.vision_config.to_dict()
+            parts["vision_config"] = vision | {k: v for k, v in VISION.items() if k in vision}
+        return cls(**parts, **EXTRA.get(model_type, {}))
+    known = set(defaults.to_dict()) | set(getattr(cls, "attribute_map", {}))  # n_embd answers to hidden_size
     values = {k: v for k, v in TINY.items() if k in known} | {"vocab_size": vocab_size} | EXTRA.get(model_type, {})
     return cls(**values)
 
@@ -69,6 +81,7 @@ def one(model_type: str) -> dict:
     from ghosted_core import cli
     from ghosted_core.architectures import ARCHITECTURES, architecture_of
     from ghosted_core.model.embedded import EMBEDDED
+    from ghosted_core.model.wrapper import is_wrapper_config
 
     torch.set_num_threads(1)
     spec = EMBEDDED["smollm2-135m"]
@@ -89,10 +102,12 @@ def one(model_type: str) -> dict:
     except Exception as err:  # noqa: BLE001  a default that does not build or run at a tiny size is a reason too
         return record | {"stage": "build", "reason": f"the tiny config from defaults does not run in transformers: "
                                                      f"{type(err).__name__}: {err}"[:300]}
-    arch = architecture_of(config)
-    record["kind"] = arch.kind if not arch.generic else "generic"
-    variants = ["none", "ghost_capped"] + [v for v, r in (("magcomp", "scale"), ("replaceme", "branch"))
-                                           if arch.refusal(r, v) is None]
+    multimodal = is_wrapper_config(config)  # its text decoder is cut; its exports are stock only
+    arch = architecture_of(config.get_text_config())
+    record["kind"] = ("multimodal " if multimodal else "") + (arch.kind if not arch.generic else "generic")
+    folds = [v for v, r in (("magcomp", "scale"), ("replaceme", "branch")) if arch.refusal(r, v) is None
+             and (not multimodal or v != "replaceme" or arch.branch_folds)]
+    variants = ["none"] + ([] if multimodal else ["ghost_capped"]) + folds
     with tempfile.TemporaryDirectory() as tmp:
         folder, out = Path(tmp) / "model", Path(tmp) / "out"
         model.save_pretrained(folder)

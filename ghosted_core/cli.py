@@ -29,7 +29,6 @@ from ghosted_core.export.gguf import (GGUF_FORMAT, GGUF_OUTTYPES, GGUFOptions, e
                                       parse_gguf_types)
 from ghosted_core.model.embedded import DEFAULT_MODEL, embedded_names
 from ghosted_core.model.loading import LoadOptions, parse_max_memory, peek_config
-from ghosted_core.model.wrapper import from_wrapper
 from ghosted_core.recovery.assessment import SHOWN, Diagnostics
 from ghosted_core.recovery.magcomp import MAGCOMP_FORMS
 from ghosted_core.recovery.operators import OPERATORS, FitOptions
@@ -301,7 +300,7 @@ def check_outputs(args: argparse.Namespace, options: RunOptions) -> Path:
         raise GhostedError(f"--gguf_imatrix_chunks must be at least 1 (got {args.gguf_imatrix_chunks})")
     if args.save_model:
         check_export([v.operator for v in options.variants], "stock" if args.export == GGUF_FORMAT else args.export,
-                     multimodal=from_wrapper(peek_config(options.model, options.load.local_folders)))
+                     config=peek_config(options.model, options.load.local_folders))
         if args.export == GGUF_FORMAT:
             find_llamacpp()  # refused before the run, not after it
         check_new_folder(args.save_model, "--save_model")

@@ -20,7 +20,6 @@ from ghosted_core.export.gain import SpeedOptions
 from ghosted_core.export.gguf import GGUF_FORMAT, GGUFExport, GGUFOptions, export_gguf, find_llamacpp, parse_gguf_types
 from ghosted_core.model.embedded import needs_conversion
 from ghosted_core.model.loading import LoadedModel, LoadOptions, peek_config
-from ghosted_core.model.wrapper import from_wrapper
 from ghosted_core.plan import MAX_BLOCKS
 from ghosted_core.progress import ProgressEvent, staged
 from ghosted_core.recovery.operators import OPERATORS
@@ -122,7 +121,7 @@ def check_save(options: RunOptions, save_variant: str, export_format: str = "aut
                            f"({', '.join(built) or 'none: nothing is pruned'}); add it to 'Operators' or choose {NO_SAVE!r}")
     operator = next(v.operator for v in options.variants if v.name == save_variant)
     check_export([operator], "stock" if export_format == GGUF_FORMAT else export_format,
-                 multimodal=from_wrapper(peek_config(options.model, options.load.local_folders, options.load.hub_token)))
+                 config=peek_config(options.model, options.load.local_folders, options.load.hub_token))
     if export_format == GGUF_FORMAT:
         find_llamacpp()  # a missing build is refused before the run, not after it
     return save_variant

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from ghosted_core.architectures import architecture_of
 from ghosted_core.model import modeling_ghosted
-from ghosted_core.model.wrapper import wrapped, wrapper_export_config
+from ghosted_core.model.wrapper import from_wrapper, wrapped, wrapper_export_config
 from ghosted_core.data.assets import cache_dir
 from ghosted_core.export.checkpoint import DEFAULT_SHARD_BYTES, WEIGHTS, WEIGHTS_INDEX, ShardWriter, export_config, \
     write_json
@@ -110,12 +111,17 @@ MULTIMODAL_STOCK_ONLY = ("a multimodal checkpoint exports as stock only (the rem
                          "replaceme family, magcomp, the refits) with --export stock or auto")
 
 
-def check_export(operators: Sequence[str], mode: str, multimodal: bool = False) -> None:
-    """Refuse, before any work, an export format that the requested operators cannot have (`multimodal`: the
-    model is a wrapper's text view, whose exports are stock only)."""
+def check_export(operators: Sequence[str], mode: str, config=None) -> None:
+    """Refuse, before any work, an export format that the requested operators cannot have (`config`: the model's,
+    as `peek_config` gives it; a multimodal checkpoint's exports are stock only, so an operator that does not fold
+    on its family is refused too)."""
     if mode not in EXPORT_MODES:
         raise GhostedError(f"unknown export format {mode!r}; use one of {', '.join(EXPORT_MODES)}")
     never = [name for name in dict.fromkeys(operators) if not get_operator(name).stock]
+    multimodal = config is not None and from_wrapper(config)
+    if multimodal and not architecture_of(config).branch_folds:  # ReplaceMe's map passes a norm: remote code
+        never += [name for name in dict.fromkeys(operators) if "branch" in get_operator(name).requires
+                  and name not in never]
     if multimodal and (never or mode == "remote_code"):
         raise GhostedError(f"--save_model: {MULTIMODAL_STOCK_ONLY}" + (f"; not {', '.join(never)}" if never else ""))
     if mode == "stock" and never:
