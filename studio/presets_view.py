@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import functools
 
-from ghosted_core.architectures import ARCHITECTURES, KINDS
 from ghosted_core.planning.estimate import DeviceInfo, current_device
 from ghosted_core.model.embedded import EMBEDDED
 from ghosted_core.run.options import RunOptions
-from ghosted_core.planning.presets import PRESETS, Preset, preset_status
+from ghosted_core.planning.presets import PRESET_KINDS, PRESETS, Preset, preset_status
 
 GIB = 2**30
 
@@ -33,14 +32,14 @@ def find_preset(name: str) -> Preset | None:
 
 def model_choices() -> list[tuple[str, str]]:
     """(label, value) pairs: the embedded models, then the Hub presets by kind and family (dense, mixture of experts,
-    hybrid; families alphabetically), by size within a family."""
+    hybrid, multimodal; families alphabetically), by size within a family."""
     embedded = [(f"{name} (embedded; {spec.parts.size / 1e9:.1f} GB fetched from PyPI on first use)" if spec.on_demand
                  else f"{name} (embedded, offline)", name) for name, spec in EMBEDDED.items()]
 
     def order(p: Preset) -> tuple:
-        return KINDS.index(ARCHITECTURES[p.model_type].kind), p.family.lower(), p.params
+        return PRESET_KINDS.index(p.kind), p.family.lower(), p.params
 
-    hub = [(f"{p.family} · {p.hub_id} ({p.params / 1e9:.2f}B, {ARCHITECTURES[p.model_type].kind}"
+    hub = [(f"{p.family} · {p.hub_id} ({p.params / 1e9:.2f}B, {p.kind}"
             f"{', gated' if p.gated else ''}; Hub)", p.hub_id) for p in sorted(PRESETS.values(), key=order)]
     return embedded + hub
 

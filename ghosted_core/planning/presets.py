@@ -16,11 +16,14 @@ a GhostedError.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from dataclasses import dataclass
 
 from transformers import AutoConfig, PretrainedConfig
 
+from ghosted_core.architectures import KINDS, architecture_of
 from ghosted_core.errors import GhostedError
 from ghosted_core.memory import MemoryPlan
 from ghosted_core.planning.estimate import DeviceInfo, TimeEstimate, current_device, estimate_memory, \
@@ -29,7 +32,12 @@ from ghosted_core.hub import hub_reachable
 from ghosted_core.memory import HEADROOM
 from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.model.loading import peek_config
+from ghosted_core.model.wrapper import planning_config
 from ghosted_core.run.options import RunOptions
+
+
+MULTIMODAL = "multimodal"  # a checkpoint whose text decoder sits in a wrapper beside a vision tower
+PRESET_KINDS = (*KINDS, MULTIMODAL)
 
 
 @dataclass(frozen=True)
@@ -54,19 +62,37 @@ class Preset:
     published_non_embedding: float | None = None  # where the model card also states it (Qwen)
     extra: tuple[tuple[str, object], ...] = ()  # further config.json numbers the family has (experts, windows)
     rounded: bool = False  # the card gives only a rounded size ("7B"): the count is held to that rounding
+    vision: tuple[tuple[str, object], ...] = ()  # a multimodal checkpoint's vision_config numbers (its tower)
 
     def config(self) -> PretrainedConfig:
-        """A transformers config with these numbers (for the memory plan and the time estimate)."""
-        return AutoConfig.for_model(
-            self.model_type, hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
-            tie_word_embeddings=self.tied_embeddings, **dict(self.extra))
+        """A transformers config with these numbers (for the memory plan and the time estimate); a multimodal
+        checkpoint's text config, counting the tower beside its decoder (`model.wrapper.planning_config`)."""
+        text = self._text()
+        if not self.vision:
+            return AutoConfig.for_model(self.model_type, **text)
+        return copy.deepcopy(_wrapper_config(self.model_type, tuple(text.items()), self.vision))
+
+    def checkpoint_config(self) -> PretrainedConfig:
+        """The config of the whole checkpoint: `config()` for a text model, the multimodal wrapper's otherwise."""
+        if not self.vision:
+            return self.config()
+        return AutoConfig.for_model(self.model_type, text_config=self._text(), vision_config=dict(self.vision))
+
+    def _text(self) -> dict:
+        return dict(hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
+                    num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+                    tie_word_embeddings=self.tied_embeddings, **dict(self.extra))
 
     @property
     def params(self) -> int:
         """Parameters of the model transformers builds from these numbers (counted on the meta device)."""
         return estimate_parameters(self.config())
+
+    @property
+    def kind(self) -> str:
+        """How the app groups it: its family's kind (dense, mixture of experts, hybrid), or multimodal."""
+        return MULTIMODAL if self.vision else architecture_of(self.config()).kind
 
     @property
     def label(self) -> str:
@@ -75,10 +101,21 @@ class Preset:
             (" 🔒 needs a token" if self.gated else "")
 
 
+@functools.cache
+def _wrapper_config(model_type: str, text: tuple, vision: tuple) -> PretrainedConfig:
+    """The text config a multimodal preset plans with (its wrapper built once on the meta device)."""
+    return planning_config(AutoConfig.for_model(model_type, text_config=dict(text), vision_config=dict(vision)))
+
+
 def _p(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied, license,
-       gated=False, non_embedding=None, rounded=False, **extra) -> Preset:
+       gated=False, non_embedding=None, rounded=False, vision=None, **extra) -> Preset:
     return Preset(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied,
-                  license, gated, non_embedding, tuple(extra.items()), rounded)
+                  license, gated, non_embedding, tuple(extra.items()), rounded, tuple((vision or {}).items()))
+
+
+SIGLIP = dict(hidden_size=1152, num_hidden_layers=27, intermediate_size=4304, num_attention_heads=16, image_size=896,
+              patch_size=14)  # Gemma-3 4B-27B's tower: 417M (Gemma 3 technical report, Table 1)
+QWEN35_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16)
 
 
 PRESETS: dict[str, Preset] = {p.key: p for p in (
@@ -126,6 +163,17 @@ PRESETS: dict[str, Preset] = {p.key: p for p in (
        False, "apache-2.0", non_embedding=29.9e9, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
     _p("llama-3.3-70b", "meta-llama/Llama-3.3-70B-Instruct", "Llama", "llama", 70.6e9, 8192, 80, 64, 8, 128, 28672,
        128256, False, "llama3.3", gated=True),
+    # multimodal checkpoints: the decoder inside is cut, the tower is kept (and counted)
+    _p("gemma-3-4b", "google/gemma-3-4b-pt", "Gemma3", "gemma3", 4.3e9, 2560, 34, 8, 4, 256, 10240, 262208, True,
+       "gemma", gated=True, vision=SIGLIP, sliding_window=1024),
+    _p("gemma-3-12b", "google/gemma-3-12b-pt", "Gemma3", "gemma3", 12.2e9, 3840, 48, 16, 8, 256, 15360, 262208, True,
+       "gemma", gated=True, vision=SIGLIP, sliding_window=1024),
+    _p("gemma-3-27b", "google/gemma-3-27b-pt", "Gemma3", "gemma3", 27.4e9, 5376, 62, 32, 16, 128, 21504, 262208,
+       True, "gemma", gated=True, vision=SIGLIP, sliding_window=1024, query_pre_attn_scalar=168),
+    _p("qwen3.5-9b", "Qwen/Qwen3.5-9B", "Qwen3.5", "qwen3_5", 9e9, 4096, 32, 16, 4, 256, 12288, 248320, False,
+       "apache-2.0", rounded=True, vision=QWEN35_VISION | {"out_hidden_size": 4096}, linear_num_value_heads=32),
+    _p("qwen3.5-27b", "Qwen/Qwen3.5-27B", "Qwen3.5", "qwen3_5", 27e9, 5120, 64, 24, 4, 256, 17408, 248320, False,
+       "apache-2.0", rounded=True, vision=QWEN35_VISION | {"out_hidden_size": 5120}, linear_num_value_heads=48),
 )}
 
 

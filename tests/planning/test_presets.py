@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from ghosted_core.calibration.collect import CalibrationOptions
 from ghosted_core.errors import GhostedError
@@ -25,7 +25,8 @@ MID_GPU = DeviceInfo("mid test GPU", "cuda", 24 * 2**30, 100e12, 5e12, "assumed 
 def test_parameter_count_from_the_shapes_matches_the_published_size(key):
     preset = PRESETS[key]
     with torch.device("meta"):  # the real architecture, no memory: count what transformers would allocate
-        model = AutoModelForCausalLM.from_config(preset.config())
+        model = (AutoModelForImageTextToText if preset.vision else AutoModelForCausalLM).from_config(
+            preset.checkpoint_config())  # a multimodal checkpoint whole: decoder, tower and projector
     counted = sum(p.numel() for p in model.parameters())  # tied embeddings appear once
     assert counted == preset.params  # estimate_parameters counts what transformers builds
     if preset.rounded:  # "7B": anything that rounds to it
@@ -35,14 +36,17 @@ def test_parameter_count_from_the_shapes_matches_the_published_size(key):
     if preset.published_non_embedding:
         embeddings = preset.vocab_size * preset.hidden_size * (1 if preset.tied_embeddings else 2)
         assert counted - embeddings == pytest.approx(preset.published_non_embedding, rel=0.015)
-    assert model.config.num_hidden_layers == preset.num_layers and model.config.model_type == preset.model_type
+    assert model.config.model_type == preset.model_type
+    assert model.config.get_text_config().num_hidden_layers == preset.num_layers == preset.config().num_hidden_layers
 
 
 def test_presets_span_the_curated_list():
     sizes = [p.published_params for p in PRESETS.values()]
     assert min(sizes) == pytest.approx(0.36e9, rel=0.01) and max(sizes) == pytest.approx(70.6e9)
     families = {p.family for p in PRESETS.values()}
-    assert {"Qwen3-MoE", "gpt-oss", "OLMo-3", "SmolLM3", "Phi-3", "Gemma3"} <= families  # the 2025-26 ones
+    assert {"Qwen3-MoE", "gpt-oss", "OLMo-3", "SmolLM3", "Phi-3", "Gemma3", "Qwen3.5"} <= families  # 2025-26
+    assert {p.key for p in PRESETS.values() if p.vision} == {"gemma-3-4b", "gemma-3-12b", "gemma-3-27b", "qwen3.5-9b",
+                                                               "qwen3.5-27b"}  # multimodal checkpoints
     gated = {p.key for p in PRESETS.values() if p.gated}
     assert {"llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"} <= gated
     assert not {p.key for p in PRESETS.values() if p.family == "Qwen3" or "smollm2" in p.key} & gated
