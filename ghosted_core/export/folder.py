@@ -192,6 +192,21 @@ def _config_values(model: PreTrainedModel, record: dict, remote: bool) -> dict:
                          ghosted_layout=operator_layout(model))
 
 
+def keep_sentencepiece_model(tokenizer, folder: Path) -> None:
+    """The source's sentencepiece model beside the tokenizer files: transformers 5 saves only tokenizer.json (and
+    the source file's absolute path in tokenizer_config.json, which would name this machine's folders), and
+    llama.cpp's converter reads tokenizer.model for Gemma-2, Phi-3 and other sentencepiece families."""
+    source = getattr(tokenizer, "vocab_file", None)
+    if source and Path(source).name == "tokenizer.model" and Path(source).is_file() \
+            and not (folder / "tokenizer.model").exists():
+        shutil.copyfile(source, folder / "tokenizer.model")
+    settings = folder / "tokenizer_config.json"
+    values = json.loads(settings.read_text()) if settings.exists() else {}
+    if "vocab_file" in values:  # the copy beside it is what a loader finds
+        values.pop("vocab_file")
+        settings.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+
+
 def _local_paths(model: PreTrainedModel, folder: Path) -> set[str]:
     """Paths of this machine that must not appear in an export."""
     paths = {str(folder.resolve().parent), str(cache_dir().resolve()), str(Path.home()) + "/"}
@@ -244,6 +259,7 @@ def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: 
                 model.generation_config.save_pretrained(staged)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staged)
+                keep_sentencepiece_model(tokenizer, staged)
             if remote:
                 shutil.copyfile(modeling_ghosted.__file__, staged / MODELING_FILE)
             clean_record = {k: v for k, v in record.items() if k != "layout"}

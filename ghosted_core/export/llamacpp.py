@@ -217,7 +217,7 @@ def llamacpp_generate(gguf: str | Path, prompt: str, max_new_tokens: int = 16, t
     return Generation(tuple(ids[:-max_new_tokens]), tuple(ids[-max_new_tokens:]), text, seconds)
 
 
-_FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+_FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+|-?nan|inf)")  # nan: windows too few to vary
 _CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
 
 
@@ -238,6 +238,9 @@ def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, context: int = 
     start = time.perf_counter()
     output = _run(cmd, f"llama-perplexity on {Path(gguf).name}")
     final, windows = _FINAL.search(output), _CHUNKS.search(output)
+    if final is None and windows is not None:  # llama.cpp's log thread can lose the last lines at exit: once more
+        output = _run(cmd, f"llama-perplexity on {Path(gguf).name}")
+        final, windows = _FINAL.search(output), _CHUNKS.search(output)
     if final is None or windows is None:
         raise GhostedError(f"llama-perplexity printed no estimate for {Path(gguf).name} (is the text at least "
                            f"{2 * context} tokens?): {' | '.join(output.strip().splitlines()[-3:])}")
