@@ -230,6 +230,9 @@ SERVING = {
     "olmoe": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
     "gpt_oss": ("runs: kept layers' window pattern written", "`layer_types` sliced"),
     "qwen3_next": ("runs (told the export has no MTP head)", "`layer_types` sliced; no MTP head"),
+    "qwen3_5_text": ("converter knows it (not run: llama.cpp's mRoPE asserts on the tiny rotary size)",
+                     "`layer_types` sliced"),
+    "qwen3_5_moe_text": ("converter knows it (not run: the tiny fixture's tokenizer)", "`layer_types` sliced"),
     "lfm2": ("runs", "`layer_types` / `full_attn_idxs` recounted"),
     "granitemoehybrid": ("runs (the Hub's mamba/attention names written)", "the Hub's `layer_types` names"),
 }

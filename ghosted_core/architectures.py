@@ -141,6 +141,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         # hybrid: linear-attention (Gated DeltaNet), short-convolution or Mamba mixers on some blocks
         Architecture("qwen3_next", "Qwen3-Next", kind=HYBRID, norm_gain_offset=1.0, down_proj=None,
                      residual_writers=ATTENTION_OUT + ("linear_attn.out_proj",) + MLP_OUT + EXPERTS_OUT + SHARED_OUT),
+        Architecture("qwen3_5_text", "Qwen3.5", kind=HYBRID, norm_gain_offset=1.0,
+                     residual_writers=ATTENTION_OUT + ("linear_attn.out_proj",) + MLP_OUT),
+        Architecture("qwen3_5_moe_text", "Qwen3.5-MoE", kind=HYBRID, norm_gain_offset=1.0, down_proj=None,
+                     residual_writers=ATTENTION_OUT + ("linear_attn.out_proj",) + MLP_OUT + EXPERTS_OUT + SHARED_OUT),
         Architecture("lfm2", "LFM2", kind=HYBRID, final_norm="embedding_norm", branch="feed_forward", mlp="feed_forward",
                      residual_writers=("self_attn.out_proj", "conv.out_proj", "feed_forward.w2"),
                      down_proj="feed_forward.w2"),

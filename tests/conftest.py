@@ -67,6 +67,11 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     # hybrid: linear-attention, short-convolution and Mamba layers among attention layers
     "qwen3_next": ("Qwen3Next", dict(IDS, **EXPERTS, **LINEAR_ATTENTION, head_dim=8, shared_expert_intermediate_size=24,
                                      mlp_only_layers=[1], layer_types=["linear_attention", "full_attention"] * 3)),
+    "qwen3_5_text": ("Qwen3_5", dict(IDS, **LINEAR_ATTENTION, head_dim=6, config="Qwen3_5TextConfig",
+                                     layer_types=["linear_attention", "full_attention"] * 3)),  # Qwen3.5's decoder
+    "qwen3_5_moe_text": ("Qwen3_5Moe", dict(IDS, **EXPERTS, **LINEAR_ATTENTION, head_dim=6, config="Qwen3_5MoeTextConfig",
+                                            shared_expert_intermediate_size=24,
+                                            layer_types=["full_attention", "linear_attention"] * 3)),
     "lfm2": ("Lfm2", dict(IDS, full_attn_idxs=[2, 5], conv_L_cache=3, block_multiple_of=8)),
     "granitemoehybrid": ("GraniteMoeHybrid", dict(
         IDS, **GRANITE_SCALARS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,

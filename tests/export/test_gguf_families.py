@@ -27,7 +27,8 @@ from test_gguf import NEW_TOKENS, PROMPT, export_pruned, greedy_in_process, llam
 
 UNTIED = dict(tie_word_embeddings=False)  # these families' checkpoints are untied; llama.cpp's graph wants output
 # family -> (config overrides that make the tiny model one the runtime's graph describes, the blocks removed).
-# Every family of the table's tiny configs is here (a new one enters with its config) but qwen2: transformers gives
+# Every family of the table's tiny configs is here (a new one enters with its config) but qwen3_5_text (llama.cpp's
+# interleaved mRoPE asserts on the fixture's tiny rotary size, n_dims % 2), qwen3_5_moe_text and qwen2: transformers gives
 # a Qwen2 folder Qwen2's pre-tokenizer whatever vocabulary it holds, which the converter does not recognize for
 # SmolLM2's (a mismatch of the tiny fixture, not of a real Qwen2 export); and phi3, whose converter wants a
 # sentencepiece model and whose runtime does not load the vocabulary of the one trained here ("unordered_map::at").
