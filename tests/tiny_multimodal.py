@@ -19,7 +19,11 @@ WRAPPERS = {
     "gemma3": (dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
                dict(mm_tokens_per_image=4), "magcomp"),  # ReplaceMe does not fold past the post-norm
     "mistral3": (dict(sliding_window=None), {}, "magcomp,replaceme"),
-    "qwen3_5": (dict(LINEAR_ATTENTION, layer_types=["linear_attention", "full_attention"] * 3), {}, ""),
+    "qwen3_5": (dict(LINEAR_ATTENTION, layer_types=["linear_attention", "full_attention"] * 3), {},
+                "magcomp,replaceme"),
+    "qwen3_5_moe": (dict(LINEAR_ATTENTION, layer_types=["linear_attention", "full_attention"] * 3, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=24), {},
+                    "magcomp"),
 }
 
 
