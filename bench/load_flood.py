@@ -12,11 +12,14 @@ they are done, each request from a made-up session id:
 - maximal runs (the page's own maximums: 128 × 2048 calibration tokens, every operator, 16,384
   perplexity tokens on every corpus);
 - valid runs of its own, as many as it can;
+- simultaneous bursts of its own valid runs (threads behind a barrier): 40 from its address, each
+  its own session, and 16 from one session;
+- the routes Gradio serves that write files (`deep_link`, `process_recording`, `component_server`);
 - 5 MB uploads, and one upload of 40 files.
 
 Reported: every honest run's outcome and wait; the flooder's requests by kind and what each was
-answered (HTTP status, or the run's end); the server's peak resident memory and the peak size of
-Gradio's upload folder.
+answered (HTTP status, or the run's end), and the most runs one burst got in; the server's peak
+resident memory and the peak size of Gradio's upload folder.
 """
 
 from __future__ import annotations
@@ -40,6 +43,39 @@ sys.path.insert(0, str(ROOT / "bench"))
 from load import TINY, address_of, follow, percentile, rss, start_server  # noqa: E402
 
 FLOODER = {"x-forwarded-for": "203.0.113.66"}
+BURSTS = {"burst: 40 runs at once, one address": (40, False), "burst: 16 runs at once, one session": (16, True)}
+
+
+def burst(url: str, bodies: list[dict]) -> collections.Counter:
+    """Every body POSTed to /run at the same instant (threads behind a barrier); the answers by HTTP status."""
+    import httpx
+
+    barrier, answers = threading.Barrier(len(bodies)), collections.Counter()
+
+    def send(body: dict) -> None:
+        with httpx.Client(timeout=120, headers=FLOODER) as http:
+            barrier.wait()
+            answers[f"HTTP {http.post(f'{url}gradio_api/call/run', json=body).status_code}"] += 1
+
+    threads = [threading.Thread(target=send, args=(body,)) for body in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def doors(http, url: str, video: bytes) -> dict[str, int]:
+    """The routes Gradio serves that write files, tried once each: their HTTP status."""
+    session = f"flood-{uuid.uuid4().hex}"
+    http.post(f"{url}gradio_api/call/model_info", json={"data": ["smollm2-135m"], "session_hash": session})
+    return {"deep_link (writes the session's state)": http.get(f"{url}gradio_api/deep_link",
+                                                                params={"session_hash": session}).status_code,
+            "process_recording (writes a 4 MB video)": http.post(
+                f"{url}gradio_api/process_recording", files={"video": ("v.mp4", video, "video/mp4")}).status_code,
+            "component_server (50 files)": http.post(
+                f"{url}gradio_api/component_server",
+                files=[("files", (f"f{k}.txt", b"x" * 1000)) for k in range(50)]).status_code}
 
 
 def run_defaults(url: str) -> dict:
@@ -80,8 +116,8 @@ def flood(url: str, values: list, names: list[str], stop: threading.Event, folde
                    eval_tokens=16384)
     kinds = {"invalid run (seed -1)": data(seed=-1), "maximal run (the page's maximums)": maximal,
              "valid run of its own": data(**own)}
-    answers: dict[str, collections.Counter] = {k: collections.Counter() for k in (*kinds, "5 MB upload",
-                                                                                   "40 files in one upload")}
+    answers: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    most: dict[str, int] = dict.fromkeys(BURSTS, 0)  # the most runs one burst got in
     big = folder / "flood.txt"
     big.write_bytes(b"flood " * (5 * 2**20 // 6 - 100))
     with httpx.Client(timeout=120, headers=FLOODER) as http:
@@ -92,11 +128,21 @@ def flood(url: str, values: list, names: list[str], stop: threading.Event, folde
                 posted = http.post(f"{url}gradio_api/call/run",
                                    json={"data": body, "session_hash": f"flood-{uuid.uuid4().hex}"})
                 answers[kind][f"HTTP {posted.status_code}"] += 1
+            for kind, (count, one_session) in BURSTS.items():
+                session = f"flood-{uuid.uuid4().hex}"
+                got = burst(url, [{"data": kinds["valid run of its own"],
+                                   "session_hash": session if one_session else f"flood-{uuid.uuid4().hex}"}
+                                  for _ in range(count)])
+                answers[kind] += got
+                most[kind] = max(most[kind], got["HTTP 200"])
+            for kind, status in doors(http, url, b"\0" * 4 * 2**20).items():
+                answers[kind][f"HTTP {status}"] += 1
             upload = http.post(f"{url}gradio_api/upload", files={"files": (f"{uuid.uuid4().hex}.txt",
                                                                            big.read_bytes())})
             answers["5 MB upload"][f"HTTP {upload.status_code}"] += 1
             stop.wait(0.5)
-    return {kind: dict(counter) for kind, counter in answers.items()}
+    return {kind: dict(counter) for kind, counter in answers.items()} | {
+        "most runs one burst got in": most}
 
 
 def folder_size(path: Path) -> int:
@@ -151,13 +197,16 @@ def main() -> int:
     for record in records:
         if record["outcome"] != "complete":
             print(f"  visitor {record['user']}: {record['outcome']} {record.get('message', '')}")
+    most = answers.pop("most runs one burst got in")
     print("| the flooder sent | answered |\n|---|---|")
     for kind, counter in answers.items():
         print(f"| {kind} | " + ", ".join(f"{n} × {answer}" for answer, n in sorted(counter.items())) + " |")
+    print("most runs one burst got in: " + "; ".join(f"{kind}: {n}" for kind, n in most.items()))
     print(f"server peak RSS {peak['rss'] / 2**30:.2f} GiB; Gradio's upload folder at most "
           f"{peak['uploads'] / 2**20:.0f} MiB; {elapsed:.0f} s in all, load average {os.getloadavg()[0]:.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"honest": records, "flood": answers, "peak_rss": peak["rss"],
+        Path(args.json).write_text(json.dumps({"honest": records, "flood": answers, "most_per_burst": most,
+                                               "peak_rss": peak["rss"],
                                                "peak_uploads": peak["uploads"], "seconds": elapsed,
                                                "settings": args.honest_settings, "cores": os.cpu_count()}, indent=2))
     return 0 if len(completed) == len(records) else 1

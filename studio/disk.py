@@ -17,7 +17,6 @@ each upload).
 from __future__ import annotations
 
 import collections
-import json
 import os
 import threading
 import time
@@ -27,6 +26,7 @@ from gradio.utils import get_upload_folder
 
 from ghosted_core.data.user_text import MAX_BYTES
 from studio.admission import client_host
+from studio.doors import answer
 from studio.session_files import SESSION_FILES
 
 UPLOADS_ENV, UPLOAD_DISK_ENV = "GHOSTED_APP_UPLOADS_PER_ADDRESS", "GHOSTED_APP_UPLOAD_DISK_MB"
@@ -71,12 +71,7 @@ class UploadQuota:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith("/gradio_api/upload"):
             refusal = self.refusal(scope)
             if refusal is not None:
-                status, message = refusal
-                body = json.dumps({"detail": message}).encode()
-                await send({"type": "http.response.start", "status": status,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await answer(send, *refusal)
                 return
         await self.app(scope, receive, send)
 

@@ -91,12 +91,23 @@ def text(value: object, label: str, limit: int) -> str:
 
 
 def whole(value: object, label: str, low: int, high: int) -> int:
-    """A whole number in [low, high], as the page's slider or number box would give it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise GhostedError(f"'{label}' must be a whole number from {low} to {high} (got {value!r})")
-    if value != int(value) or not low <= value <= high:
-        raise GhostedError(f"'{label}' must be a whole number from {low} to {high} (got {value:g})")
+    """A whole number in [low, high], as the page's slider or number box would give it. Compared as it came (an
+    int of thousands of digits has no float), and named briefly in the refusal."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high \
+            or isinstance(value, float) and not value.is_integer():  # NaN fails the range, ±inf too
+        raise GhostedError(f"'{label}' must be a whole number from {low} to {high} (got {number_text(value)})")
     return int(value)
+
+
+def number_text(value: object) -> str:
+    """A value as a refusal names it: a number in %g form (a long int by its digit count), anything else briefly."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:  # (str() stops at 4,300 digits)
+        return f"a whole number of about {int(value.bit_length() * math.log10(2)) + 1:,} digits"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return f"{value!r:.40}"
 
 
 def flag(value: object, label: str) -> bool:

@@ -18,7 +18,8 @@ from ghosted_core.recovery.operators import OPERATORS
 from studio.outputs import INPUT_NAMES, OUTPUT_NAMES, SAVE_HINT, SETTING_NAMES, STATE_NAMES
 from studio.handlers import depth_info, model_note, on_criterion_change, on_history_select, on_mode_change, \
     on_model_change, on_rerun_on_your_text, on_run, on_settings_change, on_stop
-from studio.admission import RUN_INPUT_COUNT, RUN_QUEUE, check_rerun, check_run, on_submit, on_submit_rerun
+from studio.admission import RUN_INPUT_COUNT, RUN_QUEUE, check_rerun, check_run, guard_queue, on_submit, \
+    on_submit_rerun
 from studio.push import on_push, on_space, push_available
 from studio.saved import SAVED
 from studio.history import history_table
@@ -28,6 +29,7 @@ from studio.settings import ASSETS, CRITERION_HELP, DEFAULTS, DISTILL_STEPS, DIS
 from ghosted_core.run.options import DISTILL_CHOICES, OPERATOR_CHOICES
 from studio.user_input import USES
 from studio.disk import UploadQuota
+from studio.doors import Doorkeeper
 from studio.session_files import DELETE_CACHE, SESSION_FILES
 from studio.uploads import SESSION_UPLOADS
 from ghosted_core.data.user_text import MAX_BYTES
@@ -303,7 +305,10 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
                        concurrency_limit=None)
         your_file.upload(on_upload, your_file, None, api_visibility="private", queue=False)
         demo.unload(on_session_end)  # a closed tab: the files served to it, and its saved model, go
-    demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency)
+    # api_open=False: a queued event (a run) is reached through the queue only, never run directly by
+    # /gradio_api/run/<name> (Gradio opens that route to queued events off a Space), so no request skips admission
+    demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=concurrency, api_open=False)
+    guard_queue(demo._queue)  # a place in the queue is checked and claimed under one lock
     return demo
 
 
@@ -331,11 +336,12 @@ def on_upload(path: str | None, request: gr.Request) -> None:
 
 def launch_options() -> dict:
     """Theme and CSS, which Gradio 6 takes at launch; the server's upload limit (enforced by the server, whatever
-    the page says: a larger upload is refused before it is stored); and errors that Gradio itself raises before a
+    the page says: a larger upload is refused before it is stored); errors that Gradio itself raises before a
     handler runs (a file path that was never uploaded, a malformed value) answered with their message, not a bare
-    "Error" (the handlers turn every error of their own into a gr.Error message)."""
+    "Error" (the handlers turn every error of their own into a gr.Error message); and the routes a stranger may use
+    (`studio.doors`: the page's and its API's only), then the upload quotas (`studio.disk`)."""
     return {"theme": gr.themes.Soft(primary_hue="indigo", neutral_hue="slate"),
             "css_paths": [ASSETS / "app.css"], "max_file_size": MAX_BYTES, "show_error": True,
-            "app_kwargs": {"middleware": [Middleware(UploadQuota)]}}  # uploads per request, address and in total
+            "app_kwargs": {"middleware": [Middleware(Doorkeeper), Middleware(UploadQuota)]}}
 
 

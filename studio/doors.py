@@ -1,0 +1,249 @@
+"""Which of Gradio's routes a stranger may use: one list of the routes the page and its API need, one of those refused.
+
+Gradio serves more than this app uses, and some of it writes files from anyone, outside every quota:
+`/gradio_api/deep_link` writes a session's state to the upload folder (never removed),
+`/gradio_api/process_recording` a video to the temporary folder (never removed), `component_server`
+parses up to 1,000 files per request. `Doorkeeper`, the ASGI middleware the app is launched with
+(`layout.launch_options`), answers before Gradio sees the request:
+- a route in REFUSED, with the reason the app does not need it (403);
+- a path that matches no route in ALLOWED (404): a route a newer Gradio adds stays shut until it is
+  classified here (tests/studio/test_strangers.py fails while a served route is in neither list);
+- a request naming an event this app does not have (`fn_index` 999 or −1, an unknown api name), or
+  asking for the messages of an event or session the queue does not hold, with one line (404)
+  instead of Gradio's 500, or its 404 raised inside a started stream, and a traceback in the log.
+Uploads are bounded by `studio.disk.UploadQuota`, the next middleware.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable
+from urllib.parse import parse_qs
+
+from starlette.routing import compile_path
+
+API = "/gradio_api"
+
+# Routes the page, gradio_client and the plain HTTP API use (path templates as Gradio declares them).
+ALLOWED: dict[str, str] = {
+    "/": "the page", "/config": "the page's layout", "/config/": "the page's layout",
+    "/svelte/{path:path}": "the page's scripts", "/static/{path:path}": "the page's scripts",
+    "/assets/{path:path}": "the page's scripts", "/favicon.ico": "the page's icon", "/theme.css": "the page's theme",
+    f"{API}/theme.css": "the page's theme", "/robots.txt": "crawlers", "/pwa_icon": "the page's icon",
+    "/pwa_icon/{size}": "the page's icon", "/manifest.json": "the page's manifest",
+    "/openapi.json": "the API's description", f"{API}/openapi.json": "the API's description",
+    f"{API}/info": "the API's description (gradio_client)", f"{API}/info/": "the API's description (gradio_client)",
+    f"{API}/startup-events": "the page starts", f"{API}/heartbeat/{{session_hash}}": "a session is open (unload)",
+    f"{API}/queue/join": "an event joins the queue", f"{API}/queue/data": "an event's updates",
+    f"{API}/queue/status": "the queue's length", f"{API}/cancel": "Stop",
+    f"{API}/reset": "Stop (a no-op kept for old clients)", f"{API}/reset/": "Stop (a no-op kept for old clients)",
+    f"{API}/run/{{api_name}}": "unqueued events (the Run press's check, the upload's claim)",
+    f"{API}/run/{{api_name}}/": "unqueued events", f"{API}/api/{{api_name}}": "unqueued events",
+    f"{API}/api/{{api_name}}/": "unqueued events",
+    f"{API}/call/{{api_name}}": "the plain HTTP API", f"{API}/call/{{api_name}}/": "the plain HTTP API",
+    f"{API}/call/{{api_name}}/{{event_id}}": "the plain HTTP API's answers",
+    f"{API}/call/v2/{{api_name}}": "the plain HTTP API", f"{API}/call/v2/{{api_name}}/": "the plain HTTP API",
+    f"{API}/call/v2/{{api_name}}/{{event_id}}": "the plain HTTP API's answers",
+    f"{API}/upload": "Your text's upload (bounded by studio.disk.UploadQuota)",
+    f"{API}/upload_progress": "an upload's progress",
+    f"{API}/file={{path_or_url:path}}": "downloads of results and models",
+    f"{API}/file/{{path:path}}": "downloads (the old spelling)",
+    f"{API}/login_check": "the page asks whether it must log in", f"{API}/login_check/": "the same",
+    f"{API}/user": "the signed-in visitor (Hub push)", f"{API}/user/": "the same",
+    f"{API}/token": "the signed-in visitor's token (Hub push)", f"{API}/token/": "the same",
+    f"{API}/app_id": "the page's identity", f"{API}/app_id/": "the same",
+    "/login/huggingface": "Sign in with Hugging Face (a Space)", "/login/callback": "the same",
+    "/logout": "signing out",
+}
+
+# Routes refused: what each would write or serve, and why the app does without it.
+REFUSED: dict[str, str] = {
+    f"{API}/deep_link": "writes the session's state to disk; the page has no deep links",
+    f"{API}/process_recording": "writes a video to disk; the app records nothing",
+    f"{API}/component_server": "parses up to 1,000 uploaded files; no component here has server functions",
+    f"{API}/component_server/": "the same",
+    f"{API}/stream/{{event_id}}": "streamed inputs; the app streams none",
+    f"{API}/stream/{{event_id}}/close": "the same",
+    f"{API}/stream/{{session_hash}}/{{run}}/{{component_id}}/playlist.m3u8": "streamed media; the app has none",
+    f"{API}/stream/{{session_hash}}/{{run}}/{{component_id}}/{{segment_id}}.{{ext}}": "the same",
+    f"{API}/stream/{{session_hash}}/{{run}}/{{component_id}}/playlist-file": "the same",
+    f"{API}/vibe-edit": "rewrites the app's source (vibe mode)", f"{API}/vibe-edit/": "the same",
+    f"{API}/undo-vibe-edit": "the same", f"{API}/undo-vibe-edit/": "the same",
+    f"{API}/vibe-code": "the same", f"{API}/vibe-code/": "the same",
+    f"{API}/vibe-starter-queries": "the same", f"{API}/vibe-starter-queries/": "the same",
+    f"{API}/runs": "Gradio's run history; the app keeps its own", f"{API}/runs/": "the same",
+    f"{API}/run-history/connect": "creates a Hub bucket for run history; not used",
+    f"{API}/run-history/buckets": "the same", f"{API}/run-history/records": "the same",
+    f"{API}/run-history/records/{{endpoint}}/{{record_id}}/assets/{{asset_id}}": "the same",
+    f"{API}/proxy={{url_path:path}}": "fetches other servers' files (gr.load); not used",
+    f"{API}/custom_component/{{id}}/{{environment}}/{{type}}/{{file_name}}": "custom components; none here",
+    f"{API}/dev/reload": "reload mode (development)",
+    "/monitoring": "Gradio's monitoring dashboard; off", "/monitoring/summary": "the same",
+    "/monitoring/{key}": "the same",
+    "/login": "password login; the app has none", "/login/": "the same",
+}
+
+# Routes that name an event, and how Gradio finds it (a KeyError, a 500, for one it lacks): "index" by the body's
+# fn_index, else the path's api name; "name" by the path's api name only; "public" by a public api name only.
+EVENT_ROUTES: dict[str, str] = {
+    f"{API}/queue/join": "index", f"{API}/run/{{api_name}}": "index", f"{API}/run/{{api_name}}/": "index",
+    f"{API}/api/{{api_name}}": "index", f"{API}/api/{{api_name}}/": "index", f"{API}/call/{{api_name}}": "name",
+    f"{API}/call/{{api_name}}/": "name", f"{API}/call/v2/{{api_name}}": "public",
+    f"{API}/call/v2/{{api_name}}/": "public",
+}
+
+
+# Routes that stream an event's or a session's messages: Gradio finds the session only once the stream has started.
+STREAM_ROUTES = [f"{API}/queue/data", f"{API}/call/{{api_name}}/{{event_id}}",
+                 f"{API}/call/v2/{{api_name}}/{{event_id}}"]
+
+
+def _pattern(template: str) -> re.Pattern:
+    return compile_path(template)[0]
+
+
+_ALLOWED = [_pattern(t) for t in ALLOWED]
+_REFUSED = {t: _pattern(t) for t in REFUSED}
+_EVENTS = [(_pattern(t), how) for t, how in EVENT_ROUTES.items()]
+_STREAMS = [_pattern(t) for t in STREAM_ROUTES]
+
+
+def route_path(scope: dict) -> str:
+    """The request's path inside the app (without the prefix it is mounted or proxied under)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
+def route_refusal(path: str) -> tuple[int, str] | None:
+    """(HTTP status, message) for a path this server does not answer; None for one of the routes it needs."""
+    for template, pattern in _REFUSED.items():
+        if pattern.match(path):
+            return 403, f"{path[:100]} is turned off on this server: it {REFUSED[template]}"
+    if any(pattern.match(path) for pattern in _ALLOWED):
+        return None
+    return 404, "not found"
+
+
+def event_route(path: str) -> tuple[str | None, str] | None:
+    """(the api name in the path, how Gradio finds the event: EVENT_ROUTES) for a route that names an event; None
+    for other routes."""
+    for pattern, how in _EVENTS:
+        found = pattern.match(path)
+        if found:
+            return found.groupdict().get("api_name"), how
+    return None
+
+
+def fn_index_of(body: bytes) -> object:
+    """The `fn_index` a request body names (None when none, or when the body is not a JSON object: Gradio answers)."""
+    if b"fn_index" not in body:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return data.get("fn_index") if isinstance(data, dict) else None
+
+
+def event_refusal(blocks, api_name: str | None, how: str, fn_index: object) -> tuple[int, str] | None:
+    """(404, message) for a request naming an event this app does not have; None for a known one (or one Gradio
+    refuses itself: a `fn_index` that is not a whole number, a missing one)."""
+    fns = getattr(blocks, "fns", {})
+    if fn_index is not None and how == "index":
+        index = _whole(fn_index)
+        if index is None or index in fns:
+            return None
+        return 404, f"this app has no event {str(fn_index)[:20]!r} (fn_index)"
+    if api_name is None:
+        return None
+    names = {fn.api_name for fn in fns.values() if how != "public" or fn.fn and fn.api_visibility == "public"}
+    return None if api_name in names else (404, f"this app has no endpoint {api_name[:60]!r}")
+
+
+def stream_refusal(queue, path: str, query: str) -> tuple[int, str] | None:
+    """(404, message) for a stream of messages the queue does not hold (an unknown event id, a session with
+    nothing pending), found as Gradio finds it; None for any other request."""
+    found = next((m for m in (pattern.match(path) for pattern in _STREAMS) if m), None)
+    if found is None or queue is None:
+        return None
+    event_id = found.groupdict().get("event_id")
+    if event_id is None:
+        sessions = parse_qs(query).get("session_hash")
+        if not sessions:
+            return None  # Gradio answers the missing parameter
+        session = sessions[0]
+    else:
+        event = queue.event_ids_to_events.get(event_id)
+        session = event.session_hash if event is not None else next(
+            (s for s, ids in list(queue.pending_event_ids_session.items()) if event_id in ids), event_id)
+    if session in queue.pending_messages_per_session:
+        return None
+    return 404, "no such event or session on this server (or its messages were delivered already)"
+
+
+def _whole(value: object) -> int | None:
+    """`value` as pydantic reads an int field (an int, or digits in a string); None for what it refuses."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d{1,30}\s*", value):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+async def answer(send: Callable[[dict], Awaitable[None]], status: int, message: str) -> None:
+    """Answer with `status` and {"detail": message}, as Gradio's own refusals are answered."""
+    body = json.dumps({"detail": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(receive) -> tuple[bytes, Callable]:
+    """The request's whole body, and a `receive` that gives it again to the app (then the client's own messages)."""
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"", receive  # the client left: the app sees the disconnect
+        chunks.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    body, replayed = b"".join(chunks), False
+
+    async def replay() -> dict:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return body, replay
+
+
+class Doorkeeper:
+    """ASGI middleware: the routes above shut, and requests for events this app does not have refused."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = route_path(scope)
+        refusal = route_refusal(path)
+        blocks = getattr(scope.get("app"), "get_blocks", lambda: None)() if refusal is None else None
+        named = event_route(path) if blocks is not None and scope["method"] == "POST" else None
+        if named is not None:
+            body, receive = await read_body(receive)
+            refusal = event_refusal(blocks, *named, fn_index_of(body))
+        elif blocks is not None and scope["method"] == "GET":
+            refusal = stream_refusal(getattr(blocks, "_queue", None), path, scope.get("query_string", b"").decode())
+        if refusal is not None:
+            await answer(send, *refusal)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,278 @@
+"""What a stranger sends to the public Space beside the page (issue 37), over plain HTTP against the served app (the
+tiny model): the routes Gradio opens that write files, events that do not exist, out-of-range values, and
+simultaneous requests that race the run queue's limits."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from gradio.utils import get_upload_folder
+
+from studio import doors
+
+
+def served_routes(app) -> list[tuple[str, frozenset[str]]]:
+    """(path template, methods) of every route `app` serves, FastAPI's included routers opened."""
+    from fastapi.routing import _IncludedRouter  # how FastAPI ≥ 0.16x keeps `include_router`'s routes
+
+    def walk(routes):
+        for route in routes:
+            if isinstance(route, _IncludedRouter):
+                yield from walk(route.effective_candidates())
+                yield from walk(route.effective_low_priority_routes())
+            else:
+                yield route
+
+    return [(route.path, frozenset(getattr(route, "methods", None) or ())) for route in walk(app.routes)]
+
+
+def concrete(template: str) -> str:
+    """A path that the route `template` matches (each parameter filled with a made-up value)."""
+    return re.sub(r"\{[^}]+\}", "x1", template)
+
+
+def files_under(folder: Path) -> set[str]:
+    return {os.path.join(root, name) for root, _dirs, names in os.walk(folder) for name in names}
+
+
+def test_every_route_gradio_serves_is_allowed_or_refused(tiny_server, monkeypatch):
+    import fastapi
+    from gradio import oauth as gradio_oauth
+
+    # the routes Gradio adds on a Space with OAuth (Sign in with Hugging Face), as mocked off a Space
+    oauth = fastapi.FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    monkeypatch.setattr(gradio_oauth, "_get_mocked_oauth_info", lambda: {})  # (the mock reads a local Hub login)
+    gradio_oauth._add_mocked_oauth_routes(oauth)
+    routes = served_routes(tiny_server.demo.server_app) + served_routes(oauth)
+    assert len(routes) > 80 and "/gradio_api/queue/join" in {path for path, _ in routes}  # the walk found them
+    unclassified = sorted({path for path, _ in routes} - set(doors.ALLOWED) - set(doors.REFUSED))
+    assert not unclassified, f"classify these routes in studio/doors.py (ALLOWED or REFUSED): {unclassified}"
+    assert not set(doors.ALLOWED) & set(doors.REFUSED)
+    for path, _methods in routes:  # each template is answered as its list says
+        refusal = doors.route_refusal(concrete(path))
+        assert (refusal is None) == (path in doors.ALLOWED), (path, refusal)
+
+
+def test_routes_that_write_files_the_app_does_not_need_are_refused_and_write_nothing(tiny_server, tmp_path):
+    url = tiny_server.url.rstrip("/")
+    session = f"stranger-{uuid.uuid4().hex}"
+    kind, _ = tiny_server.call("model_info", ["smollm2-135m"], session=session)  # the session has state now
+    assert kind == "complete"
+    uploads, temporary = Path(get_upload_folder()), Path(tempfile.gettempdir())
+    before = files_under(uploads) | files_under(temporary)
+
+    link = httpx.get(f"{url}/gradio_api/deep_link", params={"session_hash": session}, timeout=30)
+    assert link.status_code == 403 and "turned off on this server" in link.json()["detail"], link.text
+    video = httpx.post(f"{url}/gradio_api/process_recording", files={"video": ("v.mp4", b"\0" * 2**20, "video/mp4")},
+                       timeout=30)
+    assert video.status_code == 403 and "records nothing" in video.json()["detail"], video.text
+    parts = httpx.post(f"{url}/gradio_api/component_server", timeout=30,
+                       files=[("files", (f"f{k}.txt", b"x" * 1000)) for k in range(50)])
+    assert parts.status_code == 403, parts.text
+    for template in doors.REFUSED:  # every refused route, by every method a stranger might try
+        for method in ("GET", "POST"):
+            answer = httpx.request(method, f"{url}{concrete(template)}", timeout=30)
+            assert answer.status_code == 403 and len(answer.text) < 300, (template, method, answer.text)
+    new = (files_under(uploads) | files_under(temporary)) - before
+    assert not [f for f in new if "deep_links" in f or f.endswith(".mp4")], sorted(new)[:5]
+
+    unknown = httpx.post(f"{url}/gradio_api/some-route-a-newer-gradio-adds", json={}, timeout=30)
+    assert unknown.status_code == 404
+    for path in ("/", "/config", "/gradio_api/info", "/theme.css", "/manifest.json"):  # the page still loads
+        assert httpx.get(f"{url}{path}", timeout=60).status_code == 200, path
+
+
+# ---------------------------------------------------------------- values and events that do not exist (point 8)
+
+
+@pytest.fixture
+def server_log():
+    """Every warning or error the server logs while the test runs (Gradio's, uvicorn's, the app's)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(logging.WARNING)
+    loggers = [logging.getLogger(name) for name in ("", "uvicorn", "uvicorn.error", "gradio", "studio")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def run_values(server, **changes) -> list:
+    """A /run request's values in its API order: the tiny server's short run with `changes`, else the page's
+    defaults."""
+    from gradio_client import Client
+
+    parameters = Client(server.url, verbose=False).view_api(return_format="dict", print_info=False)[
+        "named_endpoints"]["/run"]["parameters"]
+    values = {p["parameter_name"]: p.get("parameter_default") for p in parameters} | server.run_kwargs(**changes)
+    return [values[p["parameter_name"]] for p in parameters]
+
+
+def one_line(answer: httpx.Response) -> str:
+    """The refusal's message; the test fails unless it is one short line."""
+    detail = answer.json()["detail"]
+    if isinstance(detail, list):  # the validator's verdict per input
+        detail = " ".join(v["message"] for v in detail if v.get("is_valid") is False)
+    assert "\n" not in detail and len(detail) < 300 and "Traceback" not in detail, detail
+    return detail
+
+
+def test_a_seed_of_thousands_of_digits_gets_the_ordinary_refusal(tiny_server, server_log):
+    url = f"{tiny_server.url}gradio_api/call/run"
+    for seed in (10**4000, -(10**4000), 2**32, 10**30, 1e300):
+        body = {"data": run_values(tiny_server, seed=seed), "session_hash": f"digits-{uuid.uuid4().hex}"}
+        answer = httpx.post(url, json=body, timeout=60)
+        assert answer.status_code == 422, (seed, answer.text[:300])
+        message = one_line(answer)
+        assert message.startswith("'Seed' must be a whole number from 0 to 4294967295"), message
+        assert "internal error" not in message
+    assert len(tiny_server.demo._queue) == 0
+    assert not [r.getMessage() for r in server_log if r.levelno >= 40 or r.exc_info], server_log[:3]
+
+
+def test_an_event_that_does_not_exist_gets_a_one_line_refusal(tiny_server, server_log):
+    url = f"{tiny_server.url}gradio_api"
+    session = f"indexer-{uuid.uuid4().hex}"
+    for fn_index in (999, -1, "999", 10**30):
+        for route in ("queue/join", "run/predict"):
+            answer = httpx.post(f"{url}/{route}", timeout=30,
+                                json={"data": [], "fn_index": fn_index, "session_hash": session})
+            assert answer.status_code == 404 and "has no event" in one_line(answer), (route, fn_index, answer.text)
+    for route in ("call/no_such_endpoint", "call/v2/no_such_endpoint", "run/no_such_endpoint", "api/no_such"):
+        answer = httpx.post(f"{url}/{route}", json={"data": []}, timeout=30)
+        assert answer.status_code == 404 and "has no endpoint" in one_line(answer), (route, answer.text)
+    for route in ("call/run/no-such-event", "call/v2/run/no-such-event", f"queue/data?session_hash={session}-gone"):
+        answer = httpx.get(f"{url}/{route}", timeout=30)  # (Gradio: a 404 raised inside a started stream)
+        assert answer.status_code == 404 and "no such event or session" in one_line(answer), (route, answer.text)
+    assert not [r.getMessage() for r in server_log if r.levelno >= 40 or r.exc_info], server_log[:3]
+    kind, answer = tiny_server.call("model_info", ["smollm2-135m"], session=session)  # a real event still runs
+    assert kind == "complete", answer
+
+
+# ---------------------------------------------------------------- simultaneous requests against the queue (point 1)
+
+
+@pytest.fixture
+def held_runs(tiny_server, monkeypatch):
+    """Every admitted run holds its place (running, or waiting behind the one running) until the test lets them go;
+    then they finish at once, and the queue is empty again for the next test."""
+    import threading
+
+    from studio import admission, handlers
+
+    gate = threading.Event()
+
+    def held(*args, **kwargs):
+        gate.wait(120)
+        return iter(())
+
+    monkeypatch.setattr(handlers, "run_job", held)
+    monkeypatch.setenv("GHOSTED_APP_TRUST_FORWARDED", "1")  # as behind a Space's proxy: each address its own
+    yield gate
+    gate.set()
+    queue = tiny_server.demo._queue
+    deadline = time.time() + 120
+    while (len(queue) or admission._events(queue)) and time.time() < deadline:
+        time.sleep(0.2)
+
+
+def burst(server, bodies: list[dict], headers: list[dict]) -> list[httpx.Response]:
+    """POST every body to /run at the same instant (threads behind a barrier), each with its headers."""
+    import threading
+
+    barrier, answers = threading.Barrier(len(bodies)), [None] * len(bodies)
+
+    def send(k: int) -> None:
+        with httpx.Client(timeout=120) as client:
+            barrier.wait()
+            answers[k] = client.post(f"{server.url}gradio_api/call/run", json=bodies[k], headers=headers[k])
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+def test_simultaneous_runs_get_no_more_than_their_share_and_an_honest_visitor_still_gets_in(tiny_server, held_runs):
+    from studio import admission, layout
+
+    data = run_values(tiny_server)
+    tag = uuid.uuid4().hex[:8]
+    stranger = {"x-forwarded-for": f"203.0.113.{uuid.uuid4().int % 250}"}
+    answers = burst(tiny_server, [{"data": data, "session_hash": f"burst-{tag}-{k}"} for k in range(40)],
+                    [stranger] * 40)  # one address, each request its own session
+    codes = sorted(a.status_code for a in answers)
+    assert codes.count(200) == admission.RUNS_PER_ADDRESS, codes
+    assert all("from your address" in a.text for a in answers if a.status_code != 200)
+    assert len(tiny_server.demo._queue) <= layout.QUEUE_SIZE
+
+    session = f"eager-{tag}"
+    answers = burst(tiny_server, [{"data": data, "session_hash": session}] * 16,
+                    [{"x-forwarded-for": "198.51.100.20"}] * 16)  # one session
+    codes = sorted(a.status_code for a in answers)
+    assert codes.count(200) == admission.RUNS_PER_SESSION, codes
+    assert all("already have 1 run waiting or running" in a.text for a in answers if a.status_code != 200)
+
+    honest = httpx.post(f"{tiny_server.url}gradio_api/call/run", json={"data": data, "session_hash": f"honest-{tag}"},
+                        headers={"x-forwarded-for": "192.0.2.77"}, timeout=60)
+    assert honest.status_code == 200, honest.text  # another visitor still gets a place
+    held = admission._events(tiny_server.demo._queue)
+    assert len(held) == admission.RUNS_PER_ADDRESS + admission.RUNS_PER_SESSION + 1
+    assert len(admission.CLAIMS[tiny_server.demo._queue]) == 0  # each claim let go once its request queued or not
+
+
+def test_simultaneous_runs_from_many_addresses_never_overfill_the_queue(tiny_server, held_runs):
+    from studio import layout
+
+    data = run_values(tiny_server)
+    tag = uuid.uuid4().hex[:8]
+    count = layout.QUEUE_SIZE + 12
+    answers = burst(tiny_server, [{"data": data, "session_hash": f"crowd-{tag}-{k}"} for k in range(count)],
+                    [{"x-forwarded-for": f"198.18.{k}.1"} for k in range(count)])
+    codes = sorted(a.status_code for a in answers)
+    assert set(codes) <= {200, 503} and codes.count(200) <= layout.QUEUE_SIZE + layout.RUN_CONCURRENCY, codes
+    assert len(tiny_server.demo._queue) <= layout.QUEUE_SIZE
+    assert all("queue is full" in a.text for a in answers if a.status_code == 503)
+
+
+# ---------------------------------------------------------------- limits held apart from HTTP
+
+
+def test_uploaded_text_held_in_memory_stays_within_its_budget(tmp_path):
+    from studio.uploads import UPLOAD_MEMORY_BYTES, SessionUploads
+
+    assert UPLOAD_MEMORY_BYTES == 64 * 2**20
+    uploads = SessionUploads(budget=2 * 40_000)  # room for two of the texts below
+    for k in range(3):
+        (tmp_path / f"t{k}.txt").write_text(f"{k} words of a visitor's own text. " * 1200)  # about 40 kB each
+        uploads.read(f"session-{k}", str(tmp_path / f"t{k}.txt"))
+    assert [uploads.held(f"session-{k}") for k in range(3)] == [None, str(tmp_path / "t1.txt"),
+                                                                 str(tmp_path / "t2.txt")]  # the oldest went first
+    assert "0 words" in uploads.read("session-0", str(tmp_path / "t0.txt")).text  # read again from its file
+
+
+def test_a_run_is_reached_through_the_queue_only(tiny_server):
+    from studio import admission
+
+    before = len(admission._events(tiny_server.demo._queue))
+    direct = httpx.post(f"{tiny_server.url}gradio_api/run/run", timeout=120,
+                        json={"data": run_values(tiny_server), "session_hash": f"direct-{uuid.uuid4().hex}"})
+    assert direct.status_code == 404 and "join the queue" in direct.text, direct.text[:300]  # no run outside the queue
+    assert len(admission._events(tiny_server.demo._queue)) == before
