@@ -270,11 +270,14 @@ def page(path: Path) -> str:
     results = json.loads(path.read_text())
     done = [r for r in results.values() if r["stage"] == "done"]
     reloaded = [r for r in done if r.get("reloads") and all(r["reloads"].values())]
+    total = len(causal_types())
+    tried = "" if len(results) >= total else f" (tried so far: {len(results)} of {total}; the bench resumes)"
     lines = ["# Which model types the studio cuts", "",
-             f"**{len(done)} of the {len(results)} causal-LM types of transformers run the whole command line** on a "
-             f"tiny random model built from their config's defaults, and {len(reloaded)} of them export folders "
-             "that transformers reloads with the same greedy text (stock where the variant folds). The rest are listed with the first "
-             "line of the reason they stopped.", "",
+             f"**{len(done)} of the {len(results)} causal-LM types of transformers tried run the whole command line**"
+             f"{tried} on a tiny random model built from their config's defaults, and {len(reloaded)} of them export "
+             "folders that transformers reloads with the same greedy text (stock where the variant folds). The rest are "
+             "listed with the first line of the reason they stopped: most are not decoder-only Llama-style stacks "
+             "(encoders, GPT-2-style `transformer.h`), or their defaults do not run at a tiny size.", "",
              "```bash", ".venv/bin/python bench/families.py          # bench/results/families.json, resumable",
              ".venv/bin/python bench/families.py --page   # this page", "```", "",
              "In the architecture table means the folds (magcomp's scale, ReplaceMe's map) ran too; a type outside it "
