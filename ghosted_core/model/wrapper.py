@@ -80,7 +80,7 @@ def text_view(wrapper: PreTrainedModel) -> PreTrainedModel:
     causal-LM class whose two children are replaced: nothing is allocated)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from ghosted_core.model.surgery import shallow_view
+    from ghosted_core.model.shallow import shallow_view
 
     text_config = wrapper.config.get_text_config()
     prefix, decoder = language_model(wrapper)
