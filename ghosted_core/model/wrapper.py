@@ -38,12 +38,19 @@ class Wrapped:
             return f"{self.prefix}.{name.removeprefix('model.')}"
         return f"{self.head}.{name.removeprefix('lm_head.')}" if name.startswith("lm_head.") else name
 
+    def holds(self, name: str) -> bool:
+        """Whether the wrapper's parameter `name` is the decoder's or the head's (what the text view has)."""
+        return name.startswith((f"{self.prefix}.", f"{self.head}."))
+
+    def parameters_beside(self) -> int:
+        """Parameters outside the decoder and the head (what loads and exports beside them)."""
+        return sum(p.numel() for name, p in self.module.named_parameters() if not self.holds(name))
+
     def other_tensors(self) -> Iterator[dict[str, torch.Tensor]]:
         """The tensors outside the decoder and the head (vision tower, projector, …), one top-level part per chunk."""
-        inside = (f"{self.prefix}.", f"{self.head}.")
         chunks: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in self.module.state_dict(keep_vars=False).items():
-            if not name.startswith(inside):
+            if not self.holds(name):
                 chunks.setdefault(".".join(name.split(".")[:2]), {})[name] = tensor.detach()
         yield from chunks.values()
 
@@ -96,17 +103,13 @@ def text_view(wrapper: PreTrainedModel) -> PreTrainedModel:
     view.config = text_config
     # the wrapper's config says whether its head is tied, not the text config's flag (Mistral-3's may disagree)
     text_config.tie_word_embeddings = head.weight is decoder.get_input_embeddings().weight
-    setattr(text_config, WRAPPER_PARAMETERS, wrapper_parameters(wrapper, prefix, head_name))
+    outer = Wrapped(wrapper, prefix, head_name)
+    setattr(text_config, WRAPPER_PARAMETERS, outer.parameters_beside())
     view.generation_config = wrapper.generation_config
-    view.__dict__["ghosted_wrapped"] = Wrapped(wrapper, prefix, head_name)
+    view.__dict__["ghosted_wrapped"] = outer
     wrapper.eval().requires_grad_(False)  # the vision tower and projector are kept as they are
     view.eval()
     return view
-
-
-def wrapper_parameters(wrapper: nn.Module, prefix: str, head: str) -> int:
-    inside = (f"{prefix}.", f"{head}.")
-    return sum(p.numel() for name, p in wrapper.named_parameters() if not name.startswith(inside))
 
 
 def planning_config(config: PretrainedConfig) -> PretrainedConfig:
