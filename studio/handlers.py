@@ -37,7 +37,7 @@ from studio.runner import QuickTasks, RunRequest, build_options, build_request, 
 from studio import guard
 from studio.runs import RUNS, ActiveRun, client_gone
 from studio.push import saving_account
-from studio.saved import SAVED
+from studio.saved import SAVED, save_estimate, saved_cap_bytes
 from studio.session_files import serve_outputs
 from studio.user_input import corpora_with_text, read_user_text
 from studio.settings import COMPARE, DEFAULTS, NO_SAVE, STOP_WAIT_SECONDS, SWEEP, TASK_EXAMPLES
@@ -105,6 +105,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
     gone = client_gone(request)
     should_stop = lambda: run.stop.is_set() or gone()  # noqa: E731 (Stop pressed, or the client went away)
     report: dict = {}
+    keep = None  # the session's folder for this run's saved model
     try:
         progress(0.0, desc=f"{stages[0]}…")
         yield as_outputs(blank_outputs(running_status(stages[0], 0, len(stages), 0.0, None, advice, queued))
@@ -118,7 +119,7 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                 owner = saving_account(oauth_token, profile) if job.save_variant else None
                 keep = str(SAVED.new_folder(session, owner)) if job.save_variant else None  # for the push
                 updates = run_job(job.options, job.quick, job.save_variant, folder, should_stop, job.export_format,
-                                  job.gguf_type, keep, job.gguf_imatrix)
+                                  job.gguf_type, keep, job.gguf_imatrix, saved_cap_bytes() if keep else None)
                 draw = render
             updates = guard_stages(updates, stages[0])  # out of memory: one message
             done, last = 0, None
@@ -135,6 +136,8 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
                 last = stage
                 run.done, run.report = done, report
                 following = stages[done] if done < len(stages) else None
+                if keep is not None:
+                    report = within_saved_cap(session, job, stage, following, report)
                 progress(min(done / len(stages), 1.0), desc=f"{following}…" if following else "done")
                 if report.get("removed_layers"):
                     advice = report_advice(report) + [Advice(note) for note in job.notes]
@@ -166,6 +169,23 @@ def on_run(model: str, criterion: str, depth: float, manual_blocks: str, operato
         raise gr.Error(message, duration=TOAST_SECONDS) from err
     finally:
         RUNS.end(run)
+        if keep is not None:
+            SAVED.release(session, keep)  # a save never admitted (failed, stopped, refused) holds nothing
+
+
+def within_saved_cap(session: str, job: RunRequest, stage: str, following: str | None, report: dict) -> dict:
+    """The cap on saved models (`studio.saved`) around this run's save: room made before it is written (from the
+    variant's weight bytes the size stage counted), and once written it is kept, or refused with the reason in
+    place of its download (the run's other results stay)."""
+    if following == "save model":
+        gain = report.get("variants", {}).get(job.save_variant, {}).get("gain") or {}
+        SAVED.reserve(session, save_estimate(gain.get("weight_bytes", 0), job.export_format))
+    elif stage == "save model":
+        app = report.get("app", {})
+        refusal = app.get("saved_refused") or SAVED.admit(session, app.get("saved_model"))
+        if refusal:
+            report = report | {"app": app | {"saved_model": None, "saved_folder": None, "saved_refused": refusal}}
+    return report
 
 
 def on_stop(shown: dict | None = None, history: list[dict] | None = None,

@@ -67,7 +67,7 @@ def render(report: dict, status: str, results_path: str | None) -> dict:
         "tasks_plot": tasks_figure(report) if report.get("tasks") else None,
         "results_file": results_path,
         "model_file": app.get("saved_model"),
-        "save_note": save_note(app) if app.get("saved_model") else gr.skip(),
+        "save_note": save_note(app) if app.get("saved_model") or app.get("saved_refused") else gr.skip(),
         "distill_plot": distill_figure(report) if has_distill else empty_figure(DISTILL_HINT),
         "tradeoff": tradeoff_figure(report),
     }
@@ -119,7 +119,9 @@ SAVE_HINT = "Choose a variant above to download it after the next run."
 
 
 def save_note(app: dict) -> str:
-    """Which format the download is in, why, and how to load it."""
+    """Which format the download is in, why, and how to load it; or why nothing was saved (`studio.saved`)."""
+    if app.get("saved_refused"):
+        return f"**Not saved:** {app['saved_refused']}"
     if app.get("saved_gguf"):
         files = app.get("saved_ggufs") or [{"file": app["saved_gguf"]}]
         listed = ", ".join(f"`{f['file']}`" + (f" ({f['bytes'] / 1e6:.0f} MB" + (f", ppl {f['ppl']:.2f}" if "ppl" in f

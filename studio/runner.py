@@ -16,7 +16,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.planning.estimate import check_work_budget, zerogpu
 from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.export.folder import archive_export, check_export, export_variant, zip_export
-from ghosted_core.export.gain import SpeedOptions
+from ghosted_core.export.gain import SpeedOptions, variant_size
 from ghosted_core.export.gguf import GGUF_FORMAT, GGUFExport, GGUFOptions, export_gguf, find_llamacpp, parse_gguf_types
 from ghosted_core.model.embedded import needs_conversion
 from ghosted_core.model.loading import LoadedModel, LoadOptions, peek_config
@@ -35,6 +35,7 @@ from ghosted_core.run.sweep import check_sweep, parse_depths, sweep_stages
 from ghosted_core.run.sweep import planned_stages as sweep_planned
 from studio.cache import MODELS, model_shape, num_blocks
 from studio.presets_view import device, find_preset
+from studio.saved import save_estimate, too_big
 from ghosted_core.run.compare import check_compare, compare_stages
 from ghosted_core.run.compare import planned_stages as compare_planned
 from studio import guard
@@ -306,7 +307,8 @@ def snapshot(result: RunResult, options: RunOptions, timings: dict[str, float]) 
 @gpu_run
 def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = None, folder: str | None = None,
             should_stop: StopCheck = None, export_format: str = "auto", gguf_type: Sequence[str] = ("f16",),
-            keep: str | None = None, gguf_imatrix: bool = False) -> Iterator[tuple[str, dict | ProgressEvent]]:
+            keep: str | None = None, gguf_imatrix: bool = False,
+            saved_cap: int | None = None) -> Iterator[tuple[str, dict | ProgressEvent]]:
     """(Convert →) load → select → calibrate → fit → evaluate (→ tasks) (→ save), yielding (stage, snapshot) after each,
     and (PROGRESS, event) while a stage's loop runs (`progress.staged`: the run computes in a worker thread).
 
@@ -314,15 +316,15 @@ def run_job(options: RunOptions, quick: QuickTasks, save_variant: str | None = N
     was not converted at setup converts it as its own stage. `should_stop` is polled between
     batches and stages (`RunStopped`). Yields only plain data (a saved model is a path: its zip or
     GGUF in `folder`, its export folder in `keep` for the Hub push), so it can run in a ZeroGPU
-    worker process.
+    worker process. A save estimated over `saved_cap` bytes (`studio.saved`) is refused before it is written.
     """
     yield from staged(lambda _sink: _run(options, quick, save_variant, folder, should_stop, export_format, gguf_type,
-                                         keep, gguf_imatrix))  # a generator function still, as spaces.GPU wants
+                                         keep, gguf_imatrix, saved_cap))  # a generator function, as spaces.GPU wants
 
 
 def _run(options: RunOptions, quick: QuickTasks, save_variant: str | None, folder: str | None, should_stop: StopCheck,
          export_format: str, gguf_type: Sequence[str], keep: str | None,
-         gguf_imatrix: bool) -> Iterator[tuple[str, dict]]:
+         gguf_imatrix: bool, saved_cap: int | None = None) -> Iterator[tuple[str, dict]]:
     check_options(options)
     timings: dict[str, float] = {}
     loaded = yield from load_stages(options.model, timings, should_stop, options.load.hub_token)
@@ -336,7 +338,7 @@ def _run(options: RunOptions, quick: QuickTasks, save_variant: str | None, folde
         start = time.perf_counter()
         saved = save_model(result.models[save_variant], result.tokenizer, options.model, save_variant, Path(folder),
                            export_format, gguf_type, Path(keep) if keep else None,
-                           gguf_options(options, gguf_imatrix) if export_format == GGUF_FORMAT else None)
+                           gguf_options(options, gguf_imatrix) if export_format == GGUF_FORMAT else None, saved_cap)
         result.timings["save model"] = time.perf_counter() - start
         report = snapshot(result, options, timings)
         report["app"] |= saved
@@ -344,11 +346,15 @@ def _run(options: RunOptions, quick: QuickTasks, save_variant: str | None, folde
 
 
 def save_model(model, tokenizer, model_name: str, variant: str, folder: Path, export_format: str,
-               gguf_type: Sequence[str], keep: Path | None, gguf: GGUFOptions | None = None) -> dict:
+               gguf_type: Sequence[str], keep: Path | None, gguf: GGUFOptions | None = None,
+               cap: int | None = None) -> dict:
     """Export one variant for the page: into `keep` (the session's push folder) when given, the download (its zip,
     or for the gguf format its GGUF, or a zip of its GGUF files when several) in `folder`. Returns the report's
-    "app" fields about it."""
+    "app" fields about it; with nothing written and the reason in "saved_refused" when its weights alone
+    (`variant_size`, counted without reading them) put it over `cap` bytes of saved models."""
     stem = f"{safe_name(model_name)}-{safe_name(variant)}"
+    if cap is not None and (need := save_estimate(variant_size(model).weight_bytes, export_format)) > cap:
+        return {"saved_model": None, "saved_variant": variant, "saved_refused": too_big(need, cap)}
     try:
         if export_format == GGUF_FORMAT:
             saved = export_gguf(model, tokenizer, (keep or folder) / stem, gguf_type, gguf or GGUFOptions())

@@ -4,7 +4,8 @@ A run writes its files in its own temporary folder, which goes when the run ends
 copies from its cache folder. `SessionFiles.serve` makes that copy itself (as Gradio would, under
 the same content-hash name) and remembers which session it went to; `end` removes a session's
 copies when Gradio reports that the session ended (`demo.unload`), except a copy another live
-session was also given (identical content maps to one path). What no unload reaches (a
+session was also given (identical content maps to one path); `drop` removes a session's model zip
+once `studio.saved` evicts its saved model (the cap on saved bytes). What no unload reaches (a
 session of a crashed browser, an upload never used) goes with Gradio's `delete_cache`, which
 removes the app's cached files older than an hour (`DELETE_CACHE`).
 """
@@ -80,6 +81,18 @@ class SessionFiles:
     def held(self, session: str) -> set[str]:
         with self._lock:
             return set(self._files.get(session, ()))
+
+    def drop(self, session: str, output: str) -> int:
+        """Remove the copies served to `session` in `output` that no other session holds (its saved model was
+        evicted or replaced: `studio.saved`); how many were removed."""
+        with self._lock:
+            mine = set(self._latest.pop((session, output), ()))
+            if session in self._files:
+                self._files[session] -= mine
+            shared = set().union(*self._files.values()) if self._files else set()
+        for name in mine - shared:
+            _remove(Path(name))
+        return len(mine - shared)
 
     def end(self, session: str) -> int:
         """Remove the copies served to `session` that no other session holds; how many were removed."""

@@ -272,3 +272,89 @@ def test_a_sessions_superseded_downloads_are_removed_at_once(tiny_server, run_pa
     assert first["model_file"] != second["model_file"] and first["model_file"].endswith(".zip")
     assert not Path(first["model_file"]).exists() and not Path(first["results_file"]).exists()
     assert Path(second["model_file"]).is_file() and Path(second["results_file"]).is_file()
+
+
+def test_saved_models_stay_within_their_cap_and_the_oldest_go_first(tiny_server, run_parameters, monkeypatch):
+    """Issue 37, point 7: every saved model (its export folder and its served zip) together stays within
+    GHOSTED_APP_SAVED_MB, whatever the number of sessions that save; the oldest sessions' saved models go first,
+    and a save the cap cannot hold at all is refused in one line with the run's other results kept."""
+    import httpx
+
+    from studio import disk
+    from studio.saved import SAVED
+
+    SAVED_ENV = "GHOSTED_APP_SAVED_MB"  # the operator's variable, read at each save
+    tag = uuid.uuid4().hex[:8]
+    files = {name: outputs.OUTPUT_NAMES.index(name) for name in ("model_file", "results_file", "save_note")}
+
+    def save(k: int) -> list:
+        kind, answer = tiny_server.call("run", run_data(tiny_server, run_parameters, seed=k + 1, criterion="manual",
+                                                        manual_blocks="2,3", operators=["none", "magcomp_refit"],
+                                                        save_variant="magcomp_refit", export_format="stock"),
+                                        session=f"saver-{k}-{tag}")
+        assert kind == "complete" and "Run complete" in answer[0], answer
+        return answer
+
+    def on_disk() -> int:
+        """What saved models hold on the server's disk: every export folder, and every model zip served."""
+        zips = {Path(p) for held in list(SESSION_FILES._files.values()) for p in held if p.endswith(".zip")}
+        return disk.folder_bytes(SAVED._root()) + sum(p.stat().st_size for p in zips if p.exists())
+
+    def downloads(answer: list) -> bool:
+        """Whether the stranger's download link still gives its model (Gradio: 403 for a file that is gone)."""
+        return httpx.get(answer[files["model_file"]]["url"], timeout=60).status_code == 200
+
+    monkeypatch.setenv(SAVED_ENV, "100000")
+    first = save(0)
+    zip_bytes = Path(first[files["model_file"]]["path"]).stat().st_size
+    one = disk.folder_bytes(SAVED.latest(f"saver-0-{tag}").parent) + zip_bytes  # one save: its folder and its zip
+    cap = int(2.5 * one)  # two saves fit, not three
+    monkeypatch.setenv(SAVED_ENV, str(cap / 2**20))
+    answers, kept = [first], []
+    for k in (1, 2, 3):
+        answers.append(save(k))
+        assert on_disk() <= cap, (k, on_disk(), cap)
+        kept.append([downloads(a) for a in answers])
+    assert kept == [[True, True], [False, True, True], [False, False, True, True]]  # the oldest went first
+    assert [SAVED.latest(f"saver-{k}-{tag}") is None for k in (0, 1)] == [True, True]
+
+    monkeypatch.setenv(SAVED_ENV, str(one / 5 / 2**20))  # smaller than one save
+    refused = save(4)
+    assert refused[files["model_file"]] is None and Path(refused[files["results_file"]]["path"]).is_file()
+    assert "Not saved" in refused[files["save_note"]] and SAVED_ENV in refused[files["save_note"]], refused
+    assert [downloads(a) for a in answers[2:]] == [True, True]  # a refused save evicts nobody
+    assert SAVED.latest(f"saver-4-{tag}") is None
+
+
+def test_saved_models_are_evicted_least_recently_used_first_and_never_while_written(tmp_path, monkeypatch):
+    from studio.saved import SAVED_ENV, SavedModels
+
+    saved = SavedModels(capacity=10, root=tmp_path)
+    monkeypatch.setenv(SAVED_ENV, str(3 / 1024))  # 3 KiB
+
+    def write(session: str, kib: float) -> Path:
+        folder = saved.new_folder(session)
+        (folder / "weights").write_bytes(b"0" * int(kib * 1024))
+        return folder
+
+    a, b = write("a", 1), write("b", 1)
+    assert saved.admit("a", None) is None and saved.admit("b", None) is None
+    saved.latest("a")  # pushed: "b" is now the least recently used
+    c = write("c", 1.5)
+    saved.reserve("c", 512)  # "c" is being written
+    d = write("d", 1.2)
+    assert saved.admit("d", None) is None and not b.exists() and a.exists() and c.exists()
+    assert saved.admit("c", None) is None and not a.exists() and c.exists() and d.exists()
+    assert saved.stored_bytes() <= 3 * 1024
+
+    e = write("e", 1)
+    saved.reserve("e", 1024)  # room made before it is written: the least recently used "c" goes, "d" is not needed
+    assert not c.exists() and d.exists()
+    f = write("f", 2.5)
+    refusal = saved.admit("f", None)  # fits alone, not beside "e", which is still being written
+    assert refusal and "try again in a few minutes" in refusal and not f.exists() and d.exists() and e.exists()
+    g = write("g", 4)
+    refusal = saved.admit("g", None)
+    assert refusal and "retrying will not help" in refusal and SAVED_ENV in refusal and not g.exists() and d.exists()
+    saved.release("e", e)  # its run failed: nothing to push, no room held
+    assert not e.exists() and saved.latest("e") is None and saved.stored_bytes() == int(1.2 * 1024)
