@@ -16,8 +16,8 @@ it reaches the front. Here:
 - A run whose planned time exceeds the operator's budget (`studio.settings.run_budget_seconds`) is
   refused up front with the estimate and the setting to lower (`planning.estimate.check_work_budget`).
 
-The client address is the socket's, or on a Space the first X-Forwarded-For entry that its proxy
-sets (GHOSTED_APP_TRUST_FORWARDED=1 trusts that header elsewhere, e.g. behind one's own proxy).
+The client address is the one the proxy vouches for (`studio.addresses`: X-Forwarded-For read from the
+right, on a Space or where the operator trusts it), else the socket's.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from gradio import route_utils
 from gradio.queueing import process_validation_response
 
 from ghosted_core.errors import GhostedError
+from studio.addresses import client_host
 from studio.handlers import on_run, prepare_run, rerun_values
 from studio.outputs import INPUT_NAMES, page_message
 from studio.status import refused_status
@@ -46,18 +47,6 @@ RUNS_PER_SESSION = int(os.environ.get("GHOSTED_APP_RUNS_PER_SESSION", "1"))
 RUNS_PER_ADDRESS = int(os.environ.get("GHOSTED_APP_RUNS_PER_ADDRESS", "4"))
 RUN_QUEUE = "run"  # the concurrency id of every event that runs the pipeline (Run, rerun on your text)
 RUN_INPUT_COUNT = len(INPUT_NAMES) + 3  # a run event's inputs: the widgets, then submitted, shown and history
-
-
-def trust_forwarded() -> bool:
-    """Whether X-Forwarded-For names the client: on a Space (its proxy sets it), or where the operator says."""
-    value = os.environ.get("GHOSTED_APP_TRUST_FORWARDED", "").strip().lower()
-    return value in ("1", "true", "yes", "on") or (value == "" and bool(os.environ.get("SPACE_ID")))
-
-
-def client_host(forwarded_for: str, socket_host: str) -> str:
-    """The client's address from the X-Forwarded-For header (when trusted) and the socket's peer."""
-    forwarded = forwarded_for.split(",")[0].strip() if trust_forwarded() else ""
-    return forwarded or socket_host or ""
 
 
 def client_address(request: gr.Request | None) -> str:

@@ -8,6 +8,7 @@ parses up to 1,000 files per request. `Doorkeeper`, the ASGI middleware the app 
 - a route in REFUSED, with the reason the app does not need it (403);
 - a path that matches no route in ALLOWED (404): a route a newer Gradio adds stays shut until it is
   classified here (tests/studio/test_strangers.py fails while a served route is in neither list);
+- a request body over MAX_BODY_BYTES (413), or of unstated size (411): Gradio reads any body whole;
 - a request naming an event this app does not have (`fn_index` 999 or −1, an unknown api name), or
   asking for the messages of an event or session the queue does not hold, with one line (404)
   instead of Gradio's 500, or its 404 raised inside a started stream, and a traceback in the log.
@@ -23,7 +24,13 @@ from urllib.parse import parse_qs
 
 from starlette.routing import compile_path
 
+from ghosted_core.data.user_text import MAX_BYTES
+
 API = "/gradio_api"
+# The largest body the page sends: its pasted text (at most MAX_BYTES of UTF-8), escaped in JSON (a quote or a
+# newline takes two bytes), and the other widgets' values.
+MAX_BODY_BYTES = 2 * MAX_BYTES + 2**20
+UPLOAD = f"{API}/upload"  # bounded more tightly, with its own messages, by studio.disk.UploadQuota
 
 # Routes the page, gradio_client and the plain HTTP API use (path templates as Gradio declares them).
 ALLOWED: dict[str, str] = {
@@ -123,6 +130,18 @@ def route_refusal(path: str) -> tuple[int, str] | None:
     if any(pattern.match(path) for pattern in _ALLOWED):
         return None
     return 404, "not found"
+
+
+def body_refusal(scope: dict) -> tuple[int, str] | None:
+    """(HTTP status, message) for a request whose body is over MAX_BODY_BYTES, or has a body of unstated size."""
+    headers = dict(scope.get("headers", []))
+    length = headers.get(b"content-length")
+    if length is None:
+        return (411, "a request body must state its size (Content-Length)") if b"transfer-encoding" in headers \
+            else None
+    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+        return 413, f"a request may carry at most {MAX_BODY_BYTES // 2**20} MB"
+    return None
 
 
 def event_route(path: str) -> tuple[str | None, str] | None:
@@ -225,7 +244,8 @@ async def read_body(receive) -> tuple[bytes, Callable]:
 
 
 class Doorkeeper:
-    """ASGI middleware: the routes above shut, and requests for events this app does not have refused."""
+    """ASGI middleware: the routes above shut, bodies bounded, and requests for events this app does not have
+    refused."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -235,7 +255,7 @@ class Doorkeeper:
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        refusal = route_refusal(path)
+        refusal = route_refusal(path) or (body_refusal(scope) if path != UPLOAD else None)  # (uploads: disk.py)
         blocks = getattr(scope.get("app"), "get_blocks", lambda: None)() if refusal is None else None
         named = event_route(path) if blocks is not None and scope["method"] == "POST" else None
         if named is not None:

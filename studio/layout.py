@@ -30,6 +30,7 @@ from ghosted_core.run.options import DISTILL_CHOICES, OPERATOR_CHOICES
 from studio.user_input import USES
 from studio.disk import UploadQuota
 from studio.doors import Doorkeeper
+from studio.sessions import session_capacity, use_lean_sessions
 from studio.session_files import DELETE_CACHE, SESSION_FILES
 from studio.uploads import SESSION_UPLOADS
 from ghosted_core.data.user_text import MAX_BYTES
@@ -70,6 +71,7 @@ def build_demo(concurrency: int = RUN_CONCURRENCY) -> gr.Blocks:
 
     `concurrency`: runs computing at once (GHOSTED_APP_CONCURRENCY); the others wait in the queue.
     """
+    use_lean_sessions()  # deep links are refused (studio.doors): sessions keep no copy for them
     prompts = read_prompts()
     default_layers = num_blocks_or(DEFAULTS.model, 30)
     can_push, push_note = push_available()
@@ -339,9 +341,11 @@ def launch_options() -> dict:
     the page says: a larger upload is refused before it is stored); errors that Gradio itself raises before a
     handler runs (a file path that was never uploaded, a malformed value) answered with their message, not a bare
     "Error" (the handlers turn every error of their own into a gr.Error message); and the routes a stranger may use
-    (`studio.doors`: the page's and its API's only), then the upload quotas (`studio.disk`)."""
+    (`studio.doors`: the page's and its API's only), then the upload quotas (`studio.disk`); the sessions Gradio
+    keeps, from the memory given them (`studio.sessions`)."""
     return {"theme": gr.themes.Soft(primary_hue="indigo", neutral_hue="slate"),
             "css_paths": [ASSETS / "app.css"], "max_file_size": MAX_BYTES, "show_error": True,
+            "state_session_capacity": session_capacity(),
             "app_kwargs": {"middleware": [Middleware(Doorkeeper), Middleware(UploadQuota)]}}
 
 

@@ -276,3 +276,133 @@ def test_a_run_is_reached_through_the_queue_only(tiny_server):
                         json={"data": run_values(tiny_server), "session_hash": f"direct-{uuid.uuid4().hex}"})
     assert direct.status_code == 404 and "join the queue" in direct.text, direct.text[:300]  # no run outside the queue
     assert len(admission._events(tiny_server.demo._queue)) == before
+
+
+# ---------------------------------------------------------------- uploads (point 4)
+
+
+def test_an_upload_of_many_small_files_is_refused_before_anything_is_stored(tiny_server):
+    from studio import disk
+
+    tag = uuid.uuid4().hex[:8]
+    url = f"{tiny_server.url}gradio_api/upload"
+    many = httpx.post(url, timeout=60, files=[("files", (f"small{k}-{tag}.txt", f"{k} {tag}".encode()))
+                                              for k in range(200)])  # 200 files in 2 kB: under every size limit
+    assert many.status_code == 413 and "one file per upload (200 files" in one_line(many), many.text[:300]
+    fields = httpx.post(url, timeout=60, data={f"field{k}": "x" for k in range(disk.MAX_PARTS + 1)},
+                        files={"files": (f"one-{tag}.txt", b"one")})
+    assert fields.status_code == 413, fields.text[:300]
+    stored = [name for _root, _dirs, names in os.walk(get_upload_folder()) for name in names]
+    assert not [name for name in stored if tag in name]
+    one = httpx.post(url, timeout=60, files={"files": (f"one-{tag}.txt", b"one file, as the page sends")})
+    assert one.status_code == 200 and len(one.json()) == 1  # what the page sends still works
+
+
+def test_the_address_counted_is_the_one_the_proxy_vouches_for(tiny_server, monkeypatch):
+    """A stranger writes a new address into X-Forwarded-For on every request; the proxy appends (or writes) the
+    address it received the request from, and that one is counted, so made-up addresses buy no more uploads."""
+    from studio import addresses, disk
+
+    monkeypatch.setenv("GHOSTED_APP_TRUST_FORWARDED", "1")  # as behind a Space's proxy
+    monkeypatch.setenv(disk.UPLOADS_ENV, "3")
+    tag = uuid.uuid4().hex[:8]
+    real = f"198.51.100.{uuid.uuid4().int % 250}"
+    codes = [httpx.post(f"{tiny_server.url}gradio_api/upload", timeout=60,
+                        files={"files": (f"spoof{k}-{tag}.txt", f"{k} {tag}".encode())},
+                        headers={"x-forwarded-for": f"203.0.113.{k}, {real}, 10.1.2.3"}).status_code
+             for k in range(8)]  # (10.1.2.3: an internal hop of the proxy's own)
+    assert codes == [200] * 3 + [429] * 5, codes
+
+    assert addresses.vouched_address(f"1.2.3.4, {real}") == real
+    assert addresses.vouched_address(f"{real}, 10.0.0.9, 192.168.1.1") == real  # internal hops are skipped
+    assert addresses.vouched_address("not-an-address, [2001:db8::1]:443, 8.8.8.8:80") == "8.8.8.8"
+    assert addresses.vouched_address(f"1.2.3.4, {real}, 5.6.7.8", hops=2) == real  # the operator's hop count
+    assert addresses.vouched_address("garbage, , ;") == ""  # then the socket's peer counts
+    assert addresses.vouched_address(", ".join(["9.9.9.9"] * 100_000) + f", {real}") == real  # only the tail read
+
+
+def test_request_bodies_are_bounded(tiny_server):
+    from studio import doors
+
+    url = f"{tiny_server.url}gradio_api/call/check"
+    huge = httpx.post(url, content=b"{" + b" " * (doors.MAX_BODY_BYTES + 1) + b"}", timeout=60,
+                      headers={"content-type": "application/json"})
+    assert huge.status_code == 413 and "at most" in one_line(huge)
+
+    def chunks():
+        yield b'{"data": ['
+        yield b'"x"]}'
+
+    chunked = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=60)
+    assert chunked.status_code == 411, chunked.text[:300]
+    kind, _ = tiny_server.call("model_info", ["smollm2-135m"], session=f"small-{uuid.uuid4().hex}")
+    assert kind == "complete"  # an ordinary request still passes
+
+
+# ---------------------------------------------------------------- uploads shared between sessions (point 5)
+
+
+def test_a_page_visitor_leaving_never_removes_an_api_clients_upload_of_the_same_bytes(tiny_server, tmp_path):
+    from ghosted_core.data import corpora
+    from studio.uploads import SESSION_UPLOADS
+
+    text = tmp_path / f"shared-{uuid.uuid4().hex[:8]}.txt"
+    text.write_text(corpora.load_corpus("books", "evaluation").text[:40_000] + text.name)
+    alice, bob = (f"{name}-{uuid.uuid4().hex[:8]}" for name in ("alice", "bob"))
+    mine = tiny_server.upload(text)  # Alice, on the page: the upload, then its upload event claims it
+    upload_event = next(k for k, fn in tiny_server.demo.fns.items() if getattr(fn.fn, "__name__", "") == "on_upload")
+    claimed = httpx.post(f"{tiny_server.url}gradio_api/run/predict", timeout=60,
+                         json={"data": [mine], "fn_index": upload_event, "session_hash": alice})
+    assert claimed.status_code == 200, claimed.text[:300]
+    assert alice in SESSION_UPLOADS.claimed(mine["path"])
+    theirs = tiny_server.upload(text)  # Bob, through the API: no upload event
+    assert theirs["path"] == mine["path"]  # the premise: the same bytes are one file
+    SESSION_UPLOADS.end(alice)  # Alice closes her tab (the page's unload) before Bob runs
+    assert Path(theirs["path"]).is_file()
+    kind, answer = tiny_server.call("run", run_values(tiny_server, your_file=theirs, text_use="both"), session=bob)
+    assert kind == "complete" and "Run complete" in answer[0], answer
+    SESSION_UPLOADS.end(bob)  # the last claim goes, and no upload of it is left unclaimed: the file goes
+    assert not Path(theirs["path"]).exists()
+
+
+# ---------------------------------------------------------------- memory per session (point 6)
+
+
+def test_new_sessions_cost_what_they_declare_and_keep_no_refused_input(tiny_server):
+    import gc
+    import tracemalloc
+
+    from studio import sessions
+
+    holder = tiny_server.demo.state_holder
+    assert holder.capacity == sessions.session_capacity() == 256 * 2**20 // sessions.SESSION_BYTES
+    tag = uuid.uuid4().hex[:8]
+    big = "1-2," * (2**20 // 4)  # a 1 MB value for the manual blocks box, refused by the check
+    count = 12
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(count):
+            kind, _ = tiny_server.call("check", ["smollm2-135m", "manual", 2, big, ["none"], 2, 64, "single depth",
+                                                 "2:6:2"], session=f"new-{tag}-{k}")
+            assert kind in ("complete", "error")
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    mine = [s for s in list(holder.session_data) if s.startswith(f"new-{tag}")]
+    assert len(mine) == count
+    # each session within its declaration, beside the last request's body that Gradio still holds (parsed, and
+    # read whole by starlette and the doorkeeper); on Gradio's own sessions each one kept the 1 MB value, and more
+    assert grown <= count * sessions.SESSION_BYTES + 4 * len(big), grown / count
+    assert all(not holder.session_data[s].config_values for s in mine)
+
+
+def test_lean_sessions_have_every_attribute_of_gradios_own(tiny_server):
+    from studio.sessions import LeanSessionState
+
+    gradios = LeanSessionState.__mro__[1]  # Gradio's own SessionState
+    lean, theirs = LeanSessionState(tiny_server.demo), gradios(tiny_server.demo)
+    assert set(vars(theirs)) - {"config_values"} == set(vars(lean))
+    assert lean.blocks_config.blocks.keys() == theirs.blocks_config.blocks.keys()
