@@ -57,3 +57,22 @@ class PeakSampler:
     @property
     def extra(self) -> int:
         return self.peak - self.base
+
+
+def blas_kept_bytes() -> int | None:
+    """Bytes Intel MKL's own allocator keeps now (its packing buffers, per thread: `mkl_serv_mem_stat`), the
+    host allocator's residue that the memory plan declares (`memory_parts.allocator_residue_bytes`); None where
+    torch's CPU BLAS is not MKL. Import torch first."""
+    import ctypes
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        stat = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).mkl_serv_mem_stat
+    except (OSError, AttributeError):
+        return None
+    stat.restype = ctypes.c_int64
+    buffers = ctypes.c_int(0)
+    return int(stat(ctypes.byref(buffers)))

@@ -7,7 +7,9 @@ batch's activations, every boundary's statistics, and for `blocks` the hidden st
 on the host), fit (the statistics, the fit's working matrices, every variant's kept maps and
 modules, a sweep's kept dense states), the held-out pass, and evaluate (perplexity and drift
 transients and the LM-head logits of one chunk; then drift; then each variant's size and speed at
-batch 1). The plan is the largest phase on the compute device and on the host. It then picks the
+batch 1). From the calibration pass on, every phase on a host that computes also holds the allocator's
+residue: the buffers the BLAS library keeps once it has multiplied (`memory_parts.allocator_residue_bytes`).
+The plan is the largest phase on the compute device and on the host. It then picks the
 calibration pipeline (`choose_pipeline`: the only place "auto" is resolved) and where the statistics
 live, and refuses, with one line naming the way out, what cannot fit.
 
@@ -25,9 +27,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ghosted_core.errors import GhostedError
-from ghosted_core.memory_parts import (GIB, OperatorCost, activation_bytes, block_parameters, choice_bytes, drift_bytes,
-                                       dtype_bytes, estimate_parameters, evaluation_bytes, fit_bytes, kept_bytes,
-                                       kept_states_bytes, logits_bytes, mask_bytes, speed_bytes)
+from ghosted_core.memory_parts import (GIB, OperatorCost, activation_bytes, allocator_residue_bytes, block_parameters,
+                                       choice_bytes, drift_bytes, dtype_bytes, estimate_parameters, evaluation_bytes,
+                                       fit_bytes, kept_bytes, kept_states_bytes, logits_bytes, mask_bytes, speed_bytes)
 from ghosted_core.statistics import STATS_ITEM, StatNeeds, statistics_bytes
 
 HEADROOM = 0.9  # plan against 90% of what the device reports free
@@ -129,6 +131,7 @@ class PlanRequest:
     distill_device: int = 0
     distill_host: int = 0
     distill_kept: int = 0
+    threads: int | None = None  # the host's compute threads (the BLAS's kept buffers grow with them; None: torch's now)
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class MemoryPlan:
     phases: dict  # phase → {"device": bytes, "host": bytes}
     peak_phase: str  # the phase that sets the larger of the two peaks
     score_note: str = ""  # what the criterion's budgets recompute or spill (its `Footprint.note`)
+    residue_bytes: int = 0  # the host allocator's residue in every phase from calibration on (the BLAS's kept buffers)
 
     @property
     def fits(self) -> bool:
@@ -197,7 +201,8 @@ class MemoryPlan:
                 f"statistics {self.stats_bytes / GIB:.2f} GiB ({self.boundaries} boundaries × "
                 f"{self.stats_bytes_per_boundary / 2**20:.0f} MiB, on {self.stats_device}), "
                 f"variants {self.variant_bytes / GIB:.2f} GiB, calibration batch {self.activation_bytes / GIB:.2f} GiB, "
-                f"pipeline {self.pipeline}, peak at {self.peak_phase}; "
+                f"allocator residue {self.residue_bytes / 2**20:.0f} MiB, pipeline {self.pipeline}, "
+                f"peak at {self.peak_phase}; "
                 f"{where}host {self.host_bytes / GIB:.2f} of {self.host_available / GIB:.1f} GiB")
 
     def check(self) -> None:
@@ -278,6 +283,18 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
         device_available = None
         pipeline = choose_pipeline(r.pipeline, device, False)
     blocks = pipeline == "blocks"
+    threads = torch.get_num_threads() if r.threads is None else r.threads
+    inner_products = r.inner if r.boundaries else 0
+
+    def residue_of(on_gpu: bool, stats_on_gpu: bool) -> int:
+        """The host allocator's residue from the calibration pass on (`memory_parts.allocator_residue_bytes`): the
+        BLAS's buffers for the products the host computes. A CPU run: the forward's and, once anything is
+        calibrated, the statistics'; a GPU run: the statistics' where they live on the host, else none."""
+        if not on_gpu:
+            return allocator_residue_bytes(config, threads, inner_products, products=bool(r.boundaries))
+        if stats_on_gpu or not r.boundaries:
+            return 0
+        return allocator_residue_bytes(config, threads, inner_products, forward=False)
 
     def phases(on_gpu: bool, stats_on_gpu: bool) -> dict[str, dict[str, int]]:
         """phase → bytes on the device and the host, given where the model and the statistics live."""
@@ -310,6 +327,10 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
         if not r.boundaries:  # nothing to calibrate (the dense model alone, or no block removed): those stages never run
             for phase in ("calibrate", "fit", "held-out"):
                 table.pop(phase)
+        residue = residue_of(on_gpu, stats_on_gpu)  # kept from the calibration pass's first products to the end
+        for phase, use in table.items():
+            if phase != "score blocks":  # the criterion's declaration, nothing added
+                use["host"] = use.get("host", 0) + residue
         out = {}
         for phase, use in table.items():
             device_sum = host_sum = 0
@@ -325,12 +346,14 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
     if not gpu:
         stats_device = "cpu"
         table = phases(False, False)
+        residue = residue_of(False, False)
     else:
         stats_device = r.stats_device
         if stats_device == "auto":
             room = HEADROOM * device_available
             stats_device = "cuda" if max(p["device"] for p in phases(True, True).values()) <= room else "cpu"
         table = phases(True, stats_device.startswith("cuda"))
+        residue = residue_of(True, stats_device.startswith("cuda"))
     device_peak = max(p["device"] for p in table.values())
     host_peak = max(p["host"] for p in table.values())
     peak_phase = max(table, key=lambda p: (table[p]["device"], table[p]["host"]) if gpu else table[p]["host"])
@@ -339,4 +362,4 @@ def plan_memory(config: PretrainedConfig, name: str, device: str, dtype: torch.d
                       hidden if blocks else 0, masks if blocks else 0, kept, held_rows, evaluate, logits, pipeline,
                       stats_device,
                       device_peak if gpu else 0, host_peak, device_available, host_available, table, peak_phase,
-                      r.score_note)
+                      r.score_note, residue)

@@ -3,7 +3,8 @@
 One function per thing the code allocates: the weights (parameters from the config's shapes),
 one forward batch's transients, the LM head's logits chunk, what each operator's fit works in
 and what its variant keeps (`OperatorCost`, declared by each operator in its registry entry),
-the `blocks` pipeline's recorded masks, a sweep's kept dense states, and the run's sizes.
+the `blocks` pipeline's recorded masks, a sweep's kept dense states, the host allocator's residue (the BLAS
+library's kept buffers), and the run's sizes.
 `memory.plan_memory` places them phase by phase.
 """
 
@@ -194,6 +195,34 @@ def mask_bytes(config: PretrainedConfig, sequences: int, batch_size: int, seqlen
     kinds = int(bool(sliding)) + int(eager)
     batches = math.ceil(max(sequences, 1) / max(batch_size, 1))
     return batches * kinds * seqlen * seqlen * (item if eager else 1)
+
+
+RESIDUE_FP32_CAP = 6 * 2**20  # per thread: the fp32 products' packing buffers at their largest (5.3 MiB measured)
+RESIDUE_FP64_CAP = 12 * 2**20  # per thread and float64 product width: at their largest (10.8 MiB measured)
+
+
+def allocator_residue_bytes(config: PretrainedConfig, threads: int, inner: int = 0, forward: bool = True,
+                            products: bool = True) -> int:
+    """The host allocator's residue once calibration has begun: the packing buffers the BLAS library keeps.
+
+    Intel MKL (torch's CPU BLAS on x86) serves the packed panels of a matrix product from its own allocator
+    and keeps them, per thread, for the rest of the process (`mkl_serv_mem_stat` counts them,
+    `mkl_serv_free_buffers` returns them: the process's residue after the calibration pass drops to what we
+    hold). Each thread keeps one buffer set per kind of product: the forward's fp32 products (`forward`),
+    whose widest output is the MLP's I or the LM head's vocabulary, and the statistics' float64 products
+    (`products`) over C, and over I for the down_proj refit (`inner`). A set grows with that width, up to
+    a cap: per thread min(6 MiB, 2 KiB·max(I, V)) for fp32 and min(12 MiB, 1.25 MiB + 2.5 KiB·n) per float64
+    width n, bounds of what one thread kept (1 to 8 threads, C = 256 to 4096 with I = 2.75·C: fp32 0.7 to
+    5.3 MiB, float64 1.0 to 10.8 MiB per width). Measured after the calibration pass on 2 threads: 39 MiB
+    at C = 2048, I = 8192 (48.5 planned) and 49.4 MiB at C = 4096, I = 14336 (58.5 planned). Other BLAS
+    libraries (OpenBLAS) allocate their buffers once at start-up, which the loaded process already holds.
+    """
+    if threads <= 0:
+        return 0
+    widest = max(int(getattr(config, "intermediate_size", 0) or 0), int(config.vocab_size))  # the fp32 outputs
+    fp32 = min(RESIDUE_FP32_CAP, 2048 * widest) if forward else 0
+    fp64 = sum(min(RESIDUE_FP64_CAP, 5 * 2**18 + 2560 * n) for n in (config.hidden_size, inner) if n) if products else 0
+    return threads * (fp32 + fp64)
 
 
 def kept_states_bytes(width: int, item: int, eval_tokens: int, indices: int, cap: int) -> int:

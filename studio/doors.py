@@ -11,13 +11,15 @@ parses up to 1,000 files per request. `Doorkeeper`, the ASGI middleware the app 
 - a request body over MAX_BODY_BYTES (413), or of unstated size (411): Gradio reads any body whole;
 - a request naming an event this app does not have (`fn_index` 999 or −1, an unknown api name), or
   asking for the messages of an event or session the queue does not hold, with one line (404)
-  instead of Gradio's 500, or its 404 raised inside a started stream, and a traceback in the log.
+  instead of Gradio's 500, or its 404 raised inside a started stream, and a traceback in the log;
+- a value that is NaN or ±Infinity, with one line naming the widget (422) instead of Gradio's multi-line 400.
 Uploads are bounded by `studio.disk.UploadQuota`, the next middleware.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs
@@ -180,6 +182,35 @@ def event_refusal(blocks, api_name: str | None, how: str, fn_index: object) -> t
     return None if api_name in names else (404, f"this app has no endpoint {api_name[:60]!r}")
 
 
+_NON_FINITE = object()  # what a NaN, an Infinity or an overflowing number in a request body parses to here
+
+
+def _number(text: str) -> object:
+    value = float(text)
+    return value if math.isfinite(value) else _NON_FINITE
+
+
+def non_finite_refusal(blocks, api_name: str | None, body: bytes) -> tuple[int, str] | None:
+    """(422, message naming the widget) for an event's value that is NaN or ±Infinity (JSON's extensions, or a
+    number too large for a float), which Gradio's own preprocessing answers with a multi-line 400; None otherwise."""
+    try:
+        data = json.loads(body, parse_constant=lambda _: _NON_FINITE, parse_float=_number)
+    except (ValueError, RecursionError):
+        return None  # Gradio answers a malformed body
+    values = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(values, list):
+        return None
+    bad = next((k for k, v in enumerate(values) if v is _NON_FINITE), None)
+    if bad is None:
+        return None
+    fns = getattr(blocks, "fns", {})
+    index = _whole(data.get("fn_index"))
+    fn = fns.get(index) if index is not None else next((f for f in fns.values() if f.api_name == api_name), None)
+    inputs = getattr(fn, "inputs", None) or []
+    label = getattr(inputs[bad], "label", None) if bad < len(inputs) else None
+    return 422, f"'{label or f'input {bad}'}' must be a finite number (NaN and Infinity are not accepted)"
+
+
 def stream_refusal(queue, path: str, query: str) -> tuple[int, str] | None:
     """(404, message) for a stream of messages the queue does not hold (an unknown event id, a session with
     nothing pending), found as Gradio finds it; None for any other request."""
@@ -260,7 +291,7 @@ class Doorkeeper:
         named = event_route(path) if blocks is not None and scope["method"] == "POST" else None
         if named is not None:
             body, receive = await read_body(receive)
-            refusal = event_refusal(blocks, *named, fn_index_of(body))
+            refusal = event_refusal(blocks, *named, fn_index_of(body)) or non_finite_refusal(blocks, named[0], body)
         elif blocks is not None and scope["method"] == "GET":
             refusal = stream_refusal(getattr(blocks, "_queue", None), path, scope.get("query_string", b"").decode())
         if refusal is not None:

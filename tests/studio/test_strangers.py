@@ -4,6 +4,8 @@ simultaneous requests that race the run queue's limits."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import tempfile
@@ -134,12 +136,15 @@ def one_line(answer: httpx.Response) -> str:
 
 def test_a_seed_of_thousands_of_digits_gets_the_ordinary_refusal(tiny_server, server_log):
     url = f"{tiny_server.url}gradio_api/call/run"
-    for seed in (10**4000, -(10**4000), 2**32, 10**30, 1e300):
+    for seed in (10**4000, -(10**4000), 2**32, 10**30, 1e300, float("nan"), float("inf"), float("-inf")):
         body = {"data": run_values(tiny_server, seed=seed), "session_hash": f"digits-{uuid.uuid4().hex}"}
-        answer = httpx.post(url, json=body, timeout=60)
+        answer = httpx.post(url, content=json.dumps(body, allow_nan=True), timeout=60,  # NaN, Infinity: JS's own
+                            headers={"content-type": "application/json"})
         assert answer.status_code == 422, (seed, answer.text[:300])
         message = one_line(answer)
-        assert message.startswith("'Seed' must be a whole number from 0 to 4294967295"), message
+        expected = "must be a whole number from 0 to 4294967295" if isinstance(seed, int) or math.isfinite(seed) \
+            else "must be a finite number"
+        assert message.startswith(f"'Seed' {expected}"), message
         assert "internal error" not in message
     assert len(tiny_server.demo._queue) == 0
     assert not [r.getMessage() for r in server_log if r.levelno >= 40 or r.exc_info], server_log[:3]
