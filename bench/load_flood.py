@@ -19,7 +19,8 @@ they are done, each request from a made-up session id:
 
 Reported: every honest run's outcome and wait; the flooder's requests by kind and what each was
 answered (HTTP status, or the run's end), and the most runs one burst got in; the server's peak
-resident memory and the peak size of Gradio's upload folder.
+resident memory against its serving figure (`studio.serving`, from the runs' memory plans), and the
+peak size of Gradio's upload folder.
 """
 
 from __future__ import annotations
@@ -169,7 +170,11 @@ def main() -> int:
         honest = defaults if args.honest_settings == "defaults" else defaults | TINY | {"model": "smollm2-135m",
                                                                                       "depth": 3}
         honest = {k: v for k, v in honest.items() if v is not None}
+        from studio.serving import serving_plan
+
+        plan = serving_plan([defaults | honest, defaults])  # the honest runs and the flooder's own valid ones
         peak = {"rss": rss(server.pid), "uploads": folder_size(uploads)}
+        at_start = peak["rss"]  # the process, its model loaded, before any run
         stop = threading.Event()
 
         def sample() -> None:
@@ -202,14 +207,19 @@ def main() -> int:
     for kind, counter in answers.items():
         print(f"| {kind} | " + ", ".join(f"{n} × {answer}" for answer, n in sorted(counter.items())) + " |")
     print("most runs one burst got in: " + "; ".join(f"{kind}: {n}" for kind, n in most.items()))
+    print("serving figure (studio.serving): " + " + ".join(f"{part} {b / 2**30:.2f}" for part, b in plan.items()
+                                                         if part != "total") + f" = {plan['total'] / 2**30:.2f} GiB; "
+          f"measured: the process with its model {at_start / 2**30:.2f} GiB at start, peak RSS "
+          f"{peak['rss'] / 2**30:.2f} GiB ({peak['rss'] / plan['total']:.2f} of the figure)")
     print(f"server peak RSS {peak['rss'] / 2**30:.2f} GiB; Gradio's upload folder at most "
           f"{peak['uploads'] / 2**20:.0f} MiB; {elapsed:.0f} s in all, load average {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"honest": records, "flood": answers, "most_per_burst": most,
-                                               "peak_rss": peak["rss"],
+                                               "peak_rss": peak["rss"], "rss_at_start": at_start,
+                                               "serving_plan": plan,
                                                "peak_uploads": peak["uploads"], "seconds": elapsed,
                                                "settings": args.honest_settings, "cores": os.cpu_count()}, indent=2))
-    return 0 if len(completed) == len(records) else 1
+    return 0 if len(completed) == len(records) and peak["rss"] <= plan["total"] else 1
 
 
 if __name__ == "__main__":

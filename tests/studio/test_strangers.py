@@ -411,3 +411,26 @@ def test_lean_sessions_have_every_attribute_of_gradios_own(tiny_server):
     lean, theirs = LeanSessionState(tiny_server.demo), gradios(tiny_server.demo)
     assert set(vars(theirs)) - {"config_values"} == set(vars(lean))
     assert lean.blocks_config.blocks.keys() == theirs.blocks_config.blocks.keys()
+
+
+def test_the_serving_figure_adds_each_part_from_its_limit():
+    from ghosted_core.model.loading import peek_config
+    from ghosted_core.run.options import memory_plan
+    from studio import serving, settings
+    from studio.handlers import prepare_run
+    from studio.sessions import SESSION_BYTES, session_capacity
+    from studio.uploads import UPLOAD_MEMORY_BYTES
+
+    d = settings.DEFAULTS
+    page = dict(model=d.model, criterion=d.criterion, depth=d.depth, manual_blocks="19-25", operators=list(d.operators),
+                calibration=d.calibration, samples=d.samples, seqlen=d.seqlen, seed=d.seed,
+                eval_corpora=list(d.eval_corpora), eval_tokens=d.eval_tokens, prompt="The city", new_tokens=d.new_tokens,
+                tasks_on=False, task_names=list(d.tasks), task_examples=d.task_examples)
+    larger = page | {"samples": 32, "seqlen": 512}
+    figure = serving.serving_plan([page, larger])
+    plans = [memory_plan(prepare_run(v, "").options, peek_config(d.model)) for v in (page, larger)]
+    assert plans[1].host_bytes > plans[0].host_bytes  # the larger run sets the runs' part
+    assert figure["runs computing"] == settings.RUN_CONCURRENCY * (plans[1].host_bytes - plans[1].weights_bytes)
+    assert figure["models held"] == plans[0].weights_bytes  # one model, counted once
+    assert figure["sessions"] == session_capacity() * SESSION_BYTES and figure["uploaded text"] == UPLOAD_MEMORY_BYTES
+    assert figure["total"] == sum(b for part, b in figure.items() if part != "total")
