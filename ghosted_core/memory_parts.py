@@ -197,32 +197,37 @@ def mask_bytes(config: PretrainedConfig, sequences: int, batch_size: int, seqlen
     return batches * kinds * seqlen * seqlen * (item if eager else 1)
 
 
-RESIDUE_FP32_CAP = 6 * 2**20  # per thread: the fp32 products' packing buffers at their largest (5.3 MiB measured)
-RESIDUE_FP64_CAP = 12 * 2**20  # per thread and float64 product width: at their largest (10.8 MiB measured)
+RESIDUE_FP32_BUFFER = 6 * 2**20  # the largest fp32 packing buffer one thread asks for (5.3 MiB measured)
+RESIDUE_FP64_BUFFER = 12 * 2**20  # the largest float64 one, per product width (10.8 MiB measured)
+RESIDUE_BUFFERS = 2  # buffers kept per kind of product and thread: the one in use and one it outgrew
 
 
 def allocator_residue_bytes(config: PretrainedConfig, threads: int, inner: int = 0, forward: bool = True,
                             products: bool = True) -> int:
-    """The host allocator's residue once calibration has begun: the packing buffers the BLAS library keeps.
+    """The host allocator's residue once the calibration pass has begun: the buffers the BLAS library keeps.
 
-    Intel MKL (torch's CPU BLAS on x86) serves the packed panels of a matrix product from its own allocator
-    and keeps them, per thread, for the rest of the process (`mkl_serv_mem_stat` counts them,
-    `mkl_serv_free_buffers` returns them: the process's residue after the calibration pass drops to what we
-    hold). Each thread keeps one buffer set per kind of product: the forward's fp32 products (`forward`),
-    whose widest output is the MLP's I or the LM head's vocabulary, and the statistics' float64 products
-    (`products`) over C, and over I for the down_proj refit (`inner`). A set grows with that width, up to
-    a cap: per thread min(6 MiB, 2 KiB·max(I, V)) for fp32 and min(12 MiB, 1.25 MiB + 2.5 KiB·n) per float64
-    width n, bounds of what one thread kept (1 to 8 threads, C = 256 to 4096 with I = 2.75·C: fp32 0.7 to
-    5.3 MiB, float64 1.0 to 10.8 MiB per width). Measured after the calibration pass on 2 threads: 39 MiB
-    at C = 2048, I = 8192 (48.5 planned) and 49.4 MiB at C = 4096, I = 14336 (58.5 planned). Other BLAS
-    libraries (OpenBLAS) allocate their buffers once at start-up, which the loaded process already holds.
+    Intel MKL (torch's CPU BLAS on x86) packs a matrix product's panels into buffers from its own allocator and
+    keeps them, per thread, for the rest of the process; a product that needs a larger buffer than any it
+    keeps gets a new one, and the smaller stays (`mkl_serv_mem_stat` counts them; after
+    `mkl_serv_free_buffers` the process keeps nothing after the calibration pass beyond what we hold). One
+    buffer per thread grows with its product's width up to a cap, bounded here, from single products at
+    C = 256 to 4096 (I = 2.75·C) on 1 to 8 threads, by min(6 MiB, 2 KiB·max(I, V)) for the forward's fp32
+    products (`forward`: the MLP's I or the LM head's vocabulary is their widest output; 0.7 to 5.3 MiB
+    measured) and min(12 MiB, 1.25 MiB + 2.5 KiB·n) for the float64 products over each width n (`products`:
+    the statistics and the fits over C, and over I for the down_proj refit, `inner`; 1.0 to 10.8 MiB).
+    Planned: `RESIDUE_BUFFERS` of each kind per thread, × `threads`. Whole runs on 2 threads kept (planned):
+    C = 1024, I = 2816: 24.6 MiB with ghost_capped, replaceme_keepsink and rotate (39.0), 32.0 with
+    magcomp_refit (71.5); C = 2048, I = 5632: 33.9 with ghost_capped (49.0); C = 4096, I = 14336: 36.1 with
+    the three (69.0), 39.9 with magcomp_refit (117.0), 49.4 once a warm-up's products came first; the
+    residue read from the resident size at that width was 44 to 78 MiB (docs/scale.md).
     """
     if threads <= 0:
         return 0
     widest = max(int(getattr(config, "intermediate_size", 0) or 0), int(config.vocab_size))  # the fp32 outputs
-    fp32 = min(RESIDUE_FP32_CAP, 2048 * widest) if forward else 0
-    fp64 = sum(min(RESIDUE_FP64_CAP, 5 * 2**18 + 2560 * n) for n in (config.hidden_size, inner) if n) if products else 0
-    return threads * (fp32 + fp64)
+    fp32 = min(RESIDUE_FP32_BUFFER, 2048 * widest) if forward else 0
+    fp64 = sum(min(RESIDUE_FP64_BUFFER, 5 * 2**18 + 2560 * n) for n in (config.hidden_size, inner) if n) \
+        if products else 0
+    return threads * RESIDUE_BUFFERS * (fp32 + fp64)
 
 
 def kept_states_bytes(width: int, item: int, eval_tokens: int, indices: int, cap: int) -> int:

@@ -17,6 +17,16 @@
 - `push`         the Hub push: sign-in on a Space (OAuth), a pasted token elsewhere, the upload
 - `layout`       the page: widgets and their wiring
 
+What a public server holds strangers to (docs/reliability.md's limits table):
+- `access`       whose Hub token a model load may use
+- `admission`    who may take a place in the run queue, checked and claimed atomically
+- `addresses`    the client address the proxy vouches for (X-Forwarded-For read from the right)
+- `doors`        which of Gradio's routes a stranger may use; bodies bounded; unknown events and non-finite values refused
+- `disk`         uploads bounded per request, per address and in total
+- `uploads`      each session's uploaded text, read once; an upload held until a session claims it
+- `sessions`     what Gradio keeps per session (no deep-link copy), and how many sessions
+- `serving`      the server's serving figure: what it may hold resident at once
+
 The UI holds no method logic: every number comes from `ghosted_core`, and every table and
 chart from `ghosted_core.report` (which the CLI's sweep page uses too).
 """
