@@ -215,11 +215,12 @@ def allocator_residue_bytes(config: PretrainedConfig, threads: int, inner: int =
     products (`forward`: the MLP's I or the LM head's vocabulary is their widest output; 0.7 to 5.3 MiB
     measured) and min(12 MiB, 1.25 MiB + 2.5 KiB·n) for the float64 products over each width n (`products`:
     the statistics and the fits over C, and over I for the down_proj refit, `inner`; 1.0 to 10.8 MiB).
-    Planned: `RESIDUE_BUFFERS` of each kind per thread, × `threads`. Whole runs on 2 threads kept (planned):
-    C = 1024, I = 2816: 24.6 MiB with ghost_capped, replaceme_keepsink and rotate (39.0), 32.0 with
-    magcomp_refit (71.5); C = 2048, I = 5632: 33.9 with ghost_capped (49.0); C = 4096, I = 14336: 36.1 with
-    the three (69.0), 39.9 with magcomp_refit (117.0), 49.4 once a warm-up's products came first; the
-    residue read from the resident size at that width was 44 to 78 MiB (docs/scale.md).
+    Planned: `RESIDUE_BUFFERS` of each kind per thread, × `threads`. A run's stages on 2 threads kept
+    (planned; bench/blas_residue.py, bench/memory_plan.py): C = 1024, I = 2816: 24.5 MiB with ghost_capped,
+    replaceme_keepsink and rotate (39.0), 32.0 with magcomp_refit (71.5); C = 2048, I = 5632: 33.7 with
+    ghost_capped (49.0), 27.6 with magcomp_refit (97.0); C = 4096, I = 14336: 36.1 with the three (69.0),
+    39.9 with magcomp_refit (117.0), 49.4 once a warm-up's products came first; the residue read from the
+    resident size at that width was 44 to 78 MiB (docs/scale.md).
     """
     if threads <= 0:
         return 0
