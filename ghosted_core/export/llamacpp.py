@@ -221,6 +221,11 @@ _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+|-?nan|inf)")
 _CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
 
 
+# llama.cpp's logger is a thread whose queue is never flushed at exit (common/log.cpp leaks it on purpose), so on a
+# loaded machine the last lines, the final estimate among them, are sometimes lost: the run is repeated.
+PERPLEXITY_ATTEMPTS = 4
+
+
 def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, context: int = 256, chunks: int | None = None,
                         threads: int = 1) -> Perplexity:
     """llama-perplexity on a text file: non-overlapping windows of `context` tokens (BOS first where the
@@ -236,11 +241,11 @@ def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, context: int = 
     if chunks is not None:
         cmd += ["--chunks", str(chunks)]
     start = time.perf_counter()
-    output = _run(cmd, f"llama-perplexity on {Path(gguf).name}")
-    final, windows = _FINAL.search(output), _CHUNKS.search(output)
-    if final is None and windows is not None:  # llama.cpp's log thread can lose the last lines at exit: once more
+    for _attempt in range(PERPLEXITY_ATTEMPTS):
         output = _run(cmd, f"llama-perplexity on {Path(gguf).name}")
         final, windows = _FINAL.search(output), _CHUNKS.search(output)
+        if final is not None or windows is None:
+            break
     if final is None or windows is None:
         raise GhostedError(f"llama-perplexity printed no estimate for {Path(gguf).name} (is the text at least "
                            f"{2 * context} tokens?): {' | '.join(output.strip().splitlines()[-3:])}")
