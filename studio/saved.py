@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ghosted_core.export.gguf import GGUF_FORMAT
+from studio.disk import folder_bytes
 from studio.session_files import SESSION_FILES
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class SavedModels:
             folder = None if entry is None else entry.folder
         if folder is None:
             return None
-        measured = _bytes(folder) + (Path(download).stat().st_size if download and Path(download).is_file() else 0)
+        measured = folder_bytes(folder) + (Path(download).stat().st_size if download and Path(download).is_file() else 0)
         cap = saved_cap_bytes()
         with self._lock:
             if self._saved.get(session) is not entry:  # ended or replaced meanwhile
@@ -187,18 +188,6 @@ class SavedModels:
             return None
         exports = [p for p in entry.folder.iterdir() if p.is_dir() and (p / "config.json").exists()]
         return exports[0] if len(exports) == 1 else None
-
-
-def _bytes(folder: Path) -> int:
-    """Bytes of the files under `folder` (files removed while counting are skipped). Not `studio.disk.folder_bytes`:
-    studio.disk imports the handlers, which import this module."""
-    total = 0
-    for path in folder.rglob("*"):
-        try:
-            total += path.stat().st_size if path.is_file() else 0
-        except OSError:
-            continue
-    return total
 
 
 def _delete(gone: list[tuple[str, _Saved]]) -> None:
