@@ -32,8 +32,7 @@ from gradio.utils import get_upload_folder
 
 from ghosted_core.data.user_text import MAX_BYTES
 from studio.addresses import client_host
-from studio.doors import answer
-from studio.doors import read_body
+from studio.doors import answer, read_body
 from studio.session_files import SESSION_FILES
 from studio.uploads import SESSION_UPLOADS
 
