@@ -32,7 +32,7 @@ from gradio.utils import get_upload_folder
 
 from ghosted_core.data.user_text import MAX_BYTES
 from studio.addresses import client_host
-from studio.doors import answer, read_body
+from studio.doors import UPLOAD, answer, read_body, route_path
 from studio.session_files import SESSION_FILES
 from studio.uploads import SESSION_UPLOADS
 
@@ -78,7 +78,7 @@ class UploadQuota:
         self._reading = 0  # bodies being read now
 
     async def __call__(self, scope, receive, send) -> None:
-        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith("/gradio_api/upload")):
+        if not (scope["type"] == "http" and scope["method"] == "POST" and route_path(scope) == UPLOAD):
             await self.app(scope, receive, send)
             return
         refusal = self.size_refusal(scope)

@@ -36,32 +36,28 @@ UPLOAD = f"{API}/upload"  # bounded more tightly, with its own messages, by stud
 
 # Routes the page, gradio_client and the plain HTTP API use (path templates as Gradio declares them).
 ALLOWED: dict[str, str] = {
-    "/": "the page", "/config": "the page's layout", "/config/": "the page's layout",
+    "/": "the page", "/config": "the page's layout",
     "/svelte/{path:path}": "the page's scripts", "/static/{path:path}": "the page's scripts",
     "/assets/{path:path}": "the page's scripts", "/favicon.ico": "the page's icon", "/theme.css": "the page's theme",
     f"{API}/theme.css": "the page's theme", "/robots.txt": "crawlers", "/pwa_icon": "the page's icon",
     "/pwa_icon/{size}": "the page's icon", "/manifest.json": "the page's manifest",
     "/openapi.json": "the API's description", f"{API}/openapi.json": "the API's description",
-    f"{API}/info": "the API's description (gradio_client)", f"{API}/info/": "the API's description (gradio_client)",
+    f"{API}/info": "the API's description (gradio_client)",
     f"{API}/startup-events": "the page starts", f"{API}/heartbeat/{{session_hash}}": "a session is open (unload)",
     f"{API}/queue/join": "an event joins the queue", f"{API}/queue/data": "an event's updates",
     f"{API}/queue/status": "the queue's length", f"{API}/cancel": "Stop",
-    f"{API}/reset": "Stop (a no-op kept for old clients)", f"{API}/reset/": "Stop (a no-op kept for old clients)",
+    f"{API}/reset": "Stop (a no-op kept for old clients)",
     f"{API}/run/{{api_name}}": "unqueued events (the Run press's check, the upload's claim)",
-    f"{API}/run/{{api_name}}/": "unqueued events", f"{API}/api/{{api_name}}": "unqueued events",
-    f"{API}/api/{{api_name}}/": "unqueued events",
-    f"{API}/call/{{api_name}}": "the plain HTTP API", f"{API}/call/{{api_name}}/": "the plain HTTP API",
+    f"{API}/api/{{api_name}}": "unqueued events", f"{API}/call/{{api_name}}": "the plain HTTP API",
     f"{API}/call/{{api_name}}/{{event_id}}": "the plain HTTP API's answers",
-    f"{API}/call/v2/{{api_name}}": "the plain HTTP API", f"{API}/call/v2/{{api_name}}/": "the plain HTTP API",
+    f"{API}/call/v2/{{api_name}}": "the plain HTTP API",
     f"{API}/call/v2/{{api_name}}/{{event_id}}": "the plain HTTP API's answers",
     f"{API}/upload": "Your text's upload (bounded by studio.disk.UploadQuota)",
     f"{API}/upload_progress": "an upload's progress",
     f"{API}/file={{path_or_url:path}}": "downloads of results and models",
     f"{API}/file/{{path:path}}": "downloads (the old spelling)",
-    f"{API}/login_check": "the page asks whether it must log in", f"{API}/login_check/": "the same",
-    f"{API}/user": "the signed-in visitor (Hub push)", f"{API}/user/": "the same",
-    f"{API}/token": "the signed-in visitor's token (Hub push)", f"{API}/token/": "the same",
-    f"{API}/app_id": "the page's identity", f"{API}/app_id/": "the same",
+    f"{API}/login_check": "the page asks whether it must log in", f"{API}/user": "the signed-in visitor (Hub push)",
+    f"{API}/token": "the signed-in visitor's token (Hub push)", f"{API}/app_id": "the page's identity",
     "/login/huggingface": "Sign in with Hugging Face (a Space)", "/login/callback": "the same",
     "/logout": "signing out",
 }
@@ -71,17 +67,14 @@ REFUSED: dict[str, str] = {
     f"{API}/deep_link": "writes the session's state to disk; the page has no deep links",
     f"{API}/process_recording": "writes a video to disk; the app records nothing",
     f"{API}/component_server": "parses up to 1,000 uploaded files; no component here has server functions",
-    f"{API}/component_server/": "the same",
     f"{API}/stream/{{event_id}}": "streamed inputs; the app streams none",
     f"{API}/stream/{{event_id}}/close": "the same",
     f"{API}/stream/{{session_hash}}/{{run}}/{{component_id}}/playlist.m3u8": "streamed media; the app has none",
     f"{API}/stream/{{session_hash}}/{{run}}/{{component_id}}/{{segment_id}}.{{ext}}": "the same",
     f"{API}/stream/{{session_hash}}/{{run}}/{{component_id}}/playlist-file": "the same",
-    f"{API}/vibe-edit": "rewrites the app's source (vibe mode)", f"{API}/vibe-edit/": "the same",
-    f"{API}/undo-vibe-edit": "the same", f"{API}/undo-vibe-edit/": "the same",
-    f"{API}/vibe-code": "the same", f"{API}/vibe-code/": "the same",
-    f"{API}/vibe-starter-queries": "the same", f"{API}/vibe-starter-queries/": "the same",
-    f"{API}/runs": "Gradio's run history; the app keeps its own", f"{API}/runs/": "the same",
+    f"{API}/vibe-edit": "rewrites the app's source (vibe mode)", f"{API}/undo-vibe-edit": "the same",
+    f"{API}/vibe-code": "the same", f"{API}/vibe-starter-queries": "the same",
+    f"{API}/runs": "Gradio's run history; the app keeps its own",
     f"{API}/run-history/connect": "creates a Hub bucket for run history; not used",
     f"{API}/run-history/buckets": "the same", f"{API}/run-history/records": "the same",
     f"{API}/run-history/records/{{endpoint}}/{{record_id}}/assets/{{asset_id}}": "the same",
@@ -90,16 +83,14 @@ REFUSED: dict[str, str] = {
     f"{API}/dev/reload": "reload mode (development)",
     "/monitoring": "Gradio's monitoring dashboard; off", "/monitoring/summary": "the same",
     "/monitoring/{key}": "the same",
-    "/login": "password login; the app has none", "/login/": "the same",
+    "/login": "password login; the app has none",
 }
 
 # Routes that name an event, and how Gradio finds it (a KeyError, a 500, for one it lacks): "index" by the body's
 # fn_index, else the path's api name; "name" by the path's api name only; "public" by a public api name only.
 EVENT_ROUTES: dict[str, str] = {
-    f"{API}/queue/join": "index", f"{API}/run/{{api_name}}": "index", f"{API}/run/{{api_name}}/": "index",
-    f"{API}/api/{{api_name}}": "index", f"{API}/api/{{api_name}}/": "index", f"{API}/call/{{api_name}}": "name",
-    f"{API}/call/{{api_name}}/": "name", f"{API}/call/v2/{{api_name}}": "public",
-    f"{API}/call/v2/{{api_name}}/": "public",
+    f"{API}/queue/join": "index", f"{API}/run/{{api_name}}": "index", f"{API}/api/{{api_name}}": "index",
+    f"{API}/call/{{api_name}}": "name", f"{API}/call/v2/{{api_name}}": "public",
 }
 
 
@@ -118,14 +109,20 @@ _EVENTS = [(_pattern(t), how) for t, how in EVENT_ROUTES.items()]
 _STREAMS = [_pattern(t) for t in STREAM_ROUTES]
 
 
+def canonical(path: str) -> str:
+    """`path` without a trailing slash (Gradio declares some routes both ways; the lists above name each once)."""
+    return path[:-1] if len(path) > 1 and path.endswith("/") else path
+
+
 def route_path(scope: dict) -> str:
-    """The request's path inside the app (without the prefix it is mounted or proxied under)."""
+    """The request's path inside the app (without the prefix it is mounted or proxied under), canonical."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return (path[len(root):] or "/") if root and path.startswith(root) else path
+    return canonical((path[len(root):] or "/") if root and path.startswith(root) else path)
 
 
 def route_refusal(path: str) -> tuple[int, str] | None:
     """(HTTP status, message) for a path this server does not answer; None for one of the routes it needs."""
+    path = canonical(path)
     for template, pattern in _REFUSED.items():
         if pattern.match(path):
             return 403, f"{path[:100]} is turned off on this server: it {REFUSED[template]}"
@@ -156,21 +153,28 @@ def event_route(path: str) -> tuple[str | None, str] | None:
     return None
 
 
-def fn_index_of(body: bytes) -> object:
-    """The `fn_index` a request body names (None when none, or when the body is not a JSON object: Gradio answers)."""
-    if b"fn_index" not in body:
-        return None
+_NON_FINITE = object()  # what a NaN, an Infinity or an overflowing number in a request body parses to here
+
+
+def _number(text: str) -> object:
+    value = float(text)
+    return value if math.isfinite(value) else _NON_FINITE
+
+
+def event_body(body: bytes) -> dict:
+    """An event request's JSON body, parsed once, with every NaN, ±Infinity or float overflow as _NON_FINITE;
+    {} for a body that is not a JSON object (Gradio answers it)."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=lambda _: _NON_FINITE, parse_float=_number)
     except (ValueError, RecursionError):
-        return None
-    return data.get("fn_index") if isinstance(data, dict) else None
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
-def event_refusal(blocks, api_name: str | None, how: str, fn_index: object) -> tuple[int, str] | None:
+def event_refusal(blocks, api_name: str | None, how: str, data: dict) -> tuple[int, str] | None:
     """(404, message) for a request naming an event this app does not have; None for a known one (or one Gradio
     refuses itself: a `fn_index` that is not a whole number, a missing one)."""
-    fns = getattr(blocks, "fns", {})
+    fns, fn_index = getattr(blocks, "fns", {}), data.get("fn_index")
     if fn_index is not None and how == "index":
         index = _whole(fn_index)
         if index is None or index in fns:
@@ -182,25 +186,12 @@ def event_refusal(blocks, api_name: str | None, how: str, fn_index: object) -> t
     return None if api_name in names else (404, f"this app has no endpoint {api_name[:60]!r}")
 
 
-_NON_FINITE = object()  # what a NaN, an Infinity or an overflowing number in a request body parses to here
-
-
-def _number(text: str) -> object:
-    value = float(text)
-    return value if math.isfinite(value) else _NON_FINITE
-
-
-def non_finite_refusal(blocks, api_name: str | None, body: bytes) -> tuple[int, str] | None:
+def non_finite_refusal(blocks, api_name: str | None, data: dict) -> tuple[int, str] | None:
     """(422, message naming the widget) for an event's value that is NaN or ±Infinity (JSON's extensions, or a
-    number too large for a float), which Gradio's own preprocessing answers with a multi-line 400; None otherwise."""
-    try:
-        data = json.loads(body, parse_constant=lambda _: _NON_FINITE, parse_float=_number)
-    except (ValueError, RecursionError):
-        return None  # Gradio answers a malformed body
-    values = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(values, list):
-        return None
-    bad = next((k for k, v in enumerate(values) if v is _NON_FINITE), None)
+    number too large for a float), which Gradio's own preprocessing answers with a multi-line 400; None otherwise.
+    `data` is event_body's, for an event event_refusal found."""
+    values = data.get("data")
+    bad = next((k for k, v in enumerate(values) if v is _NON_FINITE), None) if isinstance(values, list) else None
     if bad is None:
         return None
     fns = getattr(blocks, "fns", {})
@@ -291,7 +282,8 @@ class Doorkeeper:
         named = event_route(path) if blocks is not None and scope["method"] == "POST" else None
         if named is not None:
             body, receive = await read_body(receive)
-            refusal = event_refusal(blocks, *named, fn_index_of(body)) or non_finite_refusal(blocks, named[0], body)
+            data = event_body(body)
+            refusal = event_refusal(blocks, *named, data) or non_finite_refusal(blocks, named[0], data)
         elif blocks is not None and scope["method"] == "GET":
             refusal = stream_refusal(getattr(blocks, "_queue", None), path, scope.get("query_string", b"").decode())
         if refusal is not None:
