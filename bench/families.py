@@ -224,6 +224,8 @@ SERVING = {
     "granite": ("runs", "multipliers kept in the config"),
     "gemma2": ("converter knows it (not run: it wants a sentencepiece tokenizer); window pattern written, scale "
                "folded into q_proj", "`layer_types` sliced"),
+    "gemma4_text": ("converter knows it (not exported to GGUF yet: per-layer head widths and block scalars unaudited)",
+                    "`layer_types` sliced, `per_layer_config` re-keyed"),
     "mixtral": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
     "qwen2_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
     "qwen3_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
@@ -255,7 +257,11 @@ def family_section() -> list[str]:
         cells = ["yes" if arch.refusal(need, name) is None else "no" for name, need in checks]
         gguf, vllm = SERVING.get(model_type, ("", ""))
         lines.append(f"| {model_type} | {arch.family} | {arch.kind} | {' | '.join(cells)} | {gguf} | {vllm} |")
-    lines += ["", "Multimodal checkpoints (`gemma3` 4B–27B, `mistral3`, `qwen3_5`, …; `tests/model/test_multimodal.py`): "
+    lines += ["", "Gemma 4: the 31B and 26B-A4B shapes run (wider heads on full-attention blocks, keys as values, experts "
+              "beside the MLP); a cut keeps the last block, which transformers makes full attention on load. E2B and "
+              "E4B are refused in one line: their per-layer embeddings and shared keys and values are not carried by a "
+              "cut yet.", "",
+              "Multimodal checkpoints (`gemma3` 4B–27B, `gemma4`, `mistral3`, `qwen3_5`, …; `tests/model/test_multimodal.py`): "
               "the text decoder inside the wrapper is cut as its family above; the stock export is the whole checkpoint "
               "(vision tower and projector unchanged) and reloads as the same multimodal class. Remote-code saves of a "
               "wrapper are refused (the ghost operators' classes wrap text models).", "",

@@ -67,6 +67,10 @@ class Architecture:
     # the per-layer kinds under the names the family's checkpoints use, where transformers renames them on load
     # (an export writes these: llama.cpp's converter and vLLM read the checkpoints' names)
     hub_layer_types: tuple[tuple[str, str], ...] = ()
+    # why the last block must stay, where the family requires it ("" where it does not)
+    last_block_stays: str = ""
+    # config fields that, where a checkpoint sets them (non-zero), put it beyond what a cut carries yet: (field, why)
+    not_yet: tuple[tuple[str, str], ...] = ()
 
     @property
     def branch_folds(self) -> bool:
@@ -77,6 +81,13 @@ class Architecture:
     def branch_folds_into_down_proj(self) -> bool:
         """The refit's and ReplaceMe's statistics come from one down projection that writes the stream."""
         return self.branch_folds and self.down_proj is not None
+
+    def config_refusal(self, config) -> str | None:
+        """Why a checkpoint of this family with `config` (its text config) cannot be cut yet; None where it can."""
+        for field, why in self.not_yet:
+            if getattr(config, field, None):
+                return f"{self.family} checkpoints that set {field} ({getattr(config, field)}) are not supported yet: {why}"
+        return None
 
     def writers_under(self, path: str) -> tuple[str, ...]:
         """The residual writers inside the module at `path` (relative to a block)."""
@@ -132,6 +143,17 @@ ARCHITECTURES: dict[str, Architecture] = {
                      residual_writers=POST_NORMS),
         Architecture("gemma2", "Gemma2", branch="post_feedforward_layernorm", norm_gain_offset=1.0, post_norms=True,
                      residual_writers=POST_NORMS),
+        # Gemma 4 (31B; 26B-A4B, whose blocks add experts beside the MLP under the same post-norm): larger heads on
+        # the full-attention blocks (a heterogeneous config), keys as values, a scalar on each block's output
+        Architecture("gemma4_text", "Gemma4", branch="post_feedforward_layernorm", post_norms=True,
+                     residual_writers=POST_NORMS + ("post_per_layer_input_norm",),
+                     last_block_stays="transformers makes a Gemma 4 checkpoint's last block full attention, so a cut "
+                                      "that ends on a sliding-window block would load as another model",
+                     not_yet=(
+                         ("hidden_size_per_layer_input", "its blocks also read per-layer embeddings made from the "
+                          "tokens (E2B, E4B), which a cut and the prefix-sharing evaluators do not carry yet"),
+                         ("num_kv_shared_layers", "its last blocks reuse the keys and values of earlier ones, and a "
+                          "cut does not yet keep what they reuse"))),
         # mixture of experts: a dense MLP on some blocks (mlp_only_layers) writes through mlp.down_proj
         _moe("mixtral", "Mixtral"),
         _moe("qwen2_moe", "Qwen2-MoE", ATTENTION_OUT + MLP_OUT + EXPERTS_OUT + SHARED_OUT),

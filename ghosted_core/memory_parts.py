@@ -17,6 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ghosted_core.architectures import architecture_of
+from ghosted_core.config_values import widest
 from ghosted_core.statistics import STATS_ITEM
 
 GIB = 2**30
@@ -32,11 +33,12 @@ def _tied(config: PretrainedConfig) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def _heads(config: PretrainedConfig) -> tuple[int, int, int]:
-    """(attention heads, key/value heads, head width)."""
-    heads = config.num_attention_heads
-    return heads, getattr(config, "num_key_value_heads", None) or heads, \
-        getattr(config, "head_dim", None) or config.hidden_size // heads
+def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(attention heads, key/value heads, head width), each the largest over the blocks (Gemma 4's full-attention
+    blocks have wider heads than its sliding ones): what bounds one block's attention."""
+    heads = widest(config, "num_attention_heads")
+    return heads, widest(config, "num_key_value_heads") or heads, \
+        widest(config, "head_dim") or config.hidden_size // heads
 
 
 def estimate_parameters(config: PretrainedConfig) -> int:
@@ -60,7 +62,7 @@ def block_parameters(config: PretrainedConfig) -> int:
     if counted is not None:
         return counted.block
     c = config.hidden_size
-    heads, kv_heads, head_dim = _heads(config)
+    heads, kv_heads, head_dim = attention_shape(config)
     attention = c * head_dim * (2 * heads + 2 * kv_heads)
     return attention + 3 * c * config.intermediate_size + 2 * c
 
@@ -124,7 +126,7 @@ def block_run_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: in
     v, their rotated copies and its output, whichever is larger, the normalized input and the block's output (2·C
     per token); the (B, H, T, T) scores only where attention is eager (SDPA does not materialize them). Measured at
     C = 1024, I = 2816 on 2,560 tokens: 107.5 MiB against 102.5 planned here."""
-    heads, kv_heads, head_dim = _heads(config)
+    heads, kv_heads, head_dim = attention_shape(config)
     mlp = 3 * int(config.intermediate_size)
     attention = 2 * (heads + 2 * kv_heads) * head_dim + heads * head_dim
     scores = seqlen * heads if getattr(config, "_attn_implementation", None) == "eager" else 0
@@ -169,7 +171,7 @@ def speed_bytes(config: PretrainedConfig, tokens: int, dtype: torch.dtype) -> in
     device and cost nothing. Grows with tokens·(C + I) and layers·tokens·KV width, not with the variants (timed
     one at a time)."""
     item = dtype_bytes(dtype)
-    _, kv_heads, head_dim = _heads(config)
+    _, kv_heads, head_dim = attention_shape(config)
     cache = 2 * config.num_hidden_layers * kv_heads * head_dim * tokens * item
     return forward_bytes(config, tokens, tokens, item) + cache + 2 * 4 * config.vocab_size
 

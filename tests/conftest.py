@@ -56,6 +56,13 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "smollm3": ("SmolLM3", dict(IDS)),  # RoPE off on every 4th block (no_rope_layers)
     "granite": ("Granite", dict(IDS, **GRANITE_SCALARS)),  # multipliers on embeddings, branches, attention, logits
     "gemma2": ("Gemma2", dict(IDS, head_dim=6, query_pre_attn_scalar=6, sliding_window=8)),  # soft-capping
+    # Gemma 4 (31B / 26B-A4B): larger, fewer kv heads on full-attention blocks (a heterogeneous config), keys as
+    # values there, and experts beside each block's MLP
+    "gemma4_text": ("Gemma4", dict(IDS, head_dim=6, global_head_dim=12, num_global_key_value_heads=1,
+                                   attention_k_eq_v=True, sliding_window=8, hidden_size_per_layer_input=0,
+                                   enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
+                                   config="Gemma4TextConfig",
+                                   layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
     # mixture of experts
     "mixtral": ("Mixtral", dict(IDS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
     "qwen2_moe": ("Qwen2Moe", dict(IDS, **EXPERTS, shared_expert_intermediate_size=48, mlp_only_layers=[0],

@@ -16,7 +16,7 @@ LAYERS = (
     ("ghosted_core", "ghosted_core.errors", "ghosted_core.stopping", "ghosted_core.hub", "ghosted_core.registry",
      "ghosted_core.plan", "ghosted_core.hadamard", "ghosted_core.files", "ghosted_core.oom", "ghosted_core.products",
      "ghosted_core.progress"),
-    ("ghosted_core.statistics", "ghosted_core.memory_parts", "ghosted_core.memory", "ghosted_core.architectures"),
+    ("ghosted_core.config_values", "ghosted_core.statistics", "ghosted_core.memory_parts", "ghosted_core.memory", "ghosted_core.architectures"),
     ("ghosted_core.data",),
     ("ghosted_core.model",),
     ("ghosted_core.calibration",),

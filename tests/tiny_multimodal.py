@@ -19,6 +19,9 @@ WRAPPERS = {
     "gemma3": (dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2),
                dict(mm_tokens_per_image=4), "magcomp"),  # ReplaceMe does not fold past the post-norm
     "mistral3": (dict(sliding_window=None), {}, "magcomp,replaceme"),
+    "gemma4": (dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                    global_head_dim=12, num_global_key_value_heads=1, attention_k_eq_v=True,
+                    hidden_size_per_layer_input=0), dict(vision=dict(num_key_value_heads=4, head_dim=8)), "magcomp"),
     "qwen3_5": (dict(LINEAR_ATTENTION, layer_types=["linear_attention", "full_attention"] * 3), {},
                 "magcomp,replaceme"),
     "qwen3_5_moe": (dict(LINEAR_ATTENTION, layer_types=["linear_attention", "full_attention"] * 3, num_experts=4,
@@ -30,12 +33,16 @@ WRAPPERS = {
 def tiny_wrapper_folder(model_type: str, tokenizer, folder):
     """A random multimodal checkpoint of `model_type` (6 text blocks), saved with SmolLM2's tokenizer."""
     text_values, outer, _ = WRAPPERS[model_type]
+    outer = dict(outer)
+    vision_values = outer.pop("vision", {})
     config_cls = transformers.CONFIG_MAPPING[model_type]
     defaults = config_cls()
-    text = {k: v for k, v in defaults.text_config.to_dict().items() if k != "layer_types"}
-    vision = defaults.vision_config.to_dict()
+    text = {k: v for k, v in defaults.text_config.to_dict().items() if k not in ("layer_types", "per_layer_config")}
+    # (Gemma 4's vision tower is optional: its class's defaults then)
+    vision = (defaults.vision_config or config_cls.sub_configs["vision_config"]()).to_dict()
     config = config_cls(text_config=text | TEXT | text_values | {"vocab_size": len(tokenizer)},
-                        vision_config=vision | {k: v for k, v in VISION.items() if k in vision}, **outer)
+                        vision_config=vision | {k: v for k, v in VISION.items() if k in vision} | vision_values,
+                        **outer)
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():

@@ -28,7 +28,7 @@ from ghosted_core.distill.loss import LOGIT_COPIES, TAIL_COPIES, chunk_tokens, g
 from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
 from ghosted_core.distill.targets import get_trainable
 from ghosted_core.distill.teacher import prefix_bytes, target_bytes
-from ghosted_core.memory_parts import _heads
+from ghosted_core.memory_parts import attention_shape
 
 TRAIN_STATE_BYTES = 20  # per trained parameter: fp32 weight, gradient, two AdamW moments, the best copy
 
@@ -38,7 +38,7 @@ def block_activation_bytes(config: PretrainedConfig, tokens: int, item: int) -> 
     too), projections, attention (q, k, v, output; SDPA keeps no T×T matrix) and the gated MLP's four I-wide
     tensors."""
     c, inner = config.hidden_size, int(config.intermediate_size)
-    heads, kv_heads, head_dim = _heads(config)
+    heads, kv_heads, head_dim = attention_shape(config)
     attention = (2 * heads + 2 * kv_heads) * head_dim  # q, attention output, k, v
     per_token = (6 * c + attention + 4 * inner) * item + 4 * c * 4  # + two norms' float32 copies
     return tokens * per_token

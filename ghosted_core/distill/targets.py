@@ -28,7 +28,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ghosted_core.architectures import architecture_of
-from ghosted_core.memory_parts import skeleton_counts
+from ghosted_core.memory_parts import attention_shape, skeleton_counts
 from ghosted_core.model.loading import final_norm, final_norm_name
 from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
 from ghosted_core.errors import GhostedError
@@ -219,7 +219,7 @@ def _norm_parameters(config: PretrainedConfig, boundaries: int, opts: DistillOpt
     """Two blocks per cut: their two (Gemma-3: four) C-wide norms and the per-head q/k norms where the family has them
     (Qwen3, Gemma-3), plus the final norm."""
     c = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or c // config.num_attention_heads
+    head_dim = attention_shape(config)[2]
     per_block = (4 if architecture_of(config).post_norms else 2) * c + 2 * head_dim
     return boundaries * 2 * per_block + c
 
@@ -261,9 +261,7 @@ def _linear_widths(config: PretrainedConfig) -> int:
     if counted is not None:
         return counted.linear_widths
     c, inner = config.hidden_size, _inner(config)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or c // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv, head_dim = attention_shape(config)
     q, k = heads * head_dim, kv * head_dim
     return (c + q) + 2 * (c + k) + (q + c) + 3 * (c + inner)
 

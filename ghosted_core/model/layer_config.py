@@ -1,10 +1,12 @@
 """The config of the kept blocks: every field that describes blocks, found on the config itself, made true again.
 
-A decoder's config describes its blocks in three ways (transformers 5.25), and a cut must keep each true:
+A decoder's config describes its blocks in four ways (transformers 5.25), and a cut must keep each true:
 - **per-layer lists**, one entry per block (`layer_types`, `no_rope_layers`, `layers_block_type`): sliced
   to the kept blocks;
 - **layer-index lists**, the indices of blocks with some property (`mlp_only_layers`, `full_attn_idxs`,
   `moe_layers`): renumbered over the kept blocks, dropping removed ones;
+- **per-layer overrides** of a heterogeneous config (`per_layer_config`, keyed by block: Gemma 4's larger heads
+  on its full-attention blocks): re-keyed over the kept blocks;
 - **counts and steps** (`max_window_layers`, `first_k_dense_replace`: the blocks below a count;
   `decoder_sparse_step`: every k-th block has experts): re-counted, or replaced by the explicit index list
   they stand for, since a step cannot survive an arbitrary cut. Each is a small function in `RECOUNTS`.
@@ -23,6 +25,8 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ghosted_core.architectures import architecture_of
+from ghosted_core.config_values import global_value, layer_overrides
 from ghosted_core.errors import GhostedError
 
 log = logging.getLogger(__name__)
@@ -73,7 +77,7 @@ def layer_fields(config, values: Mapping | None = None, num_layers: int | None =
     """The fields of `config` (a decoder's text config) that describe its blocks; `values` and `num_layers`:
     read those instead of the config's own (an export's config.json dict, at the dense block count)."""
     num_layers = int(config.num_hidden_layers if num_layers is None else num_layers)
-    values = {name: getattr(config, name, None) for name in config.to_dict()} if values is None else values
+    values = {name: global_value(config, name) for name in config.to_dict()} if values is None else values
     per_layer, index_lists = [], []
     for name, value in values.items():
         if name in NOT_LAYER_FIELDS or not isinstance(value, (list, tuple)) or not _scalars(list(value)):
@@ -132,6 +136,18 @@ def sliced_values(config, kept: Sequence[int]) -> dict:
     return values
 
 
+def required_blocks(config) -> tuple[int, ...]:
+    """The blocks every cut must keep, by the family's rules (`Architecture.last_block_stays`: Gemma 4's last)."""
+    return (int(config.num_hidden_layers) - 1,) if architecture_of(config).last_block_stays else ()
+
+
+def check_required_kept(config, removed: Sequence[int]) -> None:
+    """Refuse a cut that removes a block the family requires (see `required_blocks`), with the reason."""
+    if set(required_blocks(config)) & set(removed):
+        raise GhostedError(f"block {config.num_hidden_layers - 1} (the last) must stay: "
+                           f"{architecture_of(config).last_block_stays}")
+
+
 def check_kept_kinds(config, kept: Sequence[int]) -> None:
     """Refuse a cut of a hybrid model that keeps none of its attention blocks: transformers sizes a cache's masks
     by an attention layer, so such a model cannot generate (it still runs without a cache)."""
@@ -149,8 +165,11 @@ def sliced_config(config, kept: Sequence[int]):
     """A copy of `config` (a decoder's text config) for the blocks at indices `kept` (ascending) of the model it
     describes; the dense config is never touched."""
     values = sliced_values(config, kept)
+    overrides = layer_overrides(config)
     config = copy.deepcopy(config)
     for name, value in values.items():
         setattr(config, name, value)
     config.num_hidden_layers = len(kept)
+    if overrides:  # renumbered over the kept blocks (after the count: transformers checks keys against it)
+        config.per_layer_config = {i: copy.deepcopy(overrides[j]) for i, j in enumerate(kept) if j in overrides}
     return config

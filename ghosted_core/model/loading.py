@@ -137,6 +137,9 @@ def check_supported(config: PretrainedConfig) -> None:
         reason = "not a causal LM that transformers can build"
     elif not isinstance(getattr(config, "num_hidden_layers", None), int):
         reason = "its config has no num_hidden_layers"
+    not_yet = None if reason else architecture_of(config.get_text_config()).config_refusal(config.get_text_config())
+    if not_yet:
+        raise GhostedError(not_yet)
     if reason:
         raise GhostedError(f"unsupported architecture {model_type!r}: {reason}; Ghosted Layers cuts decoder-only "
                            f"causal LMs (in the architecture table, {families()}; others run the residual-stream "

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
 from ghosted_core.model.shallow import shallow_view
 from ghosted_core.model.loading import decoder_blocks, final_norm, final_norm_name
-from ghosted_core.model.layer_config import check_kept_kinds, sliced_config
+from ghosted_core.model.layer_config import check_kept_kinds, check_required_kept, sliced_config
 from ghosted_core.plan import Boundary
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
         layers.append(block)
         kept.append(j)
     check_kept_kinds(dense.config, kept)
+    check_required_kept(dense.config, removed)
     norm = final_norm(dense)
     if num_layers in patches:
         norm = PatchedBlock(patches[num_layers], norm)

@@ -7,6 +7,7 @@ other criterion runs its own scoring, timed and counted (`Selection.cost`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -16,6 +17,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
+from ghosted_core.model.layer_config import required_blocks
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, check_request, get_criterion
 from ghosted_core.selection.similarity import SimilarityStats, measure_similarity_depths
@@ -51,6 +53,7 @@ def select_blocks_depths(model: PreTrainedModel, criterion: str, requests: Seque
                          batches: Sequence[CalibrationBatch],
                          quiet: bool = False) -> list[tuple[PruningPlan, SimilarityStats | None]]:
     """`select_blocks` for several requests (depths) with one similarity pass; plans in request order."""
+    requests = [with_required(model, request) for request in requests]
     for request in requests:
         check_request(criterion, request)
     spec = get_criterion(criterion)
@@ -65,6 +68,13 @@ def select_blocks_depths(model: PreTrainedModel, criterion: str, requests: Seque
         log.info("%s removes blocks %s", criterion, list(plan.removed))
         chosen.append((plan, sim))
     return chosen
+
+
+def with_required(model: PreTrainedModel, request: SelectionRequest) -> SelectionRequest:
+    """`request` with the blocks the model's family requires kept (`layer_config.required_blocks`) added."""
+    if model is None:
+        return request
+    return dataclasses.replace(request, keep=tuple(sorted({*request.keep, *required_blocks(model.config)})))
 
 
 def _one_cosine(requests: Sequence[SelectionRequest]) -> str:
@@ -95,6 +105,7 @@ def iter_criteria(model: PreTrainedModel, criteria: Sequence[str], request: Sele
     and, when a caller passes the same table to several depths on the same batches, sleb's and
     prunecomp's rounds (a deeper run's first rounds are the shallower run) and the swap probes.
     """
+    request = with_required(model, request)
     for name in criteria:
         check_request(name, request)
     windows = sum(len(b.input_ids) for b in batches if not b.heldout)

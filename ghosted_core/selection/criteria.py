@@ -42,6 +42,14 @@ class SelectionRequest:
     n: int  # blocks to remove
     layers: tuple[int, ...] = ()  # for the manual criterion
     cosine: str = "hidden"  # or "token-axis" (reference-repo variant)
+    keep: tuple[int, ...] = ()  # blocks the family requires kept (`layer_config.required_blocks`): never removed
+
+    def removable(self, block: int) -> bool:
+        return block not in self.keep
+
+    def run_removable(self, start: int) -> bool:
+        """Whether the run of n blocks from `start` removes no block that must stay."""
+        return all(self.removable(j) for j in range(start, start + self.n))
 
 
 @dataclass
@@ -133,9 +141,9 @@ SHARED_PASS = ("one forward pass over the calibration text, shared by every simi
 
 def _run_starts(request: SelectionRequest) -> range:
     """Candidate run starts; the reference repos never start at block 0 nor end at the last block."""
-    if request.cosine == "token-axis":
-        return range(1, request.num_layers - request.n)
-    return range(0, request.num_layers - request.n + 1)
+    starts = range(1, request.num_layers - request.n) if request.cosine == "token-axis" else \
+        range(0, request.num_layers - request.n + 1)
+    return [s for s in starts if request.run_removable(s)]
 
 
 def _label(base: str, request: SelectionRequest) -> str:
@@ -164,7 +172,7 @@ def select_shortgpt(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The n blocks with the lowest Block Influence BI_i = 1 − mean cos(h_i, h_i+1)."""
     sim = scoring.sim
     influence = tuple(1.0 - c for c in sim.block_cosine)
-    order = sorted(range(request.num_layers), key=lambda i: influence[i])
+    order = sorted(filter(request.removable, range(request.num_layers)), key=lambda i: influence[i])
     return PruningPlan(request.num_layers, tuple(order[: request.n]), "shortgpt", influence,
                        _label("Block Influence 1 − mean cos(h_i, h_i+1), per block", request))
 
@@ -227,3 +235,6 @@ def check_request(criterion: str, request: SelectionRequest) -> None:
             raise GhostedError(f"--total_num_prune must be at least 1 for {criterion} (got {request.n})")
     if criterion == "manual":
         PruningPlan(request.num_layers, request.layers, "manual")  # validates the range
+        if set(request.layers) & set(request.keep):
+            raise GhostedError(f"block {sorted(set(request.layers) & set(request.keep))[0]} must stay in this model "
+                               "(its family requires it); list other blocks")

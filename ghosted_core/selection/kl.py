@@ -77,6 +77,6 @@ def kl_bytes(shapes: ScoreShapes) -> Footprint:
 def select_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The run start s with the lowest mean KL(p_dense ‖ p_pruned); ties to the lowest s."""
     scores = run_kl(scoring, request.n)
-    start = min(range(len(scores)), key=lambda s: (scores[s], s))
+    start = min(filter(request.run_removable, range(len(scores))), key=lambda s: (scores[s], s))
     return PruningPlan(request.num_layers, tuple(range(start, start + request.n)), "kl", tuple(scores),
                        f"mean KL(p_dense ‖ p_pruned) per token with blocks s…s+{request.n - 1} removed, per run start s")

@@ -59,7 +59,7 @@ def iterate(scoring: Scoring, request: SelectionRequest) -> tuple[list[dict], tu
         scoring.work.passes += 1
         scoring.work.block_runs += windows * len(alive)
         influence = [1.0 - c for c in sim.block_cosine]  # per current block
-        position = min(range(len(alive)), key=lambda p: (influence[p], p))
+        position = min((p for p in range(len(alive)) if request.removable(alive[p])), key=lambda p: (influence[p], p))
         if not first_scores:
             first_scores = tuple(influence)
         stats = collect_stats(current, [Boundary(position, position + 1)], scoring.batches,

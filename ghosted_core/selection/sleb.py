@@ -124,15 +124,16 @@ class _Memo:
                 self.bytes += state.numel() * state.element_size()
 
 
-def screened(bounds: Sequence[float], exact: Callable[[int], float]) -> list[float | None]:
-    """Exact values (`exact(p)`) of the candidates that can still be the minimum, None for the others.
+def screened(bounds: Sequence[float], exact: Callable[[int], float], skip: Sequence[int] = ()) -> list[float | None]:
+    """Exact values (`exact(p)`) of the candidates that can still be the minimum, None for the others (and for
+    the positions in `skip`: no candidates).
 
     Candidates go in ascending order of their lower bounds; once a bound exceeds the best exact value
     so far (by more than rounding), neither it nor any later candidate can be the minimum.
     """
     result: list[float | None] = [None] * len(bounds)
     best = math.inf
-    for p in sorted(range(len(bounds)), key=lambda p: (bounds[p], p)):
+    for p in sorted((p for p in range(len(bounds)) if p not in skip), key=lambda p: (bounds[p], p)):
         if bounds[p] > best + BOUND_MARGIN * abs(best):
             break
         result[p] = exact(p)
@@ -141,8 +142,9 @@ def screened(bounds: Sequence[float], exact: Callable[[int], float]) -> list[flo
 
 
 def _round(runner: CandidateRunner, model: PreTrainedModel, memo: _Memo, alive: Sequence[int],
-           batches: Sequence[CalibrationBatch]) -> tuple[list[float | None], list[float | None]]:
-    """Exact NLL sums (None where the bound ruled a candidate out) and the bounds, per candidate in `alive` order."""
+           batches: Sequence[CalibrationBatch], keep: Sequence[int] = ()) -> tuple[list[float | None], list[float | None]]:
+    """Exact NLL sums (None where the bound ruled a candidate out, or it is in `keep`: never removed) and the
+    bounds, per candidate in `alive` order."""
     first = memo.tables[0][()]  # (B, T, C): the width and dtype of every state
     tokens = sum(batch.input_ids.numel() for batch in batches)
     screen = len(alive) * tokens * first.shape[-1] * first.element_size() <= FINALS_BUDGET
@@ -173,14 +175,16 @@ def _round(runner: CandidateRunner, model: PreTrainedModel, memo: _Memo, alive: 
     for batch, batch_finals in zip(batches, finals):
         sums = nll_sums(model, batch_finals, batch.input_ids, batch.attention_mask, subset, runner.work)
         bounds = [x + s for x, s in zip(bounds, sums)]
-    result = screened(bounds, lambda p: sum(nll_sums(model, [f[p]], batch.input_ids, batch.attention_mask,
-                                                      work=runner.work)[0] for batch, f in zip(batches, finals)))
-    return result, bounds
+    def exact_sum(p: int) -> float:
+        return sum(nll_sums(model, [f[p]], batch.input_ids, batch.attention_mask, work=runner.work)[0]
+                   for batch, f in zip(batches, finals))
+
+    return screened(bounds, exact_sum, skip=[p for p, q in enumerate(alive) if q in keep]), bounds
 
 
 def sleb_order(model: PreTrainedModel, n: int, batches: Sequence[CalibrationBatch], work: Work | None = None,
-               quiet: bool = True, memo_budget: int = MEMO_BUDGET) -> SlebResult:
-    """n greedy rounds of SLEB on the calibration batches (held-out ones skipped)."""
+               quiet: bool = True, memo_budget: int = MEMO_BUDGET, keep: Sequence[int] = ()) -> SlebResult:
+    """n greedy rounds of SLEB on the calibration batches (held-out ones skipped); blocks in `keep` stay."""
     runner = CandidateRunner(model, work or Work())
     num_layers = len(runner.blocks)
     if not 1 <= n < num_layers:
@@ -196,8 +200,9 @@ def sleb_order(model: PreTrainedModel, n: int, batches: Sequence[CalibrationBatc
     rounds = []
     for _ in track(range(n), "score sleb", unit="rounds", quiet=quiet):
         alive = [j for j in range(num_layers) if j not in removed]
-        exact, bounds = _round(runner, model, memo, alive, fit)
-        best = min((p for p in range(len(alive)) if exact[p] is not None), key=lambda p: (exact[p], p))
+        exact, bounds = _round(runner, model, memo, alive, fit, keep)
+        best = min((p for p in range(len(alive)) if exact[p] is not None and alive[p] not in keep),
+                   key=lambda p: (exact[p], p))
         nll: list[float | None] = [None] * num_layers
         bound: list[float | None] = [None] * num_layers
         for p, j in enumerate(alive):
@@ -244,7 +249,8 @@ def select_sleb(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
         result = SlebResult(full.order[:request.n], full.rounds[:request.n], full.tokens)
     else:
         budget = MEMO_BUDGET if scoring.memo_budget is None else scoring.memo_budget
-        result = sleb_order(scoring.model, request.n, scoring.batches, scoring.work, scoring.quiet, budget)
+        result = sleb_order(scoring.model, request.n, scoring.batches, scoring.work, scoring.quiet, budget,
+                            request.keep)
         scoring.shared["sleb"] = (result, scoring.work)
     first = result.rounds[0]
     scores = tuple((x if x is not None else b) / result.tokens for x, b in zip(first.nll, first.bound))

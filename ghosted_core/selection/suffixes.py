@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ghosted_core.memory_parts import attention_shape
 from ghosted_core.model.loading import decoder_blocks
 from ghosted_core.model.surgery import assemble, sliced_config, stream_fed
 from ghosted_core.recovery.modules import module_device
@@ -53,8 +54,7 @@ def pass_equivalents(config, block_runs: float, head_runs: float) -> float:
     """Block and head runs per window in full forward passes (L blocks and one head), weighted by the
     multiply-adds of their projections per token (attention scores left out: they grow with T alike)."""
     c, inner = config.hidden_size, config.intermediate_size
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or c // heads
+    heads, kv, head_dim = attention_shape(config)
     block = c * head_dim * (2 * heads + 2 * kv) + 3 * c * inner  # q, o, k, v and the gated MLP
     head = config.vocab_size * c
     return (block_runs * block + head_runs * head) / (config.num_hidden_layers * block + head)

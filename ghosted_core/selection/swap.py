@@ -25,6 +25,8 @@ together (under `suffixes.STATE_BUDGET`) and one chunk of logits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from ghosted_core.errors import GhostedError
@@ -106,10 +108,11 @@ def layer_scores(distances: dict[tuple[int, int], float], num_layers: int) -> li
     return scores
 
 
-def guided_removal(scores: list[float], n: int, spacing: int = SPACING) -> tuple[int, ...]:
-    """Table 14: ascending scores (ties to the lower index), skipping layers within `spacing` of a chosen one."""
+def guided_removal(scores: list[float], n: int, spacing: int = SPACING, keep: Sequence[int] = ()) -> tuple[int, ...]:
+    """Table 14: ascending scores (ties to the lower index), skipping layers within `spacing` of a chosen one (and
+    those in `keep`)."""
     chosen: list[int] = []
-    for i in sorted(range(len(scores)), key=lambda i: (scores[i], i)):
+    for i in sorted((i for i in range(len(scores)) if i not in keep), key=lambda i: (scores[i], i)):
         if all(abs(i - k) > spacing for k in chosen):
             chosen.append(i)
             if len(chosen) == n:
@@ -129,7 +132,7 @@ def _select(request: SelectionRequest, scoring: Scoring, probe: str, name: str) 
         scoring.shared["swap"] = (swap_distances(scoring), name, scoring.work)
     distances, first, scoring.work = scoring.shared["swap"]  # the measurement's own cost, whoever asks
     scores = layer_scores(distances[probe], request.num_layers)
-    removed = guided_removal(scores, request.n)
+    removed = guided_removal(scores, request.n, keep=request.keep)
     scoring.details[name] = {
         "probe": probe, "window": WINDOW, "spacing": SPACING,
         "pairs": [[i, j] for i, j in distances[probe]],

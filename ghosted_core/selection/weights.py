@@ -26,6 +26,8 @@ inner products; memory: 2 · L Grams of C × C in float32 (SmolLM2: 80 MB; an 8B
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -99,9 +101,9 @@ def redundancy(sim: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return matrix
 
 
-def choose(matrix: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
-    """n rounds of: remove the layer i with the largest max over surviving j of R_ij (ties to the lower i).
-    Returns the removal order and round 1's redundancy per layer."""
+def choose(matrix: torch.Tensor, n: int, keep: Sequence[int] = ()) -> tuple[list[int], list[float]]:
+    """n rounds of: remove the layer i (not one in `keep`) with the largest max over surviving j of R_ij (ties to
+    the lower i). Returns the removal order and round 1's redundancy per layer."""
     alive = list(range(matrix.shape[0]))
     order: list[int] = []
     first: list[float] = []
@@ -109,7 +111,7 @@ def choose(matrix: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
         best = {i: max(float(matrix[i, j]) for j in alive if j != i) for i in alive}
         if not first:
             first = [best[i] for i in range(matrix.shape[0])]
-        pick = max(alive, key=lambda i: (best[i], -i))
+        pick = max((i for i in alive if i not in keep), key=lambda i: (best[i], -i))
         order.append(pick)
         alive.remove(pick)
     return order, first
@@ -140,7 +142,7 @@ def weights_bytes(shapes: ScoreShapes) -> Footprint:
 def select_weights(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The n layers whose write spaces are best covered by a surviving, larger-scale layer."""
     sim, scale = weight_similarity(scoring.model)
-    order, first = choose(redundancy(sim, scale), request.n)
+    order, first = choose(redundancy(sim, scale), request.n, request.keep)
     scoring.details["weights"] = {"order": order, "similarity": sim.tolist(), "scale": scale.tolist()}
     return PruningPlan(request.num_layers, tuple(order), "weights", tuple(first),
                        "forward-free redundancy max_j sim(i, j)·ρ_j/(ρ_i + ρ_j), per block (round 1; higher goes first)")

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoConfig, Qwen2MoeConfig
 
 from conftest import TINY_FAMILIES, TINY_LAYERS, _tiny_config, make_tiny_model
-from ghosted_core.model.layer_config import layer_fields, sliced_config
+from ghosted_core.errors import GhostedError
+from ghosted_core.model.layer_config import layer_fields, required_blocks, sliced_config
 from ghosted_core.model.surgery import build_variant
 
 FACTS = ("sliding_window", "is_sliding", "use_rope", "layer_type", "attention_type", "is_causal")
@@ -34,6 +35,10 @@ def test_a_model_built_from_the_cut_config_has_the_kept_blocks(family, removed, 
     each kept dense block is (attention or a linear-attention, convolution or Mamba mixer; experts or a dense MLP;
     sliding window or full; RoPE on or off), and validates."""
     dense = make_tiny_model(family)
+    if set(removed) & set(required_blocks(dense.config)):  # the family keeps that block: refused, with the reason
+        with pytest.raises(GhostedError, match="must stay"):
+            build_variant(dense, removed)
+        removed = (0, 3, 4)
     kept = [j for j in range(TINY_LAYERS) if j not in removed]
     config = copy.deepcopy(build_variant(dense, removed).config)
     config.__dict__.pop("ghosted", None)
@@ -65,3 +70,17 @@ def test_fields_are_found_by_their_values():
     # experts on blocks j with (j + 1) % 2 == 0 and j ∉ {1}: blocks 3 and 5; kept 0, 2, 3, 5 → dense at 0, 1
     assert cut.decoder_sparse_step == 1 and cut.mlp_only_layers == [0, 1]
     assert config.num_hidden_layers == 6 and config.mlp_only_layers == [1]  # the dense config is never touched
+
+
+def test_a_heterogeneous_config_is_read_per_block_and_re_keyed_by_a_cut():
+    """Gemma 4's full-attention blocks (2 and 5) have wider heads and fewer kv heads than its sliding ones: a plan
+    reads the widest, and a cut re-keys the overrides to the kept blocks' new positions."""
+    from ghosted_core.config_values import layer_overrides, widest
+
+    config = _tiny_config("gemma4_text")[1]
+    assert set(layer_overrides(config)) == {2, 5} and widest(config, "head_dim") == 12
+    assert widest(config, "num_key_value_heads") == 2  # the sliding blocks' 2 over the full blocks' 1
+    cut = sliced_config(config, [0, 1, 3, 5])
+    assert layer_overrides(cut) == {3: {"head_dim": 12, "num_key_value_heads": 1}}
+    assert cut.per_layer_config[3].head_dim == 12 and cut.per_layer_config[2].head_dim == 6
+    assert set(layer_overrides(config)) == {2, 5}  # the dense config is never touched

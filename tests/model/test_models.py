@@ -55,6 +55,18 @@ def test_unsupported_architecture_is_refused(tmp_path):
         load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("field, value, why", [("hidden_size_per_layer_input", 4, "per-layer embeddings"),
+                                               ("num_kv_shared_layers", 2, "reuse the keys and values")])
+def test_a_gemma4_checkpoint_beyond_what_a_cut_carries_is_refused_in_one_line(tmp_path, field, value, why):
+    """Gemma 4 E2B/E4B (per-layer embeddings, shared keys and values): refused from the config alone, before any
+    weight loads, with what is missing; the same family without them loads."""
+    _tiny_config("gemma4_text", **{field: value})[1].save_pretrained(tmp_path)
+    with pytest.raises(GhostedError, match=f"^Gemma4 checkpoints that set {field} \\({value}\\) are not supported "
+                                           f"yet: .*{why}") as refused:
+        load_model(str(tmp_path), LoadOptions(device="cpu"))
+    assert "\n" not in str(refused.value)
+
+
 def test_local_folder_loads_in_eval_mode(tiny_model_folder):
     loaded = load_model(str(tiny_model_folder), LoadOptions(device="cpu"))
     assert loaded.source == "local" and loaded.num_layers == TINY_LAYERS

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_LAYERS, random_tokens
+from conftest import TINY_LAYERS, make_tiny_model, random_tokens
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.calibration.collect import make_batches
 from ghosted_core.errors import GhostedError
@@ -105,3 +105,29 @@ def test_similarity_pass_keeps_a_bounded_window(setup):
     model, _ids, batches, _h = setup
     sim = measure_similarity(model, 3, batches, quiet=True)
     assert len(sim.run_cosine) == TINY_LAYERS - 2 and len(sim.block_cosine) == TINY_LAYERS and sim.tokens == 60
+
+
+FORWARD_CRITERIA = [name for name, spec in CRITERIA.items() if spec.needs != "nothing"]
+
+
+@pytest.mark.parametrize("criterion", FORWARD_CRITERIA)
+def test_every_criterion_leaves_the_blocks_that_must_stay(setup, criterion):
+    """A block in the request's `keep` (a family's rule, as Gemma 4's last block) is never removed: asked to keep the
+    block it chose first, each criterion chooses others."""
+    model, _ids, batches, _h = setup
+    chosen = select_blocks(model, criterion, SelectionRequest(TINY_LAYERS, 2), batches, quiet=True)[0].removed
+    kept = chosen[0]
+    plan = select_blocks(model, criterion, SelectionRequest(TINY_LAYERS, 2, keep=(kept,)), batches, quiet=True)[0]
+    assert kept not in plan.removed and len(plan.removed) == 2, (criterion, chosen, plan.removed)
+
+
+def test_a_gemma4_cut_keeps_its_last_block():
+    """Gemma 4's last block must stay (transformers makes it full attention on load): every criterion is told so by
+    the model itself, and a manual cut of it is refused with the reason, before the surgery."""
+    model = make_tiny_model("gemma4_text")
+    batches = make_batches(random_tokens(4, 10, seed=3), None, 4)
+    for criterion in ("shortgpt", "sleb", "weights"):
+        plan, _ = select_blocks(model, criterion, SelectionRequest(TINY_LAYERS, TINY_LAYERS - 1), batches, quiet=True)
+        assert sorted(plan.removed) == list(range(TINY_LAYERS - 1)), criterion  # all but the last
+    with pytest.raises(GhostedError, match="must stay"):
+        select_blocks(model, "manual", SelectionRequest(TINY_LAYERS, 1, (TINY_LAYERS - 1,)), batches)

@@ -1,0 +1,30 @@
+"""A config's values as a cut or a plan reads them, also where transformers 5 refuses to answer.
+
+A heterogeneous config (`per_layer_config`: Gemma 4's wider heads on its full-attention blocks) raises on a global
+read of an attribute that varies by block. A plan wants the largest value (`widest`), a cut each block's overrides
+(`layer_overrides`), and the config's own view of its fields (`global_value`).
+"""
+
+from __future__ import annotations
+
+
+def global_value(config, name: str, default=None):
+    """`config.name` as the config holds it globally, also where a heterogeneous config (`per_layer_config`,
+    transformers 5) refuses to answer for a per-layer attribute (Gemma 4's head_dim and kv heads)."""
+    read = getattr(config, "_getattr_without_heterogeneous_validation", None)
+    return read(name, default) if read is not None else getattr(config, name, default)
+
+
+def layer_overrides(config) -> dict[int, dict]:
+    """A heterogeneous config's per-block overrides ({block: {attribute: value}}, only blocks that differ from the
+    global config); {} for a homogeneous one."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    return dict(spec.per_layer_overrides) if spec is not None else {}
+
+
+def widest(config, name: str, default=None):
+    """The largest value of `name` over the blocks (a heterogeneous config's overrides included): what a bound on
+    one block's memory or work reads; the config's own value where it is homogeneous."""
+    values = [value for j, over in layer_overrides(config).items() if (value := over.get(name)) is not None]
+    own = global_value(config, name, default)
+    return max([v for v in (own, *values) if v is not None], default=default)
