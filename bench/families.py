@@ -230,6 +230,8 @@ SERVING = {
     "qwen2_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
     "qwen3_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
     "olmoe": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
+    "llama4_text": ("converter knows it (not exported to GGUF yet: its RoPE-less and chunked blocks unaudited)",
+                    "`moe_layers` renumbered, `no_rope_layers` sliced"),
     "gpt_oss": ("runs: kept layers' window pattern written", "`layer_types` sliced"),
     "qwen3_next": ("runs (told the export has no MTP head)", "`layer_types` sliced; no MTP head"),
     "qwen3_5_text": ("converter knows it (not run: llama.cpp's mRoPE asserts on the tiny rotary size)",
@@ -261,7 +263,7 @@ def family_section() -> list[str]:
               "beside the MLP); a cut keeps the last block, which transformers makes full attention on load. E2B and "
               "E4B are refused in one line: their per-layer embeddings and shared keys and values are not carried by a "
               "cut yet.", "",
-              "Multimodal checkpoints (`gemma3` 4B–27B, `gemma4`, `mistral3`, `qwen3_5`, …; `tests/model/test_multimodal.py`): "
+              "Multimodal checkpoints (`gemma3` 4B–27B, `gemma4`, `llama4`, `mistral3`, `qwen3_5`, …; `tests/model/test_multimodal.py`): "
               "the text decoder inside the wrapper is cut as its family above; the stock export is the whole checkpoint "
               "(vision tower and projector unchanged) and reloads as the same multimodal class. Remote-code saves of a "
               "wrapper are refused (the ghost operators' classes wrap text models).", "",

@@ -160,6 +160,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         _moe("qwen3_moe", "Qwen3-MoE", ATTENTION_OUT + MLP_OUT + EXPERTS_OUT),
         _moe("olmoe", "OLMoE"),
         _moe("gpt_oss", "gpt-oss", experts_transposed=True),
+        # Llama-4: experts (stored (E, I, C)) and a shared expert in `feed_forward` on the blocks in `moe_layers`, a
+        # dense MLP there on the others; the experts' block returns (output, router logits), so no map follows it
+        _moe("llama4_text", "Llama-4", ATTENTION_OUT + ("feed_forward.down_proj", "feed_forward.experts",
+                                                       "feed_forward.shared_expert.down_proj"),
+             experts_transposed=True, branch=None, mlp="feed_forward"),
         # hybrid: linear-attention (Gated DeltaNet), short-convolution or Mamba mixers on some blocks
         Architecture("qwen3_next", "Qwen3-Next", kind=HYBRID, norm_gain_offset=1.0, down_proj=None,
                      residual_writers=ATTENTION_OUT + ("linear_attn.out_proj",) + MLP_OUT + EXPERTS_OUT + SHARED_OUT),

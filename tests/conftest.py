@@ -68,6 +68,9 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2_moe": ("Qwen2Moe", dict(IDS, **EXPERTS, shared_expert_intermediate_size=48, mlp_only_layers=[0],
                                    decoder_sparse_step=2)),  # a shared expert; dense blocks 0, 2 and 4
     "qwen3_moe": ("Qwen3Moe", dict(IDS, **EXPERTS, head_dim=6, mlp_only_layers=[4])),
+    "llama4_text": ("Llama4", dict(IDS, **EXPERTS, num_local_experts=4, intermediate_size_mlp=48, head_dim=6,
+                                   config="Llama4TextConfig", moe_layers=[1, 3, 5], no_rope_layers=[1, 1, 1, 0] + [1, 1],
+                                   attention_chunk_size=8)),  # experts on odd blocks, RoPE off on block 3, chunks
     "olmoe": ("Olmoe", dict(IDS, num_experts=4, num_experts_per_tok=2, intermediate_size=24)),
     "gpt_oss": ("GptOss", dict(IDS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24, head_dim=6,
                                sliding_window=8)),  # learned attention sinks, biased experts, alternating windows

@@ -73,13 +73,21 @@ def wrapped(model: nn.Module) -> Wrapped | None:
     return model.__dict__.get("ghosted_wrapped")
 
 
+# where a wrapper holds its text decoder: beside the vision tower in its base model (Gemma-3, Mistral-3, Qwen3.5), or
+# inside a causal LM of its own (Llama-4)
+DECODER_PATHS = ("model.language_model", "language_model.model")
+
+
 def language_model(wrapper: PreTrainedModel) -> tuple[str, nn.Module]:
-    """The wrapper's text decoder (without head) and its path."""
-    base = getattr(wrapper, "model", None)
-    module = getattr(base, "language_model", None)
-    if not isinstance(module, nn.Module) or not isinstance(getattr(module, "layers", None), nn.ModuleList):
-        raise ValueError(f"{type(wrapper).__name__} has no text decoder at model.language_model.layers")
-    return next(name for name, child in wrapper.named_modules() if child is module), module
+    """The wrapper's text decoder (without head) and its path (one of DECODER_PATHS)."""
+    for path in DECODER_PATHS:
+        module = wrapper
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        if isinstance(module, nn.Module) and isinstance(getattr(module, "layers", None), nn.ModuleList):
+            return path, module
+    raise ValueError(f"{type(wrapper).__name__} has no text decoder at "
+                     + " or ".join(f"{path}.layers" for path in DECODER_PATHS))
 
 
 def text_view(wrapper: PreTrainedModel) -> PreTrainedModel:

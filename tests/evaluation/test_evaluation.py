@@ -41,7 +41,7 @@ def test_perplexity_with_shared_prefix_equals_plain(tiny_model):
 
 
 @pytest.mark.parametrize("family", ["granite", "granitemoehybrid", "gemma2", "qwen3_next", "lfm2", "gpt_oss",
-                                    "gemma4_text"])
+                                    "llama4_text", "gemma4_text"])
 def test_perplexity_with_shared_prefix_equals_plain_on_the_new_families(family):
     """Granite multiplies the embeddings inside the base model's forward: a suffix fed the stream must not multiply
     it again. Its embeddings are made small here, so that what the blocks write matters to the logits (with the
