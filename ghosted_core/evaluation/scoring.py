@@ -138,13 +138,18 @@ def _ancestry(row: _Packed) -> np.ndarray:
     return seen
 
 
-def _attention_kinds(config) -> dict[str, int | None]:
-    """Each attention kind the model's layers use and its window (None: full attention)."""
+def _attention_kinds(config) -> dict[str, tuple[str, int] | None]:
+    """Each attention kind the model's layers use and what limits it: ("window", w) for a sliding window (a token
+    sees the w − 1 before it), ("chunk", n) for chunked attention (Llama-4: a token sees its own chunk of n
+    positions), None for full attention."""
     window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
     kinds = getattr(config, "layer_types", None)
     if not kinds:
-        return {"sliding_attention" if window else "full_attention": window}
-    return {kind: (window if kind == "sliding_attention" else None) for kind in dict.fromkeys(kinds)}
+        return {"sliding_attention" if window else "full_attention": ("window", window) if window else None}
+    limits = {"sliding_attention": ("window", window) if window else None,
+              "chunked_attention": ("chunk", chunk) if chunk else None}
+    return {kind: limits.get(kind) for kind in dict.fromkeys(kinds)}
 
 
 def _masks(rows: Sequence[_Packed], config, dtype: torch.dtype, device: torch.device):
@@ -158,14 +163,16 @@ def _masks(rows: Sequence[_Packed], config, dtype: torch.dtype, device: torch.de
     kinds = _attention_kinds(config)
     out = {}
     ancestry = [_ancestry(r) for r in rows]
-    for kind, window in kinds.items():
+    for kind, limit in kinds.items():
         mask = np.zeros((len(rows), 1, length, length), dtype=bool)
         for b, (row, seen) in enumerate(zip(rows, ancestry)):
             n = len(row.tokens)
             allowed = seen
-            if window:
-                depth = np.asarray(row.depth)
-                allowed = seen & (depth[:, None] - depth[None, :] < window)
+            depth = np.asarray(row.depth)  # a node's position in its own sequence
+            if limit is not None and limit[0] == "window":
+                allowed = seen & (depth[:, None] - depth[None, :] < limit[1])
+            elif limit is not None:  # chunked: the same chunk of positions
+                allowed = seen & (depth[:, None] // limit[1] == depth[None, :] // limit[1])
             mask[b, 0, :n, :n] = allowed
             mask[b, 0, np.arange(n, length), np.arange(n, length)] = True
         tensor = torch.from_numpy(mask).to(device)

@@ -51,7 +51,7 @@ def tokenizer():
 # beyond the five first families: soft-capping and eager attention, logits scaling, RoPE-free blocks, experts with a
 # shared expert and with sinks, and the three recurrent mixers (whose rows hold one sequence each)
 SCORED_FAMILIES = [*ALL_FAMILIES, "gemma2", "granite", "smollm3", "qwen2_moe", "gpt_oss", "qwen3_next", "lfm2",
-                   "granitemoehybrid", "gemma4_text"]
+                   "granitemoehybrid", "gemma4_text", "llama4_text"]
 
 
 @pytest.mark.parametrize("family", SCORED_FAMILIES)
