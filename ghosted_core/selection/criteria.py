@@ -139,8 +139,9 @@ SHARED_PASS = ("one forward pass over the calibration text, shared by every simi
 
 
 
-def _run_starts(request: SelectionRequest) -> range:
-    """Candidate run starts; the reference repos never start at block 0 nor end at the last block."""
+def _run_starts(request: SelectionRequest) -> list[int]:
+    """Candidate run starts (none removing a block the family keeps); the reference repos never start at block 0
+    nor end at the last block."""
     starts = range(1, request.num_layers - request.n) if request.cosine == "token-axis" else \
         range(0, request.num_layers - request.n + 1)
     return [s for s in starts if request.run_removable(s)]
