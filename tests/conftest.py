@@ -113,6 +113,9 @@ def make_tiny_model(family: str, seed: int = 0, **config_overrides):
     model = cls(config).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(20)
+        for module in model.modules():  # Gemma 4's scalar on each block's output: 1 at init, trained otherwise
+            if isinstance(getattr(module, "layer_scalar", None), torch.Tensor):
+                module.layer_scalar.uniform_(0.5, 1.5)
     model.requires_grad_(False)
     return model
 
