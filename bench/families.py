@@ -222,16 +222,16 @@ SERVING = {
     "smollm3": ("runs where the cut keeps every 4th block RoPE-less; refused otherwise (llama.cpp reads no list)",
                 "`no_rope_layers` sliced"),
     "granite": ("runs", "multipliers kept in the config"),
-    "gemma2": ("converter knows it (not run: it wants a sentencepiece tokenizer); window pattern written, scale "
-               "folded into q_proj", "`layer_types` sliced"),
-    "gemma4_text": ("converter knows it (not exported to GGUF yet: per-layer head widths and block scalars unaudited)",
-                    "`layer_types` sliced, `per_layer_config` re-keyed"),
+    "gemma2": ("runs (its sentencepiece model kept): window pattern written, scale folded into q_proj (27B cut)",
+               "`layer_types` sliced"),
+    "gemma4_text": ("runs: read from the file (window pattern, per-kind heads); an uncapped config gets a cap of 0 "
+                    "written (the runtime's default is 30)", "`layer_types` sliced, `per_layer_config` re-keyed"),
     "mixtral": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
     "qwen2_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
     "qwen3_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
     "olmoe": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
-    "llama4_text": ("converter knows it (not exported to GGUF yet: its RoPE-less and chunked blocks unaudited)",
-                    "`moe_layers` renumbered, `no_rope_layers` sliced"),
+    "llama4_text": ("runs where the cut keeps experts on every step-th and RoPE-less blocks on every 4th block; "
+                    "refused otherwise, and for chunks other than 8,192", "`moe_layers` renumbered, `no_rope_layers` sliced"),
     "gpt_oss": ("runs: kept layers' window pattern written", "`layer_types` sliced"),
     "qwen3_next": ("runs (told the export has no MTP head)", "`layer_types` sliced; no MTP head"),
     "qwen3_5_text": ("converter knows it (not run: llama.cpp's mRoPE asserts on the tiny rotary size)",

@@ -66,6 +66,8 @@ def set_gguf_parameters(self):
     _set_parameters(self)
     if "swa_pattern" in fixes:  # the kept layers' kinds, which the runtime reads before its index rule
         self.gguf_writer.add_sliding_window_pattern(fixes["swa_pattern"])
+    if "final_softcap" in fixes:  # the converter wrote no key, and the runtime's default would cap
+        self.gguf_writer.add_final_logit_softcapping(fixes["final_softcap"])
 
 model_class.set_gguf_parameters = set_gguf_parameters
 _modify = ModelBase.modify_tensors

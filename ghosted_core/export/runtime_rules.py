@@ -14,11 +14,22 @@ and reaches the compute graph. A dense checkpoint matches those rules by constru
   Gemma-2's q_proj, exact before quantization), as llama.cpp will read it.
 - `all_sparse` (Qwen2-MoE, Qwen3-MoE): the graph has experts in every block; a config with dense blocks among
   them (`mlp_only_layers`, `decoder_sparse_step`) does not convert, and is refused with the reason.
-- `no_rope_step` (SmolLM3): layer i runs without RoPE when (i + 1) % 4 == 0, from no key. No weight can carry
-  RoPE, so a cut whose kept `no_rope_layers` break that rule is refused for GGUF, with the reason.
+- `no_rope_step` (SmolLM3, Llama-4): layer i runs without RoPE when (i + 1) % 4 == 0, from no key. No weight can
+  carry RoPE, so a cut whose kept `no_rope_layers` break that rule is refused for GGUF, with the reason. (On Llama-4
+  the RoPE-less blocks are also its full-attention ones, so the rule keeps its chunked pattern too.)
+- `expert_step_key` (Llama-4): block i has experts when (i + 1) % step == 0, step read from that key
+  (`interleave_moe_layer_step`); the config lists its expert blocks (`moe_layers`), and a cut that moves them off
+  the step is refused.
+- `assumed` (Llama-4): values the runtime sets itself whatever the file says (the attention chunk of 8,192
+  positions, and the attention temperature on its RoPE-less blocks with floor 8,192 and scale 0.1, as on Scout
+  and Maverick); a config with others is refused.
+- `softcap_unless_written` (Gemma 4): the final logits are soft-capped at 30 unless the file says otherwise, and
+  the converter writes the key only when the config sets one: a config without capping gets 0 written (off).
+  Everything else Gemma 4 needs is read from the file (window pattern, per-kind head sizes and kv heads,
+  shared-KV count, attention scale 1 as transformers); its type only names the model.
 
 Other uses of the type in these architectures only name the model in logs (llama, mistral, qwen2/3, their MoEs,
-phi3, olmo2/3, olmoe, granite, granitehybrid, lfm2); Qwen3-Next's, OLMo's and LFM2's per-layer kinds are read from
+phi3, olmo2/3, olmoe, granite, granitehybrid, lfm2, gemma4); Qwen3-Next's, OLMo's and LFM2's per-layer kinds are read from
 the file the converter writes from the sliced config.
 """
 
@@ -35,13 +46,20 @@ class RuntimeRules:
     scale_into: str = ""  # the tensor (name suffix) whose output scales the query, for the fold
     no_rope_step: int | None = None  # layer i without RoPE when (i + 1) % n == 0, from no key
     all_sparse: bool = False  # the graph has experts in every block: dense blocks among them do not convert
+    expert_step_key: str = ""  # block i has experts when (i + 1) % config[key] == 0
+    assumed: tuple[tuple[str, object], ...] = ()  # (config key, the value the runtime uses whatever the file says)
+    softcap_unless_written: float = 0.0  # the final-logit cap the runtime applies when the file has no key
 
 
 RULES: dict[str, RuntimeRules] = {
     "gemma2": RuntimeRules(swa_period=2, scale_layers=46, scale_into="self_attn.q_proj.weight"),
     "gemma3_text": RuntimeRules(swa_period=6, scale_layers=62, scale_into="self_attn.q_norm.weight"),
+    "gemma4_text": RuntimeRules(softcap_unless_written=30.0),
     "gpt_oss": RuntimeRules(swa_period=2),
     "smollm3": RuntimeRules(no_rope_step=4),
+    "llama4_text": RuntimeRules(no_rope_step=4, expert_step_key="interleave_moe_layer_step",
+                                assumed=(("attention_chunk_size", 8192), ("attn_temperature_tuning", True),
+                                         ("floor_scale", 8192), ("attn_scale", 0.1))),
     "qwen2_moe": RuntimeRules(all_sparse=True),
     "qwen3_moe": RuntimeRules(all_sparse=True),
 }
@@ -50,7 +68,8 @@ RULES: dict[str, RuntimeRules] = {
 def converter_fixes(config: dict) -> dict:
     """What the converter must write beyond its own output for `config` (a stock export's config.json):
     {"swa_pattern": [bool per layer]} where the kept layer kinds differ from the runtime's index rule, and
-    {"query_scale": {"suffix": ..., "factor": f}} where the runtime's attention scale differs from the config's."""
+    {"query_scale": {"suffix": ..., "factor": f}} where the runtime's attention scale differs from the config's;
+    {"final_softcap": 0.0} where the runtime would cap logits the config leaves uncapped."""
     config = text_values(config)
     rules = RULES.get(str(config.get("model_type")))
     fixes: dict = {}
@@ -65,6 +84,8 @@ def converter_fixes(config: dict) -> dict:
         factor = attention_scale_ratio(config, rules)
         if not math.isclose(factor, 1.0, rel_tol=1e-7):
             fixes["query_scale"] = {"suffix": rules.scale_into, "factor": factor}
+    if rules.softcap_unless_written and not config.get("final_logit_softcapping"):
+        fixes["final_softcap"] = 0.0
     return fixes
 
 
@@ -86,12 +107,48 @@ def runtime_refusal(config: dict) -> str | None:
     otherwise (None: it runs as transformers does)."""
     config = text_values(config)
     rules = RULES.get(str(config.get("model_type")))
-    if rules is not None and rules.all_sparse and (config.get("mlp_only_layers")
-                                                   or config.get("decoder_sparse_step", 1) != 1):
+    if rules is None:
+        return None
+    for check in (_dense_among_experts, _assumed_values, _experts_off_step, _rope_off_step):
+        if (reason := check(config, rules)) is not None:
+            return reason
+    return None
+
+
+SERVE_STOCK = "serve the stock folder (transformers, vLLM)"
+
+
+def _dense_among_experts(config: dict, rules: RuntimeRules) -> str | None:
+    if rules.all_sparse and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
         return (f"llama.cpp's {config['model_type']} graph has experts in every block, and this model has dense "
                 f"blocks among them (mlp_only_layers {config.get('mlp_only_layers')}, decoder_sparse_step "
-                f"{config.get('decoder_sparse_step', 1)}): serve the stock folder (transformers, vLLM)")
-    if rules is None or not rules.no_rope_step or "no_rope_layers" not in config:
+                f"{config.get('decoder_sparse_step', 1)}): {SERVE_STOCK}")
+    return None
+
+
+def _assumed_values(config: dict, rules: RuntimeRules) -> str | None:
+    wrong = {key: config[key] for key, value in rules.assumed if key in config and config[key] != value}
+    if wrong:
+        return (f"llama.cpp runs {config['model_type']} with {dict(rules.assumed)} whatever the file says, and this "
+                f"model has {wrong}: {SERVE_STOCK}")
+    return None
+
+
+def _experts_off_step(config: dict, rules: RuntimeRules) -> str | None:
+    if not rules.expert_step_key or "moe_layers" not in config:
+        return None
+    step, n = int(config.get(rules.expert_step_key) or 1), config["num_hidden_layers"]
+    runtime = [i for i in range(n) if (i + 1) % step == 0]
+    kept = sorted(int(i) for i in config["moe_layers"])
+    if kept == runtime:
+        return None
+    return (f"llama.cpp puts {config['model_type']}'s experts on the last block of every {step} by position "
+            f"({rules.expert_step_key} {step}), and this cut has them on blocks {kept[:8]}, not {runtime[:8]}: keep the "
+            f"pattern (remove runs of {step} blocks), or {SERVE_STOCK}")
+
+
+def _rope_off_step(config: dict, rules: RuntimeRules) -> str | None:
+    if not rules.no_rope_step or "no_rope_layers" not in config:
         return None
     step, kept = rules.no_rope_step, [int(v) for v in config["no_rope_layers"]]
     runtime = [int((i + 1) % step != 0) for i in range(len(kept))]
@@ -100,5 +157,4 @@ def runtime_refusal(config: dict) -> str | None:
     wrong = [i for i, (a, b) in enumerate(zip(kept, runtime)) if a != b]
     return (f"llama.cpp runs {config['model_type']} without RoPE on every {step}th block by position and reads no "
             f"per-layer list, so this cut's blocks {wrong[:6]} would run with the wrong RoPE; keep the pattern (remove "
-            f"runs of {step} blocks that start at a multiple of {step}, or the last blocks), or serve the stock "
-            "folder (transformers, vLLM)")
+            f"runs of {step} blocks that start at a multiple of {step}, or the last blocks), or {SERVE_STOCK}")

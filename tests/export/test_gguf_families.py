@@ -11,6 +11,7 @@ Skipped without `make llamacpp`, except in CI (CI=true), where a missing build f
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -54,6 +55,12 @@ GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
     "qwen3_next": ({}, (1,)),
     "lfm2": ({}, (1,)),
     "granitemoehybrid": (UNTIED, (1,)),
+    # Gemma 4 (31B-style heads: wider on its full-attention blocks, keys as values, experts beside the MLP), read
+    # from the file: the kept window pattern, head sizes and kv heads per kind
+    "gemma4_text": ({}, (1,)),
+    # Llama-4 as Scout: chunks of 8,192 (the runtime's own), experts on every 2nd block, RoPE off on every 4th;
+    # the last blocks removed keep both patterns where llama.cpp puts them
+    "llama4_text": (dict(UNTIED, attention_chunk_size=8192, interleave_moe_layer_step=2), (4, 5)),
 }
 
 
@@ -64,7 +71,8 @@ def text_file(tmp_path_factory):
     return path
 
 
-SENTENCEPIECE = {"gemma2": "GemmaTokenizer"}  # the tokenizer class it ships
+# the tokenizer class they ship (Gemma 4's converter reads its tokenizer.json as a Llama-style byte-fallback BPE)
+SENTENCEPIECE = {"gemma2": "GemmaTokenizer", "gemma4_text": "GemmaTokenizer"}
 # The fixture's ×20 embeddings leave these cases' greedy choices on near-ties (their perplexities agree to 5e-5
 # nats at ×20 too): they keep the embeddings as initialized.
 PLAIN_EMBEDDINGS = {"gemma3 (27B heads)", "gemma2 (27B heads)"}
@@ -166,6 +174,29 @@ def test_a_cut_that_moves_smollm3s_ropeless_blocks_is_refused_before_writing(smo
     with pytest.raises(GhostedError, match="without RoPE"):
         export_gguf(build_variant(model, (1,)), smollm2_tokenizer, tmp_path / "gguf")
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "gguf").exists()
+
+
+def test_gemma4_without_a_logit_cap_gets_one_of_zero_written():
+    """llama.cpp's Gemma 4 caps the final logits at 30 when the file has no key (its hparams default), and the
+    converter writes one only when the config sets a cap: without the fix an uncapped model's GGUF scores 0.4 nats
+    off transformers at the GGUF case's sizes (greedy tokens agree: the cap keeps the order)."""
+    assert converter_fixes(_tiny_config("gemma4_text")[1].to_dict())["final_softcap"] == 0.0
+    assert "final_softcap" not in converter_fixes(_tiny_config("gemma4_text", final_logit_softcapping=30.0)[1].to_dict())
+    assert "final_softcap" not in converter_fixes(_tiny_config("gemma3")[1].to_dict())  # llama.cpp's Gemma-3: 0
+
+
+def test_llama4_cuts_that_move_its_experts_or_ropeless_blocks_or_other_chunks_are_refused():
+    """llama.cpp's Llama-4 puts experts on every interleave_moe_layer_step-th block and RoPE-less blocks on every 4th
+    by position, and runs chunks of 8,192 whatever the file says: a config off any of these gets the reason."""
+    from ghosted_core.model.layer_config import sliced_config
+
+    _, config = _tiny_config("llama4_text", attention_chunk_size=8192, interleave_moe_layer_step=2)
+    assert runtime_refusal(config.to_dict()) is None  # dense: experts on 1, 3, 5; no RoPE on 3
+    assert runtime_refusal(sliced_config(config, [0, 1, 2, 3]).to_dict()) is None  # the last two removed
+    assert re.search(r"experts on the last block of every 2 .* blocks \[2, 4\], not \[1, 3\]",
+                     runtime_refusal(sliced_config(config, [0, 2, 3, 4, 5]).to_dict()))
+    assert "without RoPE on every 4th block" in runtime_refusal(sliced_config(config, [0, 1, 4, 5]).to_dict())
+    assert "'attention_chunk_size': 8" in runtime_refusal(_tiny_config("llama4_text")[1].to_dict())
 
 
 def test_dense_blocks_among_experts_are_refused_for_qwen_moe():
