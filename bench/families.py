@@ -217,7 +217,8 @@ SERVING = {
     "qwen3": ("runs", ""),
     "gemma3_text": ("runs: kept layers' window pattern written, attention scale folded into q_norm (27B cut)",
                     "`layer_types` sliced"),
-    "phi3": ("converter knows it (not run: it wants a sentencepiece tokenizer)", ""),
+    "phi3": ("runs (Phi-4-mini's BPE vocabulary: the export keeps its GPT2Tokenizer class; no sliding window in "
+             "llama.cpp: the export warns)", ""),
     "olmo2": ("runs (untied, as its checkpoints)", ""), "olmo3": ("runs", "`layer_types` sliced"),
     "smollm3": ("runs where the cut keeps every 4th block RoPE-less; refused otherwise (llama.cpp reads no list)",
                 "`no_rope_layers` sliced"),

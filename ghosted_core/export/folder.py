@@ -192,19 +192,43 @@ def _config_values(model: PreTrainedModel, record: dict, remote: bool) -> dict:
                          ghosted_layout=operator_layout(model))
 
 
-def keep_sentencepiece_model(tokenizer, folder: Path) -> None:
-    """The source's sentencepiece model beside the tokenizer files: transformers 5 saves only tokenizer.json (and
-    the source file's absolute path in tokenizer_config.json, which would name this machine's folders), and
-    llama.cpp's converter reads tokenizer.model for Gemma-2, Phi-3 and other sentencepiece families."""
+def keep_what_converters_read(tokenizer, folder: Path) -> None:
+    """The source's tokenizer facts that transformers 5 does not save and llama.cpp's converter reads: the
+    sentencepiece model (transformers saves only tokenizer.json, and the source file's absolute path in
+    tokenizer_config.json, which would name this machine's folders; Gemma-2, Phi-3 and other sentencepiece families
+    read tokenizer.model), and the source's tokenizer class where transformers writes its generic backend instead
+    (Phi-4-mini ships "GPT2Tokenizer", which tells the Phi-3 converter to read a BPE vocabulary, not tokenizer.model)."""
     source = getattr(tokenizer, "vocab_file", None)
     if source and Path(source).name == "tokenizer.model" and Path(source).is_file() \
             and not (folder / "tokenizer.model").exists():
         shutil.copyfile(source, folder / "tokenizer.model")
     settings = folder / "tokenizer_config.json"
     values = json.loads(settings.read_text()) if settings.exists() else {}
-    if "vocab_file" in values:  # the copy beside it is what a loader finds
-        values.pop("vocab_file")
+    changed = values.pop("vocab_file", None) is not None  # the copy beside it is what a loader finds
+    named = source_tokenizer_class(tokenizer)
+    if named and values.get("tokenizer_class") == GENERIC_TOKENIZER_CLASS and named != GENERIC_TOKENIZER_CLASS:
+        values["tokenizer_class"], changed = named, True
+    if changed:
         settings.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
+
+
+GENERIC_TOKENIZER_CLASS = "TokenizersBackend"  # what transformers 5 writes for a tokenizer.json-backed tokenizer
+
+
+def source_tokenizer_class(tokenizer) -> str | None:
+    """The tokenizer class named by the tokenizer_config.json `tokenizer` was loaded from (a local folder or the
+    Hub cache; nothing is downloaded), or None."""
+    from transformers.utils import cached_file
+
+    source = str(getattr(tokenizer, "name_or_path", "") or "")
+    if not source:
+        return None
+    try:
+        path = cached_file(source, "tokenizer_config.json", local_files_only=True,
+                           _raise_exceptions_for_missing_entries=False)
+        return json.loads(Path(path).read_text()).get("tokenizer_class") if path else None
+    except (OSError, ValueError):
+        return None
 
 
 def _local_paths(model: PreTrainedModel, folder: Path) -> set[str]:
@@ -259,7 +283,7 @@ def export_variant(model: PreTrainedModel, tokenizer, folder: str | Path, mode: 
                 model.generation_config.save_pretrained(staged)
             if tokenizer is not None:
                 tokenizer.save_pretrained(staged)
-                keep_sentencepiece_model(tokenizer, staged)
+                keep_what_converters_read(tokenizer, staged)
             if remote:
                 shutil.copyfile(modeling_ghosted.__file__, staged / MODELING_FILE)
             clean_record = {k: v for k, v in record.items() if k != "layout"}

@@ -104,10 +104,14 @@ def check_gguf_exportable(folder: str | Path) -> dict:
     return config
 
 
+WINDOW_IGNORED = ("mistral", "phi3")  # llama.cpp's graphs for these run full attention whatever the file says
+
+
 def _warn_sliding_window(config: dict, name: str) -> None:
-    """llama.cpp runs Mistral and Qwen2 with full attention: say so where the checkpoint has a sliding window."""
+    """llama.cpp runs Mistral, Phi-3 and Qwen2 with full attention: say so where the checkpoint has a sliding
+    window."""
     model_type, window = config.get("model_type"), config.get("sliding_window")
-    windowed = window and (model_type == "mistral" or (model_type == "qwen2" and config.get("use_sliding_window")))
+    windowed = window and (model_type in WINDOW_IGNORED or (model_type == "qwen2" and config.get("use_sliding_window")))
     if windowed and window < config.get("max_position_embeddings", 0):
         log.warning("%s has a sliding window of %d tokens, which llama.cpp's %s graph does not apply: its outputs "
                     "differ from transformers' once a sequence is longer than that", name, window, model_type)

@@ -222,8 +222,11 @@ _CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
 
 
 # llama.cpp's logger is a thread whose queue is never flushed at exit (common/log.cpp leaks it on purpose), so on a
-# loaded machine the last lines, the final estimate among them, are sometimes lost: the run is repeated.
+# loaded machine the last lines, the final estimate among them, are sometimes lost: the run is repeated, and the last
+# try computes one window more, so that the running estimate over the windows asked for is printed while the next
+# one computes (its ± is printed only on the final line: nan then).
 PERPLEXITY_ATTEMPTS = 4
+_RUNNING = re.compile(r"\[(\d+)\]([0-9.]+),")  # the running estimate after each window
 
 
 def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, context: int = 256, chunks: int | None = None,
@@ -238,19 +241,24 @@ def llamacpp_perplexity(gguf: str | Path, text_file: str | Path, context: int = 
     llama = find_llamacpp()
     cmd = [str(llama.tool("llama-perplexity")), "-m", str(gguf), "-f", str(text_file), "-c", str(context),
            "-b", str(context), "-t", str(threads), "--no-warmup"]
-    if chunks is not None:
-        cmd += ["--chunks", str(chunks)]
-    start = time.perf_counter()
-    for _attempt in range(PERPLEXITY_ATTEMPTS):
-        output = _run(cmd, f"llama-perplexity on {Path(gguf).name}")
+    start, output = time.perf_counter(), ""
+    for attempt in range(PERPLEXITY_ATTEMPTS):
+        one_more = chunks is not None and attempt == PERPLEXITY_ATTEMPTS - 1
+        asked = None if chunks is None else chunks + one_more
+        output = _run(cmd + ([] if asked is None else ["--chunks", str(asked)]), f"llama-perplexity on {Path(gguf).name}")
         final, windows = _FINAL.search(output), _CHUNKS.search(output)
-        if final is not None or windows is None:
+        if windows is None:
             break
-    if final is None or windows is None:
-        raise GhostedError(f"llama-perplexity printed no estimate for {Path(gguf).name} (is the text at least "
-                           f"{2 * context} tokens?): {' | '.join(output.strip().splitlines()[-3:])}")
-    return Perplexity(float(final.group(1)), float(final.group(2)), int(windows.group(1)), int(windows.group(2)),
-                      time.perf_counter() - start)
+        computed = int(windows.group(1))
+        wanted = computed if chunks is None else min(chunks, computed)
+        if final is not None and computed == wanted:
+            return Perplexity(float(final.group(1)), float(final.group(2)), computed, int(windows.group(2)),
+                              time.perf_counter() - start)
+        running = {int(k): float(v) for k, v in _RUNNING.findall(output)}
+        if computed > wanted and wanted in running:  # the estimate over the windows asked for, printed before the exit
+            return Perplexity(running[wanted], float("nan"), wanted, int(windows.group(2)), time.perf_counter() - start)
+    raise GhostedError(f"llama-perplexity printed no estimate for {Path(gguf).name} (is the text at least "
+                       f"{2 * context} tokens?): {' | '.join(output.strip().splitlines()[-3:])}")
 
 
 def _speed(test: dict, tokens: int) -> Speed:

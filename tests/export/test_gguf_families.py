@@ -10,6 +10,7 @@ Skipped without `make llamacpp`, except in CI (CI=true), where a missing build f
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -31,8 +32,7 @@ UNTIED = dict(tie_word_embeddings=False)  # these families' checkpoints are unti
 # Every family of the table's tiny configs is here (a new one enters with its config) but qwen3_5_text (llama.cpp's
 # interleaved mRoPE asserts on the fixture's tiny rotary size, n_dims % 2), qwen3_5_moe_text and qwen2: transformers gives
 # a Qwen2 folder Qwen2's pre-tokenizer whatever vocabulary it holds, which the converter does not recognize for
-# SmolLM2's (a mismatch of the tiny fixture, not of a real Qwen2 export); and phi3, whose converter wants a
-# sentencepiece model and whose runtime does not load the vocabulary of the one trained here ("unordered_map::at").
+# SmolLM2's (a mismatch of the tiny fixture, not of a real Qwen2 export).
 # Gemma-2 converts with that sentencepiece model (`sentencepiece_folder`), as its checkpoints ship one; it is tied,
 # as they are (the converter drops an lm_head: llama.cpp's Gemma-2 always reads the embeddings).
 GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
@@ -58,6 +58,7 @@ GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
     # Gemma 4 (31B-style heads: wider on its full-attention blocks, keys as values, experts beside the MLP), read
     # from the file: the kept window pattern, head sizes and kv heads per kind
     "gemma4_text": ({}, (1,)),
+    "phi3": ({}, (1,)),  # a BPE vocabulary named GPT2Tokenizer, as Phi-4-mini ships (no tokenizer.model)
     # Llama-4 as Scout: chunks of 8,192 (the runtime's own), experts on every 2nd block, RoPE off on every 4th;
     # the last blocks removed keep both patterns where llama.cpp puts them
     "llama4_text": (dict(UNTIED, attention_chunk_size=8192, interleave_moe_layer_step=2), (4, 5)),
@@ -93,7 +94,18 @@ def sentencepiece_folder(tmp_path_factory):
     return folder
 
 
+# the tokenizer class a family's BPE checkpoints name, which transformers 5 saves as its generic backend and the
+# export must keep: the Phi-3 converter reads a BPE vocabulary only when tokenizer_config.json says GPT2Tokenizer
+NAMED_BPE = {"phi3": "GPT2Tokenizer"}
+
+
 def tokenizer_for(family: str, smollm2_tokenizer, sentencepiece_folder, tmp_path):
+    if family in NAMED_BPE:  # SmolLM2's vocabulary, loaded from a folder that names the family's class
+        folder = tmp_path / "tokenizer"
+        smollm2_tokenizer.save_pretrained(folder)
+        settings = json.loads((folder / "tokenizer_config.json").read_text()) | {"tokenizer_class": NAMED_BPE[family]}
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+        return AutoTokenizer.from_pretrained(folder)
     if family not in SENTENCEPIECE:
         return smollm2_tokenizer
     folder = tmp_path / "tokenizer"
@@ -115,9 +127,13 @@ def test_cut_family_runs_in_llamacpp_as_in_transformers(case, llamacpp, smollm2_
     if case in PLAIN_EMBEDDINGS:
         model.model.embed_tokens.weight.div_(20)
     ids = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(1))
-    folder = export_pruned(model, tokenizer, removed, "none", tmp_path / family, ids)
+    # a folder name without the family: llama.cpp sets Phi-3 token attributes by a "phi3" in the model name, and
+    # looks up Phi-3 sentencepiece pieces that a Phi-4-mini vocabulary does not have
+    folder = export_pruned(model, tokenizer, removed, "none", tmp_path / "pruned", ids)
     if family in SENTENCEPIECE:  # the export keeps the sentencepiece model the converter reads
         assert (folder / "tokenizer.model").read_bytes() == (sentencepiece_folder / "tokenizer.model").read_bytes()
+    if family in NAMED_BPE:  # and the class that tells the converter which vocabulary to read
+        assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == NAMED_BPE[family]
     gguf = convert_to_gguf(folder, tmp_path / f"{family}.gguf", outtype="f32").path
     generated = llamacpp_generate(gguf, PROMPT, max_new_tokens=NEW_TOKENS)
     prompt_ids, expected = greedy_in_process(folder)

@@ -6,6 +6,7 @@ Skipped without `make llamacpp`, except in CI (CI=true), where a missing build f
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -136,3 +137,32 @@ def test_the_build_script_builds_every_tool_and_knows_an_up_to_date_cache(tmp_pa
     done = subprocess.run(["bash", str(root / "scripts" / "build_llamacpp.sh"), str(cache), "0.3.36", "python3"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and "already built" in done.stdout
+
+
+def test_perplexity_survives_the_logger_losing_its_last_lines(tiny_gguf, tmp_path, monkeypatch):
+    """llama.cpp's logger thread is never flushed at exit, so the last lines (the last window's running estimate
+    and the final one) can be lost on a loaded machine. Every try that loses them is repeated; the last try asks
+    for one window more, whose computation lets the estimate over the windows asked for be printed first."""
+    import ghosted_core.export.llamacpp as llamacpp_module
+    from ghosted_core.data.corpora import load_corpus
+
+    text = tmp_path / "ptb.txt"
+    text.write_text(load_corpus("ptb").text[:4_000])  # ~1,000 tokens: 7 or so windows of 128
+    whole = llamacpp_module.llamacpp_perplexity(tiny_gguf.path, text, 128, 4)
+    real_run, asked = llamacpp_module._run, []
+
+    def losing_the_tail(cmd, what):
+        asked.append(int(cmd[cmd.index("--chunks") + 1]))
+        output = real_run(cmd, what)
+        last = list(llamacpp_module._RUNNING.finditer(output))[-1]
+        return output[: last.start()]  # the last window's running value onwards never printed
+
+    monkeypatch.setattr(llamacpp_module, "_run", losing_the_tail)
+    recovered = llamacpp_module.llamacpp_perplexity(tiny_gguf.path, text, 128, 4)
+    assert asked == [4] * (llamacpp_module.PERPLEXITY_ATTEMPTS - 1) + [5]
+    assert recovered.value == pytest.approx(whole.value, abs=1e-4) and recovered.chunks == whole.chunks == 4
+    assert math.isnan(recovered.error) and whole.error > 0
+    asked.clear()
+    with pytest.raises(GhostedError, match="printed no estimate"):  # every window the text has: none more to compute
+        llamacpp_module.llamacpp_perplexity(tiny_gguf.path, text, 128, 100)
+    assert len(asked) == llamacpp_module.PERPLEXITY_ATTEMPTS
