@@ -29,10 +29,9 @@ from test_gguf import NEW_TOKENS, PROMPT, export_pruned, greedy_in_process, llam
 
 UNTIED = dict(tie_word_embeddings=False)  # these families' checkpoints are untied; llama.cpp's graph wants output
 # family -> (config overrides that make the tiny model one the runtime's graph describes, the blocks removed).
-# Every family of the table's tiny configs is here (a new one enters with its config) but qwen3_5_text (llama.cpp's
-# interleaved mRoPE asserts on the fixture's tiny rotary size, n_dims % 2), qwen3_5_moe_text and qwen2: transformers gives
-# a Qwen2 folder Qwen2's pre-tokenizer whatever vocabulary it holds, which the converter does not recognize for
-# SmolLM2's (a mismatch of the tiny fixture, not of a real Qwen2 export).
+# Every family of the table's tiny configs is here (a new one enters with its config) but qwen3_5_moe_text and qwen2:
+# transformers gives their folders Qwen2's pre-tokenizer whatever vocabulary they hold, which the converter does not
+# recognize for SmolLM2's (a mismatch of the tiny fixture, not of a real Qwen export, which carries Qwen's vocabulary).
 # Gemma-2 converts with that sentencepiece model (`sentencepiece_folder`), as its checkpoints ship one; it is tied,
 # as they are (the converter drops an lm_head: llama.cpp's Gemma-2 always reads the embeddings).
 GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
@@ -58,7 +57,8 @@ GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
     # Gemma 4 (31B-style heads: wider on its full-attention blocks, keys as values, experts beside the MLP), read
     # from the file: the kept window pattern, head sizes and kv heads per kind
     "gemma4_text": ({}, (1,)),
-    "phi3": ({}, (1,)),  # a BPE vocabulary named GPT2Tokenizer, as Phi-4-mini ships (no tokenizer.model)
+    "phi3": ({}, (1,)),
+    "qwen3_5_text": (dict(head_dim=64), (1,)),  # llama.cpp's mRoPE sections (11, 11, 10) want 64 rotated dims  # a BPE vocabulary named GPT2Tokenizer, as Phi-4-mini ships (no tokenizer.model)
     # Llama-4 as Scout: chunks of 8,192 (the runtime's own), experts on every 2nd block, RoPE off on every 4th;
     # the last blocks removed keep both patterns where llama.cpp puts them
     "llama4_text": (dict(UNTIED, attention_chunk_size=8192, interleave_moe_layer_step=2), (4, 5)),
