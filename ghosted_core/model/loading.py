@@ -108,12 +108,14 @@ def final_norm(model: PreTrainedModel) -> nn.Module:
 
 def final_norm_name(model: PreTrainedModel) -> str:
     """The base model's attribute holding the norm after the blocks: the family's entry names it; for a type the
-    table lacks whose base has no `norm`, its one child norm module (Bamba's `final_layernorm`), if it has one."""
+    table lacks whose base has no `norm`, its one child norm module (Bamba's `final_layernorm`), if it has one (on a
+    variant, also where a boundary operator wraps it: `PatchedBlock.inner`)."""
     arch = architecture_of(model.config)
     base = getattr(model, "model", None)
     if not arch.generic or base is None or getattr(base, arch.final_norm, None) is not None:
         return arch.final_norm
-    norms = [name for name, child in base.named_children() if type(child).__name__.endswith(("Norm", "NormGated"))]
+    norms = [name for name, child in base.named_children()  # a variant's norm may be patched: the norm inside
+             if type(getattr(child, "inner", child)).__name__.endswith(("Norm", "NormGated"))]
     return norms[0] if len(norms) == 1 else arch.final_norm
 
 

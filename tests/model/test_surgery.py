@@ -173,3 +173,28 @@ def test_gemma3_plan_removing_every_layer_of_one_attention_type(tiny_gemma, remo
         assert generated[0, 6:].tolist() == greedy.tolist(), name
 
 
+
+
+def test_a_generic_types_final_norm_is_found_on_a_variant_whose_norm_is_patched():
+    """Phi (outside the architecture table) keeps its final norm as `final_layernorm`; a variant whose last boundary
+    patches that norm still names it, so the stream-fed suffix of the evaluators runs (it failed with "no attribute
+    'norm'" in bench/families.py), and the prefix → suffix split equals the variant's own forward."""
+    import transformers
+
+    from ghosted_core.model.loading import final_norm_name
+    from ghosted_core.model.modeling_ghosted import ResidualScale
+    from ghosted_core.model.surgery import slice_view
+
+    torch.manual_seed(0)
+    config = transformers.PhiConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, max_position_embeddings=64)
+    dense = transformers.PhiForCausalLM(config).eval()
+    assert final_norm_name(dense) == "final_layernorm"
+    variant = build_variant(dense, (3,), patches={4: ResidualScale(torch.linspace(0.5, 1.5, 32))})
+    assert isinstance(variant.model.final_layernorm, PatchedBlock) and final_norm_name(variant) == "final_layernorm"
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = slice_view(variant, dense, 0, 2, normed=False).model(input_ids=ids, use_cache=False).last_hidden_state
+        split = slice_view(variant, dense, 2, stream_input=True).model(inputs_embeds=h, use_cache=False)
+        whole = variant.model(input_ids=ids, use_cache=False).last_hidden_state
+    torch.testing.assert_close(split.last_hidden_state, whole, rtol=1e-5, atol=1e-5)
