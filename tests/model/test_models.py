@@ -55,6 +55,18 @@ def test_unsupported_architecture_is_refused(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_a_type_laid_out_as_one_stream_but_not_computing_one_is_refused_before_loading(tmp_path):
+    """NanoChat's blocks sit at model.layers with a final norm model.norm, but that norm also runs before the first
+    block: refused from the config, before any weight is read (it failed inside the similarity criterion before)."""
+    import transformers
+
+    transformers.NanoChatConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
+                                intermediate_size=32, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(GhostedError, match="unsupported architecture 'nanochat': its final norm module also runs on "
+                                           "the embeddings before the first block"):
+        load_model(str(tmp_path))
+
+
 @pytest.mark.parametrize("field, value, why", [("hidden_size_per_layer_input", 4, "per-layer embeddings"),
                                                ("num_kv_shared_layers", 2, "reuse the keys and values")])
 def test_a_gemma4_checkpoint_beyond_what_a_cut_carries_is_refused_in_one_line(tmp_path, field, value, why):
