@@ -17,7 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ghosted_core.architectures import architecture_of
-from ghosted_core.config_values import widest
+from ghosted_core.config_values import mlp_width, widest
 from ghosted_core.statistics import STATS_ITEM
 
 GIB = 2**30
@@ -64,7 +64,7 @@ def block_parameters(config: PretrainedConfig) -> int:
     c = config.hidden_size
     heads, kv_heads, head_dim = attention_shape(config)
     attention = c * head_dim * (2 * heads + 2 * kv_heads)
-    return attention + 3 * c * config.intermediate_size + 2 * c
+    return attention + 3 * c * mlp_width(config) + 2 * c
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def block_run_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: in
     per token); the (B, H, T, T) scores only where attention is eager (SDPA does not materialize them). Measured at
     C = 1024, I = 2816 on 2,560 tokens: 107.5 MiB against 102.5 planned here."""
     heads, kv_heads, head_dim = attention_shape(config)
-    mlp = 3 * int(config.intermediate_size)
+    mlp = 3 * mlp_width(config)
     attention = 2 * (heads + 2 * kv_heads) * head_dim + heads * head_dim
     scores = seqlen * heads if getattr(config, "_attn_implementation", None) == "eager" else 0
     return tokens * item * (max(mlp, attention) + 2 * config.hidden_size + scores)
@@ -143,7 +143,7 @@ def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: 
                      branches: int, inners: int = 0) -> int:
     """One calibration batch: the forward's transients and what the capture and the accumulators hold
     (grows with tokens·C, tokens·I for the down_proj refit's `inners`, and tokens·seqlen·heads)."""
-    c, item, i = config.hidden_size, dtype_bytes(dtype), config.intermediate_size
+    c, item, i = config.hidden_size, dtype_bytes(dtype), mlp_width(config)
     captured = (residuals + branches) * tokens * c * item  # (B, T, C) per captured index
     captured += inners * tokens * i * item  # (B, T, I) per captured down_proj input
     working = 3 * tokens * c * STATS_ITEM  # x_pre, Δ, m as float64 (T, C) in the accumulator
@@ -226,7 +226,7 @@ def allocator_residue_bytes(config: PretrainedConfig, threads: int, inner: int =
     """
     if threads <= 0:
         return 0
-    widest = max(int(getattr(config, "intermediate_size", 0) or 0), int(config.vocab_size))  # the fp32 outputs
+    widest = max(mlp_width(config), int(config.vocab_size))  # the fp32 outputs
     fp32 = min(RESIDUE_FP32_BUFFER, 2048 * widest) if forward else 0
     fp64 = sum(min(RESIDUE_FP64_BUFFER, 5 * 2**18 + 2560 * n) for n in (config.hidden_size, inner) if n) \
         if products else 0
@@ -272,7 +272,7 @@ def _folds(config: PretrainedConfig) -> bool:
 def inner_width(config: PretrainedConfig, needs) -> int:
     """I, when the down_proj refit's statistics are collected for this family (0 otherwise: none asked, or a
     norm after the MLP, where a change of down_proj is no change of the stream)."""
-    return int(config.intermediate_size) if needs.inner and _folds(config) else 0
+    return mlp_width(config) if needs.inner and _folds(config) else 0
 
 
 def refit_solve_bytes(inner: int, width: int) -> int:
@@ -302,7 +302,7 @@ def fit_bytes(cost: OperatorCost, config: PretrainedConfig, candidates: int, inn
     c = config.hidden_size
     solving = (cost.fit_matrices + (candidates if cost.candidates else 0)) * c * c * STATS_ITEM
     solving += sum(_refit_bytes(cost, config, inner, refit_candidates))
-    folding = 2 * c * c * STATS_ITEM + 2 * c * config.intermediate_size * STATS_ITEM \
+    folding = 2 * c * c * STATS_ITEM + 2 * c * mlp_width(config) * STATS_ITEM \
         if cost.kept == "branch" and _folds(config) else 0
     return max(solving, folding)
 
@@ -320,7 +320,7 @@ def kept_bytes(cost: OperatorCost, config: PretrainedConfig, item: int, inner: i
     """(its map for the held-out pass, its module in the variant) per boundary, in bytes."""
     c = config.hidden_size
     if cost.kept == "refit":
-        return (4 * inner * c, c * config.intermediate_size * item) if inner else (c * STATS_ITEM, 4 * c)
+        return (4 * inner * c, c * mlp_width(config) * item) if inner else (c * STATS_ITEM, 4 * c)
     if cost.kept == "scale":
         return c * STATS_ITEM, 4 * c
     if cost.kept == "rotated":
@@ -328,7 +328,7 @@ def kept_bytes(cost: OperatorCost, config: PretrainedConfig, item: int, inner: i
     if cost.kept == "matrix":
         return 4 * c * c, 4 * c * c
     if cost.kept == "branch":
-        return 4 * c * c, c * config.intermediate_size * item if _folds(config) else 4 * c * c
+        return 4 * c * c, c * mlp_width(config) * item if _folds(config) else 4 * c * c
     return 0, 0
 
 

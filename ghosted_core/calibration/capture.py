@@ -109,7 +109,7 @@ def capture(model: PreTrainedModel, residuals: Iterable[int], branches: Iterable
 
 def run_forward(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
     """A cache-free forward of the base model (no LM head) that ends early at a capture's last hook."""
-    device = model.model.embed_tokens.weight.device
+    device = model.get_input_embeddings().weight.device
     if device.type == "meta":  # offloaded embeddings: accelerate moves inputs itself
         device = input_ids.device
     with torch.no_grad():

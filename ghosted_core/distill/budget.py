@@ -29,6 +29,7 @@ from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
 from ghosted_core.distill.targets import get_trainable
 from ghosted_core.distill.teacher import prefix_bytes, target_bytes
 from ghosted_core.memory_parts import attention_shape
+from ghosted_core.config_values import mlp_width
 
 TRAIN_STATE_BYTES = 20  # per trained parameter: fp32 weight, gradient, two AdamW moments, the best copy
 
@@ -37,7 +38,7 @@ def block_activation_bytes(config: PretrainedConfig, tokens: int, item: int) -> 
     """What autograd keeps of one pre-norm block for `tokens` tokens: the inputs of its norms (float32 upcasts
     too), projections, attention (q, k, v, output; SDPA keeps no T×T matrix) and the gated MLP's four I-wide
     tensors."""
-    c, inner = config.hidden_size, int(config.intermediate_size)
+    c, inner = config.hidden_size, mlp_width(config)
     heads, kv_heads, head_dim = attention_shape(config)
     attention = (2 * heads + 2 * kv_heads) * head_dim  # q, attention output, k, v
     per_token = (6 * c + attention + 4 * inner) * item + 4 * c * 4  # + two norms' float32 copies

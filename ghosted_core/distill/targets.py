@@ -40,6 +40,7 @@ from ghosted_core.model.surgery import replace_submodules
 from ghosted_core.plan import PruningPlan
 from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.registry import add, check_signature, lookup
+from ghosted_core.config_values import mlp_width
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def _befores(sites: CutSites, what: str) -> list[int]:
 
 
 def _inner(config: PretrainedConfig) -> int:
-    return int(getattr(config, "intermediate_size", 4 * config.hidden_size))
+    return mlp_width(config)
 
 
 # ---------------------------------------------------------------- the targets

@@ -41,7 +41,7 @@ def shared_prefix(dense: PreTrainedModel, variant: PreTrainedModel) -> int:
 
 
 def input_device(model: PreTrainedModel) -> torch.device:
-    weight = model.model.embed_tokens.weight
+    weight = model.get_input_embeddings().weight
     return weight.device if weight.device.type != "meta" else torch.device("cpu")
 
 

@@ -139,8 +139,8 @@ def stock_blockers(model: PreTrainedModel) -> list[str]:
     for view_path, entry in _layout(model):
         width = entry["width"]
         if entry["kind"] == "patch":
-            site = "the final norm" if entry["path"].endswith("norm") else \
-                f"block {entry['path'].rpartition('.')[2]} of the pruned model"
+            last = entry["path"].rpartition(".")[2]
+            site = f"block {last} of the pruned model" if last.isdigit() else "the final norm"
             reasons.append(f"a {width}x{width} map on the residual stream entering {site} does not fold into stock "
                            "weights (every RMSNorm after it would see a different norm)")
         elif not _folds_into_down_proj(model, view_path):

@@ -92,7 +92,7 @@ def model_placement(model: PreTrainedModel) -> tuple[str, torch.dtype]:
     """(device, dtype) of a loaded model as the memory plan names them: "map" when accelerate spread it."""
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "map", model.dtype
-    return str(module_device(model.model.embed_tokens)), model.dtype
+    return str(module_device(model.get_input_embeddings())), model.dtype
 
 
 def decoder_blocks(model: PreTrainedModel) -> nn.ModuleList:

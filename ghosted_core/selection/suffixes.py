@@ -26,6 +26,7 @@ from ghosted_core.memory_parts import attention_shape
 from ghosted_core.model.loading import decoder_blocks
 from ghosted_core.model.surgery import assemble, sliced_config, stream_fed
 from ghosted_core.recovery.modules import module_device
+from ghosted_core.config_values import mlp_width
 
 STATE_BUDGET = 2**29  # bytes of candidate residual states alive at once (512 MiB)
 
@@ -53,7 +54,7 @@ class Work:
 def pass_equivalents(config, block_runs: float, head_runs: float) -> float:
     """Block and head runs per window in full forward passes (L blocks and one head), weighted by the
     multiply-adds of their projections per token (attention scores left out: they grow with T alike)."""
-    c, inner = config.hidden_size, config.intermediate_size
+    c, inner = config.hidden_size, mlp_width(config)
     heads, kv, head_dim = attention_shape(config)
     block = c * head_dim * (2 * heads + 2 * kv) + 3 * c * inner  # q, o, k, v and the gated MLP
     head = config.vocab_size * c
@@ -109,7 +110,7 @@ class CandidateRunner:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """h_0 (B, T, C): the embedding as the model applies it (Gemma's scale included); counts one pass."""
-        embed = self.dense.model.embed_tokens
+        embed = self.dense.get_input_embeddings()
         self.work.passes += 1
         with torch.no_grad():
             return embed(input_ids.to(module_device(embed)))

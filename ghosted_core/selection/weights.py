@@ -39,6 +39,7 @@ from ghosted_core.model.scaling import present_writers
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes
+from ghosted_core.config_values import mlp_width
 
 COST = "no forward pass: L·C²·(H·d + I) multiply-adds for the write-space Grams; memory: 2·L Grams of C × C (float32)"
 LABEL = "ours, inspired by WRP's abstract (no WRP code is public)"
@@ -121,8 +122,8 @@ def write_columns(config) -> int:
     """k of the MLP branch's write matrix: I, or every expert's and a shared expert's intermediate side by side."""
     experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
     if not experts:
-        return int(config.intermediate_size)
-    inner = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+        return mlp_width(config)
+    inner = int(getattr(config, "moe_intermediate_size", None) or mlp_width(config))
     shared = int(getattr(config, "shared_expert_intermediate_size", None) or getattr(config, "shared_intermediate_size",
                                                                                    None) or 0)
     return experts * inner + shared
@@ -133,7 +134,7 @@ def weights_bytes(shapes: ScoreShapes) -> Footprint:
     each per layer), and the float32 write matrix of a branch where it is a copy (a dtype other than float32, experts)."""
     s = shapes
     columns = write_columns(s.config)
-    copy = 0 if s.item == 4 and columns == int(s.config.intermediate_size) else s.width * max(columns, s.width) * 4
+    copy = 0 if s.item == 4 and columns == mlp_width(s.config) else s.width * max(columns, s.width) * 4
     return Footprint((3 * s.layers + 2) * s.width * s.width * 4 + copy)  # + a Gram being made and its flat view
 
 

@@ -84,3 +84,22 @@ def test_a_heterogeneous_config_is_read_per_block_and_re_keyed_by_a_cut():
     assert layer_overrides(cut) == {3: {"head_dim": 12, "num_key_value_heads": 1}}
     assert cut.per_layer_config[3].head_dim == 12 and cut.per_layer_config[2].head_dim == 6
     assert set(layer_overrides(config)) == {2, 5}  # the dense config is never touched
+
+
+def test_the_mlp_width_is_read_under_each_familys_name_for_it():
+    """Plans read the MLP's inner width I whatever the config calls it: Llama's intermediate_size, Moshi's ffn_dim
+    (a type outside the table that failed in the memory plan), GPT-2's n_inner, and 4·C where n_inner is None;
+    Qwen3.5-MoE's experts where it names no dense width (a real config failed the plan; the tiny fixture sets one);
+    a heterogeneous config's widest block."""
+    import transformers
+
+    from ghosted_core.config_values import mlp_width
+
+    assert mlp_width(transformers.LlamaConfig(hidden_size=64, intermediate_size=176)) == 176
+    assert mlp_width(transformers.MoshiConfig(hidden_size=64, ffn_dim=192)) == 192
+    assert mlp_width(transformers.GPT2Config(n_embd=64, n_inner=96)) == 96
+    assert mlp_width(transformers.GPT2Config(n_embd=64)) == 256
+    moe = transformers.Qwen3_5MoeTextConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    assert "intermediate_size" not in moe.to_dict() and mlp_width(moe) == 48  # experts only: the widest of them
+    _, gemma4 = _tiny_config("gemma4_text", per_layer_config={"2": {"intermediate_size": 200}})
+    assert mlp_width(gemma4) == max(200, gemma4.to_dict()["intermediate_size"])
