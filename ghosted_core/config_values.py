@@ -30,16 +30,18 @@ def widest(config, name: str, default=None):
     return max([v for v in (own, *values) if v is not None], default=default)
 
 
-INNER_NAMES = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")  # a dense MLP's inner width, by family
+# a dense MLP's inner width, by family (Llama-4: `intermediate_size` is its experts', `intermediate_size_mlp` its MLP's)
+INNER_NAMES = ("intermediate_size", "intermediate_size_mlp", "ffn_dim", "ffn_hidden_size", "n_inner")
 EXPERT_NAMES = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size")
 
 
 def mlp_width(config) -> int:
-    """The inner width I of a block's widest MLP, under whichever name the config gives it: a dense MLP's (Llama's
-    intermediate_size, Moshi's ffn_dim, GPT-2's n_inner), else the widest expert or shared expert (Qwen3.5-MoE
-    names no dense width), else 4·C (GPT-2-style `n_inner = None`). Heterogeneous configs: the widest block."""
+    """The inner width I of a block's widest MLP, under whichever names the config gives it: a dense MLP's (Llama's
+    intermediate_size, Llama-4's intermediate_size_mlp, Moshi's ffn_dim, GPT-2's n_inner), else the widest expert or
+    shared expert (Qwen3.5-MoE names no dense width), else 4·C (GPT-2-style `n_inner = None`). Heterogeneous
+    configs: the widest block."""
     for names in (INNER_NAMES, EXPERT_NAMES):
         values = [v for name in names if isinstance(v := widest(config, name), int) and v > 0]
         if values:
-            return values[0] if names is INNER_NAMES else max(values)
+            return max(values)
     return 4 * int(config.hidden_size)

@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ghosted_core.architectures import architecture_of
+from ghosted_core.errors import GhostedError
 from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
 from ghosted_core.model.shallow import shallow_view
 from ghosted_core.model.loading import decoder_blocks, final_norm, final_norm_name
@@ -104,10 +107,35 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
         kept.append(j)
     check_kept_kinds(dense.config, kept)
     check_required_kept(dense.config, removed)
+    config = sliced_config(dense.config, kept)
+    if architecture_of(dense.config).generic and removed_set:
+        check_config_describes_blocks(blocks, kept, config)
     norm = final_norm(dense)
     if num_layers in patches:
         norm = PatchedBlock(patches[num_layers], norm)
-    return assemble(dense, layers, sliced_config(dense.config, kept), norm, record)
+    return assemble(dense, layers, config, norm, record)
+
+
+def check_config_describes_blocks(blocks: nn.ModuleList, kept: Sequence[int], config) -> None:
+    """Refuse a cut whose config would load other blocks than the kept ones. For a type outside the architecture
+    table a per-layer fact may be left uncounted (Ernie-4.5-MoE's `moe_layer_start_index`: remove its dense block 0
+    and the config still makes block 0 dense): each kept block's class is built from the cut's config on the meta
+    device (no memory) and must have the same parameters, names and shapes. A class built otherwise is not checked."""
+    for i, j in enumerate(kept):
+        cls = type(blocks[j])
+        try:
+            with torch.device("meta"):
+                rebuilt = cls(config, i)
+        except Exception:  # noqa: BLE001  a block class with another constructor: nothing to compare
+            return
+        have = {name: tuple(t.shape) for name, t in blocks[j].named_parameters()}
+        want = {name: tuple(t.shape) for name, t in rebuilt.named_parameters()}
+        if have != want:
+            differ = sorted(set(have) ^ set(want)) or [n for n in have if have[n] != want.get(n)]
+            raise GhostedError(f"this cut's config would load block {i} (dense block {j}) as other modules "
+                               f"({', '.join(differ[:3])}): a per-layer fact of {config.model_type!r} that the cut does "
+                               "not recount (it is not in the architecture table); remove other blocks, or add the "
+                               "type to the table")
 
 
 def patch_site(boundary: Boundary) -> int:

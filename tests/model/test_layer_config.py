@@ -101,5 +101,7 @@ def test_the_mlp_width_is_read_under_each_familys_name_for_it():
     assert mlp_width(transformers.GPT2Config(n_embd=64)) == 256
     moe = transformers.Qwen3_5MoeTextConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48)
     assert "intermediate_size" not in moe.to_dict() and mlp_width(moe) == 48  # experts only: the widest of them
+    scout = transformers.Llama4TextConfig(hidden_size=64, intermediate_size=80, intermediate_size_mlp=160)
+    assert mlp_width(scout) == 160  # its dense MLP blocks are twice as wide as an expert
     _, gemma4 = _tiny_config("gemma4_text", per_layer_config={"2": {"intermediate_size": 200}})
     assert mlp_width(gemma4) == max(200, gemma4.to_dict()["intermediate_size"])

@@ -198,3 +198,26 @@ def test_a_generic_types_final_norm_is_found_on_a_variant_whose_norm_is_patched(
         split = slice_view(variant, dense, 2, stream_input=True).model(inputs_embeds=h, use_cache=False)
         whole = variant.model(input_ids=ids, use_cache=False).last_hidden_state
     torch.testing.assert_close(split.last_hidden_state, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cut_whose_config_would_load_other_blocks_is_refused_for_a_type_outside_the_table():
+    """Ernie-4.5-MoE (outside the table) makes blocks before `moe_layer_start_index` dense: removing its dense block 0
+    leaves a config that would load the new block 0 dense, though it holds experts. Refused in one line, naming the
+    block; a cut that keeps the pattern builds."""
+    import transformers
+
+    from ghosted_core.errors import GhostedError
+
+    torch.manual_seed(0)
+    config = transformers.Ernie4_5_MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, moe_num_experts=4,
+                                             moe_k=2, moe_intermediate_size=16, moe_layer_start_index=1)
+    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(GhostedError, match=r"would load block 0 \(dense block 1\) as other modules .*mlp"):
+        build_variant(dense, (0,))
+    variant = build_variant(dense, (2,))
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
+    rebuilt = transformers.AutoModelForCausalLM.from_config(variant.config).eval()
+    rebuilt.load_state_dict(variant.state_dict())  # the kept blocks load as what they are
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(ids).logits, variant(ids).logits)
