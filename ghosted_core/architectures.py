@@ -198,6 +198,21 @@ NOT_ONE_STREAM: dict[str, str] = {
     "nanochat": "its final norm module also runs on the embeddings before the first block, so the norm a cut at the "
                 "end patches and the stream entering the blocks are the same module's two calls",
 }
+# config fields that, above 1, give the blocks several residual streams instead of one (DeepSeek-V4's and HY-V4's
+# manifold hyper-connections: (B, T, N, C) between blocks), which the boundary operators (C × C maps) do not map
+STREAM_COUNT_FIELDS = ("hc_mult",)
+
+
+def stream_refusal(config) -> str | None:
+    """Why a causal LM's blocks are not one residual stream into a final norm (None: they are)."""
+    model_type = str(getattr(config, "model_type", None))
+    if model_type in NOT_ONE_STREAM:
+        return NOT_ONE_STREAM[model_type]
+    for field in STREAM_COUNT_FIELDS:
+        if isinstance(count := getattr(config, field, None), int) and count > 1:
+            return (f"its blocks carry {count} residual streams ({field} {count}: hyper-connections), and the "
+                    "boundary operators map one")
+    return None
 
 
 def generic_architecture(model_type: str) -> Architecture:

@@ -27,7 +27,7 @@ from ghosted_core.hub import hub_reachable
 from ghosted_core.model.embedded import DEFAULT_MODEL, EMBEDDED, converted_embedded, needs_conversion
 from ghosted_core.memory import check_fits
 from ghosted_core.model import hub_cache
-from ghosted_core.architectures import NOT_ONE_STREAM, architecture_of, families
+from ghosted_core.architectures import architecture_of, families, stream_refusal
 from ghosted_core.model.wrapper import is_wrapper_config, planning_config, text_view
 
 log = logging.getLogger(__name__)
@@ -139,8 +139,8 @@ def check_supported(config: PretrainedConfig) -> None:
         reason = "not a causal LM that transformers can build"
     elif not isinstance(getattr(config, "num_hidden_layers", None), int):
         reason = "its config has no num_hidden_layers"
-    elif model_type in NOT_ONE_STREAM:
-        reason = NOT_ONE_STREAM[model_type]
+    elif (several := stream_refusal(config)) is not None:
+        reason = several
     not_yet = None if reason else architecture_of(config.get_text_config()).config_refusal(config.get_text_config())
     if not_yet:
         raise GhostedError(not_yet)

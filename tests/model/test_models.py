@@ -67,6 +67,17 @@ def test_a_type_laid_out_as_one_stream_but_not_computing_one_is_refused_before_l
         load_model(str(tmp_path))
 
 
+def test_blocks_with_several_residual_streams_are_refused_before_loading(tmp_path):
+    """DeepSeek-V4's manifold hyper-connections carry hc_mult streams of width C between blocks: no C × C boundary
+    map applies, refused from the config (it failed inside the similarity criterion before)."""
+    import transformers
+
+    transformers.DeepseekV4Config(num_hidden_layers=2, hidden_size=32, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(GhostedError, match=r"unsupported architecture 'deepseek_v4': its blocks carry \d+ residual "
+                                           "streams \(hc_mult"):
+        load_model(str(tmp_path))
+
+
 @pytest.mark.parametrize("field, value, why", [("hidden_size_per_layer_input", 4, "per-layer embeddings"),
                                                ("num_kv_shared_layers", 2, "reuse the keys and values")])
 def test_a_gemma4_checkpoint_beyond_what_a_cut_carries_is_refused_in_one_line(tmp_path, field, value, why):
