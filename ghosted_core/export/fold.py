@@ -72,6 +72,20 @@ def operator_layout(model: PreTrainedModel) -> list[dict]:
 
 
 EXPERT_OUTPUTS = ("down_proj", "down_proj_bias")  # fused experts' tensors that their output is linear in
+SLAB_BYTES = 64 * 2**20  # the float64 transient of a fold: a slab of rows, not the tensor
+
+
+def in_float64_slabs(value: torch.Tensor, fn) -> torch.Tensor:
+    """`fn` applied in float64 and rounded to `value`'s dtype, a slab of leading rows at a time (each element's
+    result is what the whole tensor at once gives): the transient is SLAB_BYTES, not 8 bytes per element of a
+    vocabulary's embeddings (1.5 GiB at 49,152 × 4,096) or of a block's fused experts."""
+    if value.ndim == 0:
+        return fn(value.double()).to(value.dtype)
+    out = torch.empty_like(value)
+    rows = max(1, SLAB_BYTES // max(1, 8 * value[0].numel()))
+    for start in range(0, value.shape[0], rows):
+        out[start:start + rows] = fn(value[start:start + rows].double()).to(value.dtype)
+    return out
 
 
 def _writer_kind(module: nn.Module) -> str:
@@ -87,7 +101,8 @@ def fold_scales(module: nn.Module, chunk: Chunk, offset: float) -> tuple[Chunk, 
     """`chunk` (module_tensors of `module`, keys relative to it) with every `ScaledOutput` under `module` folded
     into its inner weights, and a block-0 `StreamScale` wrapper stripped; also returns that stream scale (the
     factor the embeddings must carry, 1.0 if none). A Linear's weight and bias are multiplied by s, fused experts' down projection and its bias;
-    a norm's gain γ becomes (offset + γ)·s − offset. Memory: one new tensor per scaled weight, in float64 while computed.
+    a norm's gain γ becomes (offset + γ)·s − offset. Memory: one new tensor per scaled weight, in float64 a slab at a
+    time while computed (`in_float64_slabs`).
     """
     for path, sub in module.named_modules():
         if not isinstance(sub, ScaledOutput):
@@ -98,9 +113,9 @@ def fold_scales(module: nn.Module, chunk: Chunk, offset: float) -> tuple[Chunk, 
             value = chunk.pop(key)
             name = key[len(inner):]
             if kind == "linear" or (kind == "experts" and name in EXPERT_OUTPUTS):
-                value = (value.double() * sub.scale).to(value.dtype)
+                value = in_float64_slabs(value, lambda w: w * sub.scale)
             elif kind == "norm":
-                value = ((offset + value.double()) * sub.scale - offset).to(value.dtype)
+                value = in_float64_slabs(value, lambda w: (offset + w) * sub.scale - offset)
             chunk[outer + name] = value
     scale = stream_scale(module)
     if _is_stream_scale(module):
@@ -178,12 +193,12 @@ def _rest(model: PreTrainedModel, embed_scale: float = 1.0, device: str = "cpu")
         chunk.pop("lm_head.weight", None)  # transformers ties it back to the embeddings on load
     if embed_scale != 1.0:
         key = "model.embed_tokens.weight"
-        chunk[key] = (chunk[key].double() * embed_scale).to(chunk[key].dtype)
+        chunk[key] = in_float64_slabs(chunk[key], lambda w: w * embed_scale)
         if tied:  # the head reads the scaled embeddings: the final norm's output must shrink by as much
             norm = f"model.{final_norm_name(model)}"
             key = f"{norm}.inner.weight" if isinstance(final_norm(model), PatchedBlock) else f"{norm}.weight"
             offset = architecture_of(model.config).norm_gain_offset
-            chunk[key] = ((offset + chunk[key].double()) / embed_scale - offset).to(chunk[key].dtype)
+            chunk[key] = in_float64_slabs(chunk[key], lambda w: (offset + w) / embed_scale - offset)
     return chunk
 
 
