@@ -226,8 +226,8 @@ def allocator_residue_bytes(config: PretrainedConfig, threads: int, inner: int =
     """
     if threads <= 0:
         return 0
-    widest = max(mlp_width(config), int(config.vocab_size))  # the fp32 outputs
-    fp32 = min(RESIDUE_FP32_BUFFER, 2048 * widest) if forward else 0
+    outputs = max(mlp_width(config), int(config.vocab_size))  # the widest fp32 outputs
+    fp32 = min(RESIDUE_FP32_BUFFER, 2048 * outputs) if forward else 0
     fp64 = sum(min(RESIDUE_FP64_BUFFER, 5 * 2**18 + 2560 * n) for n in (config.hidden_size, inner) if n) \
         if products else 0
     return threads * RESIDUE_BUFFERS * (fp32 + fp64)

@@ -149,15 +149,11 @@ def _befores(sites: CutSites, what: str) -> list[int]:
     return found
 
 
-def _inner(config: PretrainedConfig) -> int:
-    return mlp_width(config)
-
-
 # ---------------------------------------------------------------- the targets
 
 
 def _operator_parameters(config: PretrainedConfig, boundaries: int, opts: DistillOptions, kept: str) -> int:
-    c, inner = config.hidden_size, _inner(config)
+    c, inner = config.hidden_size, mlp_width(config)
     per = {"none": 0, "scale": c, "rotated": c, "matrix": c * c, "branch": c * inner, "refit": c * inner}
     return boundaries * per.get(kept, c * c)
 
@@ -186,7 +182,7 @@ def _mlp_parameters(config: PretrainedConfig, boundaries: int, opts: DistillOpti
     """The largest MLP module of the model as transformers builds it (a gated MLP's three projections; a block of
     experts whole: router, every expert, a shared expert and its gate), per cut."""
     counted = skeleton_counts(config)
-    return boundaries * (counted.mlp if counted is not None else 3 * config.hidden_size * _inner(config))
+    return boundaries * (counted.mlp if counted is not None else 3 * config.hidden_size * mlp_width(config))
 
 
 @register_trainable("mlp", parameters=_mlp_parameters, stock=True, lr=1e-3, requires=("mlp",),
@@ -200,7 +196,7 @@ def mlp_target(variant: PreTrainedModel, dense: PreTrainedModel, sites: CutSites
 
 
 def _down_parameters(config: PretrainedConfig, boundaries: int, opts: DistillOptions, kept: str) -> int:
-    return boundaries * config.hidden_size * _inner(config)
+    return boundaries * config.hidden_size * mlp_width(config)
 
 
 @register_trainable("down", parameters=_down_parameters, stock=True, lr=1e-3, requires=("down_proj",),
@@ -261,7 +257,7 @@ def _linear_widths(config: PretrainedConfig) -> int:
     counted = skeleton_counts(config)
     if counted is not None:
         return counted.linear_widths
-    c, inner = config.hidden_size, _inner(config)
+    c, inner = config.hidden_size, mlp_width(config)
     heads, kv, head_dim = attention_shape(config)
     q, k = heads * head_dim, kv * head_dim
     return (c + q) + 2 * (c + k) + (q + c) + 3 * (c + inner)

@@ -205,9 +205,10 @@ def keep_what_converters_read(tokenizer, folder: Path) -> None:
     settings = folder / "tokenizer_config.json"
     values = json.loads(settings.read_text()) if settings.exists() else {}
     changed = values.pop("vocab_file", None) is not None  # the copy beside it is what a loader finds
-    named = source_tokenizer_class(tokenizer)
-    if named and values.get("tokenizer_class") == GENERIC_TOKENIZER_CLASS and named != GENERIC_TOKENIZER_CLASS:
-        values["tokenizer_class"], changed = named, True
+    if values.get("tokenizer_class") == GENERIC_TOKENIZER_CLASS:
+        named = source_tokenizer_class(tokenizer)
+        if named and named != GENERIC_TOKENIZER_CLASS:
+            values["tokenizer_class"], changed = named, True
     if changed:
         settings.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n")
 

@@ -39,7 +39,7 @@ from ghosted_core.export.llamacpp import (LLAMACPP_COMMIT, LLAMACPP_ENV, LLAMACP
                                           compute_imatrix, find_llamacpp, llamacpp_generate, llamacpp_perplexity,
                                           quantize_gguf, _run)
 from ghosted_core.export.model_card import gguf_section
-from ghosted_core.export.runtime_rules import converter_fixes, runtime_refusal
+from ghosted_core.export.runtime_rules import converter_fixes, ignored_window, runtime_refusal, text_values
 
 log = logging.getLogger(__name__)
 
@@ -104,17 +104,13 @@ def check_gguf_exportable(folder: str | Path) -> dict:
     return config
 
 
-WINDOW_IGNORED = ("mistral", "phi3")  # llama.cpp's graphs for these run full attention whatever the file says
-
-
 def _warn_sliding_window(config: dict, name: str) -> None:
-    """llama.cpp runs Mistral, Phi-3 and Qwen2 with full attention: say so where the checkpoint has a sliding
-    window."""
-    model_type, window = config.get("model_type"), config.get("sliding_window")
-    windowed = window and (model_type in WINDOW_IGNORED or (model_type == "qwen2" and config.get("use_sliding_window")))
-    if windowed and window < config.get("max_position_embeddings", 0):
+    """Say so where llama.cpp will run full attention over a checkpoint's sliding window (`ignored_window`)."""
+    window = ignored_window(config)
+    if window is not None:
         log.warning("%s has a sliding window of %d tokens, which llama.cpp's %s graph does not apply: its outputs "
-                    "differ from transformers' once a sequence is longer than that", name, window, model_type)
+                    "differ from transformers' once a sequence is longer than that", name, window,
+                    text_values(config).get("model_type"))
 
 
 def convert_to_gguf(folder: str | Path, out_path: str | Path, outtype: str = "f16",

@@ -23,6 +23,8 @@ and reaches the compute graph. A dense checkpoint matches those rules by constru
 - `assumed` (Llama-4): values the runtime sets itself whatever the file says (the attention chunk of 8,192
   positions, and the attention temperature on its RoPE-less blocks with floor 8,192 and scale 0.1, as on Scout
   and Maverick); a config with others is refused.
+- `window_ignored` (Mistral, Phi-3, Qwen2): the graph runs full attention whatever the file says (Phi-3: "SWA is
+  currently disabled"); an export whose config has a sliding window shorter than its context is warned about.
 - `softcap_unless_written` (Gemma 4): the final logits are soft-capped at 30 unless the file says otherwise, and
   the converter writes the key only when the config sets one: a config without capping gets 0 written (off).
   Everything else Gemma 4 needs is read from the file (window pattern, per-kind head sizes and kv heads,
@@ -49,9 +51,13 @@ class RuntimeRules:
     expert_step_key: str = ""  # block i has experts when (i + 1) % config[key] == 0
     assumed: tuple[tuple[str, object], ...] = ()  # (config key, the value the runtime uses whatever the file says)
     softcap_unless_written: float = 0.0  # the final-logit cap the runtime applies when the file has no key
+    window_ignored: bool = False  # the graph runs full attention whatever sliding window the file names
 
 
 RULES: dict[str, RuntimeRules] = {
+    "mistral": RuntimeRules(window_ignored=True),
+    "phi3": RuntimeRules(window_ignored=True),
+    "qwen2": RuntimeRules(window_ignored=True),
     "gemma2": RuntimeRules(swa_period=2, scale_layers=46, scale_into="self_attn.q_proj.weight"),
     "gemma3_text": RuntimeRules(swa_period=6, scale_layers=62, scale_into="self_attn.q_norm.weight"),
     "gemma4_text": RuntimeRules(softcap_unless_written=30.0),
@@ -100,6 +106,17 @@ def attention_scale_ratio(config: dict, rules: RuntimeRules) -> float:
     head_dim = config.get("head_dim") or hidden // heads
     runtime = (hidden // heads if config["num_hidden_layers"] == rules.scale_layers else head_dim) ** -0.5
     return config["query_pre_attn_scalar"] ** -0.5 / runtime
+
+
+def ignored_window(config: dict) -> int | None:
+    """The sliding window (tokens) that llama.cpp will not apply to this export, where it is shorter than the
+    context; None where the runtime applies what transformers does (Qwen2 windows only with use_sliding_window)."""
+    config = text_values(config)
+    rules = RULES.get(str(config.get("model_type")))
+    window = config.get("sliding_window")
+    if rules is None or not rules.window_ignored or not window or not config.get("use_sliding_window", True):
+        return None
+    return window if window < config.get("max_position_embeddings", 0) else None
 
 
 def runtime_refusal(config: dict) -> str | None:

@@ -201,8 +201,7 @@ def sleb_order(model: PreTrainedModel, n: int, batches: Sequence[CalibrationBatc
     for _ in track(range(n), "score sleb", unit="rounds", quiet=quiet):
         alive = [j for j in range(num_layers) if j not in removed]
         exact, bounds = _round(runner, model, memo, alive, fit, keep)
-        best = min((p for p in range(len(alive)) if exact[p] is not None and alive[p] not in keep),
-                   key=lambda p: (exact[p], p))
+        best = min((p for p in range(len(alive)) if exact[p] is not None), key=lambda p: (exact[p], p))  # kept: None
         nll: list[float | None] = [None] * num_layers
         bound: list[float | None] = [None] * num_layers
         for p, j in enumerate(alive):
