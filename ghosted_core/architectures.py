@@ -69,8 +69,13 @@ class Architecture:
     hub_layer_types: tuple[tuple[str, str], ...] = ()
     # why the last block must stay, where the family requires it ("" where it does not)
     last_block_stays: str = ""
-    # config fields that, where a checkpoint sets them (non-zero), put it beyond what a cut carries yet: (field, why)
-    not_yet: tuple[tuple[str, str], ...] = ()
+    # base-model modules whose output packs one slice per block along its last dimension (…, L·P), each block
+    # reading its own (Gemma 4 E2B/E4B's per-layer embeddings), and the config field holding P; see side_inputs
+    per_layer_inputs: tuple[str, ...] = ()
+    per_layer_width: str = ""
+    # the base model's attribute holding the index of its first block that reuses earlier keys and values
+    # (Gemma 4's `first_kv_shared_layer_idx`), recounted on every view
+    shared_kv_start: str = ""
 
     @property
     def branch_folds(self) -> bool:
@@ -81,13 +86,6 @@ class Architecture:
     def branch_folds_into_down_proj(self) -> bool:
         """The refit's and ReplaceMe's statistics come from one down projection that writes the stream."""
         return self.branch_folds and self.down_proj is not None
-
-    def config_refusal(self, config) -> str | None:
-        """Why a checkpoint of this family with `config` (its text config) cannot be cut yet; None where it can."""
-        for field, why in self.not_yet:
-            if getattr(config, field, None):
-                return f"{self.family} checkpoints that set {field} ({getattr(config, field)}) are not supported yet: {why}"
-        return None
 
     def writers_under(self, path: str) -> tuple[str, ...]:
         """The residual writers inside the module at `path` (relative to a block)."""
@@ -149,11 +147,9 @@ ARCHITECTURES: dict[str, Architecture] = {
                      residual_writers=POST_NORMS + ("post_per_layer_input_norm",),
                      last_block_stays="transformers makes a Gemma 4 checkpoint's last block full attention, so a cut "
                                       "that ends on a sliding-window block would load as another model",
-                     not_yet=(
-                         ("hidden_size_per_layer_input", "its blocks also read per-layer embeddings made from the "
-                          "tokens (E2B, E4B), which a cut and the prefix-sharing evaluators do not carry yet"),
-                         ("num_kv_shared_layers", "its last blocks reuse the keys and values of earlier ones, and a "
-                          "cut does not yet keep what they reuse"))),
+                     # E2B/E4B: per-layer embeddings, and the last blocks reuse earlier blocks' keys and values
+                     per_layer_inputs=("embed_tokens_per_layer", "per_layer_model_projection"),
+                     per_layer_width="hidden_size_per_layer_input", shared_kv_start="first_kv_shared_layer_idx"),
         # mixture of experts: a dense MLP on some blocks (mlp_only_layers) writes through mlp.down_proj
         _moe("mixtral", "Mixtral"),
         _moe("qwen2_moe", "Qwen2-MoE", ATTENTION_OUT + MLP_OUT + EXPERTS_OUT + SHARED_OUT),

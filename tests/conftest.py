@@ -63,6 +63,12 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                    enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
                                    config="Gemma4TextConfig",
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
+    # Gemma 4 E2B/E4B: per-layer embeddings of the tokens beside the stream, and the last 2 blocks (a double-wide
+    # MLP) attending with the keys and values of the last earlier block of their kind (blocks 2 and 3 store them)
+    "gemma4_e2b": ("Gemma4", dict(IDS, head_dim=6, global_head_dim=12, sliding_window=8, hidden_size_per_layer_input=4,
+                                  num_kv_shared_layers=2,
+                                  use_double_wide_mlp=True, config="Gemma4TextConfig",
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
     # mixture of experts
     "mixtral": ("Mixtral", dict(IDS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
     "qwen2_moe": ("Qwen2Moe", dict(IDS, **EXPERTS, shared_expert_intermediate_size=48, mlp_only_layers=[0],
@@ -99,6 +105,8 @@ def _tiny_config(family: str, vocab_size: int = TINY_VOCAB, **overrides):
     common = dict(vocab_size=vocab_size, hidden_size=TINY_WIDTH, intermediate_size=TINY_INNER,
                   num_hidden_layers=TINY_LAYERS, num_attention_heads=6, num_key_value_heads=2,
                   max_position_embeddings=256) | extras | overrides
+    if common.get("hidden_size_per_layer_input"):  # Gemma 4 E2B's per-layer table covers the whole vocabulary
+        common.setdefault("vocab_size_per_layer_input", common["vocab_size"])
     return getattr(transformers, f"{prefix}ForCausalLM"), getattr(transformers, config_name)(**common)
 
 

@@ -36,6 +36,7 @@ from ghosted_core.hadamard import hadamard_transform
 from ghosted_core.model.low_rank import LowRankLinear
 from ghosted_core.model.modeling_ghosted import ResidualLinear, ResidualScale
 from ghosted_core.model.scaling import writer_path
+from ghosted_core.model.side_inputs import self_contained_start
 from ghosted_core.model.surgery import replace_submodules
 from ghosted_core.plan import PruningPlan
 from ghosted_core.recovery.operators import OPERATORS
@@ -294,7 +295,10 @@ class Student:
     target: str
     parameters: list[nn.Parameter]
     paths: tuple[str, ...]  # where the trained modules sit in the variant
-    first_block: int  # the first block (variant numbering) whose computation trains; `blocks`: only the final norm
+    # the first block (variant numbering) the training suffix runs from: the first whose computation trains
+    # (`blocks`: only the final norm), or earlier where a suffix must start there to compute what its blocks read
+    # (`side_inputs.self_contained_start`: Gemma 4's shared KV)
+    first_block: int
 
     @property
     def count(self) -> int:
@@ -320,7 +324,8 @@ def make_student(variant: PreTrainedModel, dense: PreTrainedModel, plan: Pruning
     view.config = view.model.config = config
     parameters = [p for module in replacements.values() for p in module.parameters() if p.requires_grad]
     paths = tuple(sorted(replacements))
-    return Student(view, target, parameters, paths, _first_block(paths, len(variant.model.layers)))
+    first = min(_first_block(paths, len(variant.model.layers)), self_contained_start(variant.config))
+    return Student(view, target, parameters, paths, first)
 
 
 def finalize(student: Student, dtype: torch.dtype) -> PreTrainedModel:

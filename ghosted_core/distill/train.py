@@ -32,6 +32,7 @@ from ghosted_core.distill.teacher import TeacherCache, training_rows, validation
 from ghosted_core.errors import GhostedError
 from ghosted_core.evaluation.perplexity import input_device, shared_prefix
 from ghosted_core.model.loading import module_device
+from ghosted_core.model.side_inputs import stream_kwargs
 from ghosted_core.model.surgery import slice_view
 from ghosted_core.stopping import StopCheck, check_stop
 
@@ -177,7 +178,8 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
         total = count = 0.0
         for rows in validation_rows(cache, options.batch_size):
             with torch.no_grad(), autocast_for(options.precision, device, dense.dtype):
-                out = suffix.model(inputs_embeds=prefix(rows, keep=True), use_cache=False).last_hidden_state
+                out = suffix.model(inputs_embeds=prefix(rows, keep=True), use_cache=False,
+                                   **stream_kwargs(suffix, prefix.ids[rows])).last_hidden_state
                 log_probs, indices = cache.targets(rows)
                 tokens = out.shape[0] * out.shape[1]
                 total += distill_loss(student.model, out, log_probs, indices, loss=options.loss) * tokens
@@ -206,7 +208,8 @@ def distill_student(student: Student, dense: PreTrainedModel, cache: TeacherCach
         rows = training_rows(step, options.batch_size, len(cache.train_ids))
         with autocast_for(options.precision, device, dense.dtype):
             h = prefix(rows)
-            out = suffix.model(inputs_embeds=h, use_cache=False).last_hidden_state  # (B, T, C) after the final norm
+            out = suffix.model(inputs_embeds=h, use_cache=False,
+                               **stream_kwargs(suffix, prefix.ids[rows])).last_hidden_state  # (B, T, C) normed
             if not out.requires_grad:
                 raise RuntimeError(f"{report.variant}: the trained weights do not reach the output")
             log_probs, indices = cache.targets(rows)

@@ -24,6 +24,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan
 from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.model.head import head_logits
+from ghosted_core.model.side_inputs import self_contained_start, stream_kwargs
 from ghosted_core.model.surgery import slice_view
 from ghosted_core.memory_parts import LOGITS_BUDGET
 
@@ -31,13 +32,14 @@ log = logging.getLogger(__name__)
 
 
 def shared_prefix(dense: PreTrainedModel, variant: PreTrainedModel) -> int:
-    """Number of leading blocks the variant runs exactly as the dense model (same module objects)."""
+    """Number of leading blocks the variant runs exactly as the dense model (same module objects), and from whose
+    end its suffix computes everything it reads from the stream (`side_inputs.self_contained_start`)."""
     count = 0
     for mine, theirs in zip(variant.model.layers, dense.model.layers):
         if mine is not theirs:
             break
         count += 1
-    return count
+    return min(count, self_contained_start(dense.config))
 
 
 def input_device(model: PreTrainedModel) -> torch.device:
@@ -93,7 +95,7 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
             h = None
             for depth, segment in zip(depths, segments):
                 h = (segment.model(input_ids=ids, use_cache=False) if h is None else
-                     segment.model(inputs_embeds=h, use_cache=False)).last_hidden_state  # (B, T, C) entering `depth`
+                     segment.model(inputs_embeds=h, use_cache=False, **stream_kwargs(segment, ids))).last_hidden_state  # (B, T, C) entering `depth`
                 tokens = _add_suffix_nll(nll, {n: suffixes[n] for n in groups[depth]}, variants, h, ids, should_stop)
             count += tokens
     return {name: math.exp(value / count) for name, value in nll.items()}
@@ -120,7 +122,7 @@ def _add_suffix_nll(nll: dict[str, float], suffixes: Mapping[str, PreTrainedMode
     tokens = 0
     for name, suffix in suffixes.items():
         check_stop(should_stop, "perplexity")  # a batch runs every variant: stop between them too
-        out = suffix.model(inputs_embeds=h, use_cache=False).last_hidden_state  # (B, T, C) after final norm
+        out = suffix.model(inputs_embeds=h, use_cache=False, **stream_kwargs(suffix, ids)).last_hidden_state  # (B, T, C) normed
         total, tokens = _token_nll(variants[name], out, ids)
         nll[name] += total
     return tokens

@@ -39,6 +39,7 @@ from ghosted_core.evaluation.perplexity import _by_prefix, input_device
 from ghosted_core.memory_parts import LOGITS_BUDGET
 from ghosted_core.model.head import head_logits
 from ghosted_core.model.layer_config import recurrent
+from ghosted_core.model.side_inputs import stream_kwargs
 from ghosted_core.model.surgery import slice_view
 from ghosted_core.progress import track
 
@@ -241,9 +242,9 @@ class SharedScorer:
                 for depth, segment in zip(self.depths, self.segments):
                     step = dict(attention_mask=mask, position_ids=positions, use_cache=False)
                     h = (segment.model(input_ids=ids, **step) if h is None else
-                         segment.model(inputs_embeds=h, **step)).last_hidden_state  # (B, L, C) entering `depth`
+                         segment.model(inputs_embeds=h, **step, **stream_kwargs(segment, ids))).last_hidden_state  # (B, L, C) entering `depth`
                     for name in self.groups[depth]:
-                        out = self.suffixes[name].model(inputs_embeds=h, **step).last_hidden_state  # (B, L, C) normed
+                        out = self.suffixes[name].model(inputs_embeds=h, **step, **stream_kwargs(self.suffixes[name], ids)).last_hidden_state  # (B, L, C) normed
                         self._read(name, batch, out, pairs)
                 self.forwards += 1
 

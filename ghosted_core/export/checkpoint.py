@@ -55,6 +55,10 @@ def module_tensors(module: nn.Module, prefix: str = "", skip: Sequence[nn.Module
     """
     if any(module is s for s in skip):
         return
+    if hasattr(module, "export_tensors"):  # a module standing for tensors it computes (side_inputs.PackedRows)
+        for name, tensor in module.export_tensors(device).items():
+            yield prefix + name, tensor
+        return
     meta = device == "meta"
     context = align_module_device(module, torch.device("cpu")) if has_offloaded_params(module) and not meta \
         else nullcontext()

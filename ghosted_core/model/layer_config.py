@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from ghosted_core.architectures import architecture_of
 from ghosted_core.config_values import global_value, layer_overrides
 from ghosted_core.errors import GhostedError
+from ghosted_core.model.side_inputs import kv_stores
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,15 @@ def _sparse_step(config, kept: Sequence[int]) -> dict:
     return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
 
 
+def _trailing_count(name: str) -> Recount:
+    """The last `name` blocks have a property (Gemma 4's `num_kv_shared_layers`: they reuse earlier blocks' keys and
+    values): the new count is the number of kept blocks among them."""
+    return lambda config, kept: {name: sum(1 for j in kept if j >= config.num_hidden_layers - getattr(config, name))}
+
+
 RECOUNTS: dict[str, Recount] = {
     "max_window_layers": _leading_count("max_window_layers"),
+    "num_kv_shared_layers": _trailing_count("num_kv_shared_layers"),
     "first_k_dense_replace": _leading_count("first_k_dense_replace"),
     "decoder_sparse_step": _sparse_step,
 }
@@ -136,16 +144,26 @@ def sliced_values(config, kept: Sequence[int]) -> dict:
     return values
 
 
+def required_reasons(config) -> dict[int, str]:
+    """The blocks every cut must keep, by the family's rules, with why: Gemma 4's last (`Architecture.last_block_stays`)
+    and the blocks whose keys and values later blocks reuse (`side_inputs.kv_stores`)."""
+    reasons = {j: f"the keys and values it computes are reused by the last {config.num_kv_shared_layers} blocks "
+                  "(shared KV): without it they would read another block's" for j in kv_stores(config)}
+    if architecture_of(config).last_block_stays:
+        reasons[int(config.num_hidden_layers) - 1] = f"it is the last: {architecture_of(config).last_block_stays}"
+    return reasons
+
+
 def required_blocks(config) -> tuple[int, ...]:
-    """The blocks every cut must keep, by the family's rules (`Architecture.last_block_stays`: Gemma 4's last)."""
-    return (int(config.num_hidden_layers) - 1,) if architecture_of(config).last_block_stays else ()
+    """The blocks every cut must keep (`required_reasons`), ascending."""
+    return tuple(sorted(required_reasons(config)))
 
 
 def check_required_kept(config, removed: Sequence[int]) -> None:
-    """Refuse a cut that removes a block the family requires (see `required_blocks`), with the reason."""
-    if set(required_blocks(config)) & set(removed):
-        raise GhostedError(f"block {config.num_hidden_layers - 1} (the last) must stay: "
-                           f"{architecture_of(config).last_block_stays}")
+    """Refuse a cut that removes a block the family requires (see `required_reasons`), with the reason."""
+    reasons = required_reasons(config)
+    for j in sorted(set(removed) & set(reasons)):
+        raise GhostedError(f"block {j} must stay: {reasons[j]}")
 
 
 def check_kept_kinds(config, kept: Sequence[int]) -> None:

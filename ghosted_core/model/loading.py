@@ -141,9 +141,6 @@ def check_supported(config: PretrainedConfig) -> None:
         reason = "its config has no num_hidden_layers"
     elif (several := stream_refusal(config)) is not None:
         reason = several
-    not_yet = None if reason else architecture_of(config.get_text_config()).config_refusal(config.get_text_config())
-    if not_yet:
-        raise GhostedError(not_yet)
     if reason:
         raise GhostedError(f"unsupported architecture {model_type!r}: {reason}; Ghosted Layers cuts decoder-only "
                            f"causal LMs (in the architecture table, {families()}; others run the residual-stream "

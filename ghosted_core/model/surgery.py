@@ -21,6 +21,7 @@ from ghosted_core.architectures import architecture_of
 from ghosted_core.errors import GhostedError
 from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
 from ghosted_core.model.shallow import shallow_view
+from ghosted_core.model.side_inputs import carry, dense_rows, stream_fed_inputs
 from ghosted_core.model.loading import decoder_blocks, final_norm, final_norm_name
 from ghosted_core.model.layer_config import check_kept_kinds, check_required_kept, sliced_config
 from ghosted_core.plan import Boundary
@@ -63,16 +64,18 @@ def _layer_index(block: nn.Module) -> int | None:
 
 
 def assemble(dense: PreTrainedModel, layers: Sequence[nn.Module], config, norm: nn.Module,
-             record: Mapping | None = None) -> PreTrainedModel:
+             record: Mapping | None = None, rows: Sequence[int] | None = None) -> PreTrainedModel:
     """A causal LM view over `dense` with the given block list, final norm and config (see `sliced_config`).
 
-    `record` is stored in the config as `ghosted` (what was removed and how it was recovered)
-    so that saved configs carry it.
+    `rows`: the dense indices of `layers` (default: those `dense` holds), for what blocks read besides the stream
+    (`side_inputs.carry`). `record` is stored in the config as `ghosted` (what was removed and how it was
+    recovered) so that saved configs carry it.
     """
     if record is not None:
         config.ghosted = dict(record)
     base = shallow_view(dense.model, layers=nn.ModuleList(layers), **{final_norm_name(dense): norm})
     base.config = config
+    carry(base, dense.model, dense_rows(dense) if rows is None else rows, config)
     view = shallow_view(dense, model=base)
     view.config = config
     return view
@@ -113,7 +116,7 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
     norm = final_norm(dense)
     if num_layers in patches:
         norm = PatchedBlock(patches[num_layers], norm)
-    return assemble(dense, layers, config, norm, record)
+    return assemble(dense, layers, config, norm, record, rows=kept)
 
 
 def check_config_describes_blocks(blocks: nn.ModuleList, kept: Sequence[int], config) -> None:
@@ -150,10 +153,12 @@ INPUT_SCALES = ("embedding_multiplier", "embedding_scale")
 
 def stream_fed(view: PreTrainedModel) -> PreTrainedModel:
     """`view` (a new module tree: `assemble`'s) made to take a residual stream as `inputs_embeds`: the scalars its
-    base model applies to embeddings, where it has them, become 1 on the view only."""
+    base model applies to embeddings, where it has them, become 1 on the view only, and what its blocks read
+    from the tokens besides the stream comes from the caller (`side_inputs.stream_fed_inputs`)."""
     for name in INPUT_SCALES:
         if isinstance(getattr(view.model, name, None), (int, float)):
             setattr(view.model, name, 1.0)
+    stream_fed_inputs(view.model, view.config)
     return view
 
 
@@ -163,11 +168,12 @@ def slice_view(model: PreTrainedModel, dense: PreTrainedModel, start: int, stop:
 
     Fed `inputs_embeds=h_start`, it returns the residual after block `stop-1` (normed only
     when `normed`). `stream_input` (default: `start > 0`): it is fed a residual stream, not token ids,
-    so it applies no embedding scalar of its own (`stream_fed`). Only for cache-free forwards: layer
+    so it applies no embedding scalar of its own (`stream_fed`), and takes what its blocks read besides the stream
+    from the caller (`side_inputs.stream_kwargs`). Only for cache-free forwards: layer
     indices are left as they are.
     """
     layers = list(model.model.layers)
     kept = range(len(layers))[start:stop]
     norm = final_norm(model) if normed else nn.Identity()
-    view = assemble(dense, layers[start:stop], sliced_config(model.config, kept), norm)
+    view = assemble(dense, layers[start:stop], sliced_config(model.config, kept), norm, rows=dense_rows(model)[start:stop])
     return stream_fed(view) if (start > 0 if stream_input is None else stream_input) else view

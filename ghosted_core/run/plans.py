@@ -82,7 +82,7 @@ def plan_and_load(options: RunOptions, loaded: LoadedModel | None, check: Callab
     config = loaded.model.config if loaded is not None else peek_config(options.model, options.load.local_folders)
     options, notes = for_family(options, config)  # the defaults a family refuses are left out, with a note
     result.notes += notes
-    check_family(options, config)
+    check_family(options, config, criteria)
     if loaded is None:
         check(config.num_hidden_layers, max_positions(config))
         layers = config.num_hidden_layers

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
-from ghosted_core.model.layer_config import required_blocks
+from ghosted_core.model.layer_config import required_reasons
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, check_request, get_criterion
 from ghosted_core.selection.similarity import SimilarityStats, measure_similarity_depths
@@ -71,10 +71,12 @@ def select_blocks_depths(model: PreTrainedModel, criterion: str, requests: Seque
 
 
 def with_required(model: PreTrainedModel, request: SelectionRequest) -> SelectionRequest:
-    """`request` with the blocks the model's family requires kept (`layer_config.required_blocks`) added."""
+    """`request` with the blocks the model's family requires kept (`layer_config.required_reasons`) added."""
     if model is None:
         return request
-    return dataclasses.replace(request, keep=tuple(sorted({*request.keep, *required_blocks(model.config)})))
+    reasons = required_reasons(model.config)
+    return dataclasses.replace(request, keep=tuple(sorted({*request.keep, *reasons})),
+                               why_kept=tuple(sorted({**dict(request.why_kept), **reasons}.items())))
 
 
 def _one_cosine(requests: Sequence[SelectionRequest]) -> str:

@@ -43,6 +43,7 @@ class SelectionRequest:
     layers: tuple[int, ...] = ()  # for the manual criterion
     cosine: str = "hidden"  # or "token-axis" (reference-repo variant)
     keep: tuple[int, ...] = ()  # blocks the family requires kept (`layer_config.required_blocks`): never removed
+    why_kept: tuple[tuple[int, str], ...] = ()  # (block, why it must stay) for those the family's rules name
 
     def removable(self, block: int) -> bool:
         return block not in self.keep
@@ -84,6 +85,7 @@ class CriterionSpec:
     memory: Callable[[ScoreShapes], Footprint]  # its scoring's bytes beyond the weights (the memory plan's score phase)
     label: str = ""  # how it differs from the paper's or reference's method, shown beside its name
     contiguous: bool = False  # always removes one run of blocks (one boundary)
+    from_streams: bool = False  # runs blocks one at a time from cached residual streams (`suffixes.CandidateRunner`)
 
     @property
     def needs_similarity(self) -> bool:
@@ -104,7 +106,8 @@ CRITERIA: dict[str, CriterionSpec] = {}
 
 
 def register_criterion(name: str, *, paper: str, needs: str, cost: str,
-                       memory: Callable[[ScoreShapes], Footprint], label: str = "", contiguous: bool = False):
+                       memory: Callable[[ScoreShapes], Footprint], label: str = "", contiguous: bool = False,
+                       from_streams: bool = False):
     """Add `fn(request: SelectionRequest, scoring: Scoring) -> PruningPlan` to CRITERIA.
 
     `memory` is required: `memory(shapes: ScoreShapes) -> Footprint`, the bytes its scoring holds beyond
@@ -116,7 +119,7 @@ def register_criterion(name: str, *, paper: str, needs: str, cost: str,
 
     def decorator(fn):
         check_signature(fn, f"criterion {name}", {"request": SelectionRequest, "scoring": Scoring}, PruningPlan)
-        add(CRITERIA, name, CriterionSpec(name, fn, needs, paper, cost, memory, label, contiguous), "criterion")
+        add(CRITERIA, name, CriterionSpec(name, fn, needs, paper, cost, memory, label, contiguous, from_streams), "criterion")
         return fn
 
     return decorator
@@ -237,5 +240,6 @@ def check_request(criterion: str, request: SelectionRequest) -> None:
     if criterion == "manual":
         PruningPlan(request.num_layers, request.layers, "manual")  # validates the range
         if set(request.layers) & set(request.keep):
-            raise GhostedError(f"block {sorted(set(request.layers) & set(request.keep))[0]} must stay in this model "
-                               "(its family requires it); list other blocks")
+            block = sorted(set(request.layers) & set(request.keep))[0]
+            why = dict(request.why_kept).get(block, "its family requires it")
+            raise GhostedError(f"block {block} must stay: {why}; list other blocks")

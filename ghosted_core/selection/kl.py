@@ -73,7 +73,7 @@ def kl_bytes(shapes: ScoreShapes) -> Footprint:
 
 
 @register_criterion("kl", memory=kl_bytes, paper="output-grounded removal (the measure the cosine criteria approximate)", needs="forward",
-                    contiguous=True, cost=COST, label="KL to the dense next-token distribution")
+                    contiguous=True, from_streams=True, cost=COST, label="KL to the dense next-token distribution")
 def select_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The run start s with the lowest mean KL(p_dense ‖ p_pruned); ties to the lowest s."""
     scores = run_kl(scoring, request.n)

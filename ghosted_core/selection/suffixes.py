@@ -23,7 +23,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.memory_parts import attention_shape
+from ghosted_core.errors import GhostedError
 from ghosted_core.model.loading import decoder_blocks
+from ghosted_core.model.side_inputs import stream_refusal
 from ghosted_core.model.surgery import assemble, sliced_config, stream_fed
 from ghosted_core.recovery.modules import module_device
 from ghosted_core.config_values import mlp_width
@@ -84,6 +86,11 @@ class CandidateRunner:
     work: Work = field(default_factory=Work)
     _views: dict = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        why = stream_refusal(self.dense.config, "this criterion")  # blocks reading what a cached stream lacks
+        if why:
+            raise GhostedError(why)
+
     @property
     def blocks(self) -> nn.ModuleList:
         return decoder_blocks(self.dense)
@@ -93,7 +100,7 @@ class CandidateRunner:
         key = (slot, id(module))
         if key not in self._views:
             config = sliced_config(self.dense.config, [slot])
-            view = stream_fed(assemble(self.dense, [module], config, nn.Identity()))
+            view = stream_fed(assemble(self.dense, [module], config, nn.Identity(), rows=[slot]))
             self._views[key] = (view, module)  # keeps `module` alive
         return self._views[key][0]
 

@@ -20,7 +20,7 @@ from ghosted_core.memory import check_fits
 from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.recovery.assessment import Diagnostics
 from ghosted_core.run.options import RunOptions, parse_variants
-from ghosted_core.run.pipeline import run
+from ghosted_core.run.pipeline import run, run_stages
 from ghosted_core.architectures import ARCHITECTURES, architecture_of
 from fresh_process import assert_same_model, load_in_fresh_process
 
@@ -78,16 +78,24 @@ def test_blocks_with_several_residual_streams_are_refused_before_loading(tmp_pat
         load_model(str(tmp_path))
 
 
-@pytest.mark.parametrize("field, value, why", [("hidden_size_per_layer_input", 4, "per-layer embeddings"),
-                                               ("num_kv_shared_layers", 2, "reuse the keys and values")])
-def test_a_gemma4_checkpoint_beyond_what_a_cut_carries_is_refused_in_one_line(tmp_path, field, value, why):
-    """Gemma 4 E2B/E4B (per-layer embeddings, shared keys and values): refused from the config alone, before any
-    weight loads, with what is missing; the same family without them loads."""
-    _tiny_config("gemma4_text", **{field: value})[1].save_pretrained(tmp_path)
-    with pytest.raises(GhostedError, match=f"^Gemma4 checkpoints that set {field} \\({value}\\) are not supported "
-                                           f"yet: .*{why}") as refused:
-        load_model(str(tmp_path), LoadOptions(device="cpu"))
-    assert "\n" not in str(refused.value)
+@pytest.mark.parametrize("criterion, layers, refused", [
+    ("manual", (3,), r"^block 3 must stay: the keys and values it computes are reused by the last 2 blocks"),
+    ("sleb", (), r"^the sleb criterion runs blocks one at a time from cached residual streams, and this model's last 2 "
+                 r"blocks attend with keys and values that earlier blocks compute"),
+])
+def test_a_gemma4_e2b_cut_that_loses_shared_keys_and_values_is_refused_in_one_line(tiny_folder, criterion, layers,
+                                                                                  refused):
+    """Gemma 4 E2B's last blocks attend with the keys and values of the last earlier block of their kind: a cut that
+    removes such a block, and a criterion that runs blocks from cached streams (which do not carry them), are refused
+    with the reason before any calibration or fit."""
+    options = RunOptions(model=str(tiny_folder("gemma4_e2b")), criterion=criterion, layers=layers, num_prune=1,
+                         variants=parse_variants("none"), calibration="ptb", train_size=2, seqlen=16,
+                         eval_corpora=("ptb",), quiet=True, load=LoadOptions(device="cpu"))
+    stages = []
+    with pytest.raises(GhostedError, match=refused) as caught:
+        for stage, _ in run_stages(options):
+            stages.append(stage)
+    assert "\n" not in str(caught.value) and stages == (["load model"] if criterion == "manual" else [])
 
 
 def test_local_folder_loads_in_eval_mode(tiny_model_folder):

@@ -1,0 +1,151 @@
+"""What some families' blocks read besides the residual stream, and how a cut carries it.
+
+Gemma 4's small checkpoints (E2B, E4B) give each block two more inputs:
+- **per-layer embeddings**: a table `embed_tokens_per_layer` (V × L·P) and a projection of the token embeddings
+  `per_layer_model_projection` (C → L·P) pack one P-wide slice per block; block j reads slice j, made from the
+  *tokens*, not from the stream. A cut keeps the kept blocks' slices (`PackedRows`: the dense module's output with
+  the removed slices left out, no weight copied); an export writes those slices as the smaller tensor. A view fed a
+  residual stream instead of token ids (prefix sharing) is given its slices by the caller (`stream_kwargs`), made
+  from the token ids of the same batch.
+- **shared keys and values**: the last `num_kv_shared_layers` blocks ("reuse") attend with the keys and values of
+  the last earlier block of their kind ("store"), computed on the same forward pass. A cut must keep every store
+  (`layer_config.required_blocks`), and a view that starts after a store would miss what its reusers read, so
+  prefix sharing and distillation start no later than the first store (`self_contained_start`), and the criteria
+  that run one block at a time from cached streams are refused (`stream_refusal`).
+
+The family's facts (which modules pack slices, the width field, the base model's index of the first reuser) are
+data in its architecture-table entry; the store/reuse layout is transformers' own `config.kv_sharing_modes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ghosted_core.architectures import architecture_of
+
+
+class PackedRows(nn.Module):
+    """A module whose output packs one slice per dense block (…, L·P), showing only the slices of `rows`.
+
+    Its forward is the dense module's with the other slices left out (…, len(rows)·P); its exported state dict
+    (`export_tensors`) is the dense weight with those slices left out along the packed axis (a copy of the kept
+    part, made only when an export asks)."""
+
+    def __init__(self, packed: nn.Module, rows: Sequence[int], width: int):
+        super().__init__()
+        self.packed = packed
+        self.rows = tuple(int(j) for j in rows)
+        self.width = int(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.packed(x)
+        out = out.unflatten(-1, (-1, self.width))[..., list(self.rows), :]  # (…, len(rows), P)
+        return out.flatten(-2)
+
+    def _packed_axis(self) -> int:
+        return 1 if isinstance(self.packed, nn.Embedding) else 0  # Embedding (V, L·P); Linear (L·P, C)
+
+    def export_tensors(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The dense module's tensors with the removed blocks' slices left out: what a checkpoint of the cut holds.
+        `device="meta"`: shapes only."""
+        weight = self.packed.weight
+        axis = self._packed_axis()
+        if device == "meta":
+            shape = list(weight.shape)
+            shape[axis] = len(self.rows) * self.width
+            return {"weight": torch.empty(shape, dtype=weight.dtype, device="meta")}
+        index = torch.tensor([j * self.width + k for j in self.rows for k in range(self.width)])
+        return {"weight": weight.detach().index_select(axis, index.to(weight.device)).to(device)}
+
+
+def per_layer_width(config) -> int:
+    """P, the per-layer embedding width (0 where the family or checkpoint has none)."""
+    field = architecture_of(config).per_layer_width
+    return int(getattr(config, field, 0) or 0) if field else 0
+
+
+def dense_rows(model) -> tuple[int, ...]:
+    """The dense indices of the blocks a model (dense, or a view over it) holds, in order."""
+    rows = getattr(model.model, "ghosted_rows", None)
+    return tuple(rows) if rows is not None else tuple(range(len(model.model.layers)))
+
+
+def carry(base: nn.Module, dense_base: nn.Module, rows: Sequence[int], config) -> None:
+    """Make `base` (a new base-model view holding dense blocks `rows`, with `config` sliced to them) read what its
+    blocks read: the per-layer slices of its rows, and the index of its first KV-reusing block recounted."""
+    base.ghosted_rows = tuple(rows)
+    arch = architecture_of(config)
+    width = per_layer_width(config)
+    if width:
+        for name in arch.per_layer_inputs:  # `rows` are dense indices: slices of the dense module's output
+            packed = getattr(dense_base, name)
+            base._modules[name] = PackedRows(packed.packed if isinstance(packed, PackedRows) else packed, rows, width)
+    if arch.shared_kv_start and hasattr(dense_base, arch.shared_kv_start):
+        shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+        setattr(base, arch.shared_kv_start, int(config.num_hidden_layers) - shared)
+
+
+def stream_fed_inputs(base: nn.Module, config) -> None:
+    """Make a view fed a residual stream (`surgery.stream_fed`) take its per-layer inputs from the caller
+    (`stream_kwargs`): its own would be made from the stream, which is not the token embeddings they need."""
+    if not per_layer_width(config):
+        return
+
+    def given(inputs_embeds: torch.Tensor, per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
+        if per_layer_inputs is None:
+            raise RuntimeError("a view fed a residual stream needs its per-layer inputs (side_inputs.stream_kwargs)")
+        return per_layer_inputs
+
+    base.project_per_layer_inputs = given
+
+
+def stream_kwargs(view, input_ids: torch.Tensor) -> dict:
+    """The keyword arguments a stream-fed `view` needs beside `inputs_embeds` for the batch of `input_ids` (B, T):
+    {} for most families; Gemma 4's per-layer inputs (B, T, blocks, P) for the blocks the view holds.
+    Memory: B·T·blocks·P in the model's dtype, for one call."""
+    base = view.model
+    if not per_layer_width(view.config):
+        return {}
+    cls = type(base)
+    with torch.no_grad():
+        ids = input_ids.to(base.embed_tokens.weight.device)
+        tokens = cls.get_per_layer_inputs(base, ids)
+        return {"per_layer_inputs": cls.project_per_layer_inputs(base, base.embed_tokens(ids), tokens)}
+
+
+def kv_stores(config) -> tuple[int, ...]:
+    """The blocks whose keys and values later blocks reuse (transformers' `kv_sharing_modes`), () where none do."""
+    modes = _modes(config)
+    if "reuse" not in modes:
+        return ()
+    return tuple(j for j, mode in enumerate(modes) if mode == "store")
+
+
+def _modes(config) -> list:
+    if not int(getattr(config, "num_kv_shared_layers", 0) or 0):
+        return []
+    return list(getattr(config, "kv_sharing_modes", None) or [])
+
+
+def self_contained_start(config) -> int:
+    """The latest block a view of this model may start at and still compute everything its blocks read from the
+    stream it is fed (and the tokens): the first KV store where later blocks reuse stored keys and values, else
+    the block count (any)."""
+    stores = kv_stores(config)
+    return min(stores) if stores else int(config.num_hidden_layers)
+
+
+def stream_refusal(config, what: str) -> str | None:
+    """Why `what` (a criterion that runs blocks one at a time from cached streams) cannot run on this model, or None."""
+    if kv_stores(config):
+        return (f"{what} runs blocks one at a time from cached residual streams, and this model's last "
+                f"{config.num_kv_shared_layers} blocks attend with keys and values that earlier blocks compute on the "
+                "same pass (shared KV, Gemma 4 E2B/E4B), which a cached stream does not carry; use a criterion that "
+                "reads whole passes (streamline, shortgpt, angular, starts, weights, prunecomp) or --layers")
+    if per_layer_width(config):
+        return (f"{what} runs blocks one at a time from cached residual streams, and this model's blocks also read "
+                "per-layer embeddings of the tokens, which a cached stream does not carry")
+    return None
