@@ -64,11 +64,13 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                    config="Gemma4TextConfig",
                                    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
     # Gemma 4 E2B/E4B: per-layer embeddings of the tokens beside the stream, and the last 2 blocks (a double-wide
-    # MLP) attending with the keys and values of the last earlier block of their kind (blocks 2 and 3 store them)
+    # MLP) attending with the keys and values of the last earlier block of their kind: blocks 2 (sliding) and 3
+    # (full) store them, the last two before the sharing ones, as on E2B and E4B (where llama.cpp looks for them)
     "gemma4_e2b": ("Gemma4", dict(IDS, head_dim=6, global_head_dim=12, sliding_window=8, hidden_size_per_layer_input=4,
                                   num_kv_shared_layers=2,
                                   use_double_wide_mlp=True, config="Gemma4TextConfig",
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)),
+                                  layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
+                                                                           "full_attention"])),
     # mixture of experts
     "mixtral": ("Mixtral", dict(IDS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
     "qwen2_moe": ("Qwen2Moe", dict(IDS, **EXPERTS, shared_expert_intermediate_size=48, mlp_only_layers=[0],

@@ -29,6 +29,11 @@ and reaches the compute graph. A dense checkpoint matches those rules by constru
   the converter writes the key only when the config sets one: a config without capping gets 0 written (off).
   Everything else Gemma 4 needs is read from the file (window pattern, per-kind head sizes and kv heads,
   shared-KV count, attention scale 1 as transformers); its type only names the model.
+- `kv_store_offsets` (Gemma 4 E2B/E4B): the blocks from `n_layer − shared_kv_layers` on attend with the keys and
+  values of the block 2 before the first of them (sliding) or 1 before (full), by position; transformers reads the
+  last earlier block of their kind. A cut keeps the blocks that store them (`layer_config.required_reasons`), so a
+  cut of E2B/E4B (whose last two unshared blocks are sliding, then full) keeps llama.cpp's positions; a config laid
+  out otherwise is refused for GGUF.
 
 Other uses of the type in these architectures only name the model in logs (llama, mistral, qwen2/3, their MoEs,
 phi3, olmo2/3, olmoe, granite, granitehybrid, lfm2, gemma4); Qwen3-Next's, OLMo's and LFM2's per-layer kinds are read from
@@ -52,6 +57,8 @@ class RuntimeRules:
     assumed: tuple[tuple[str, object], ...] = ()  # (config key, the value the runtime uses whatever the file says)
     softcap_unless_written: float = 0.0  # the final-logit cap the runtime applies when the file has no key
     window_ignored: bool = False  # the graph runs full attention whatever sliding window the file names
+    # shared-KV blocks read the block this many before the first of them, by kind ({"sliding_attention": 2, …})
+    kv_store_offsets: tuple[tuple[str, int], ...] = ()
 
 
 RULES: dict[str, RuntimeRules] = {
@@ -60,7 +67,8 @@ RULES: dict[str, RuntimeRules] = {
     "qwen2": RuntimeRules(window_ignored=True),
     "gemma2": RuntimeRules(swa_period=2, scale_layers=46, scale_into="self_attn.q_proj.weight"),
     "gemma3_text": RuntimeRules(swa_period=6, scale_layers=62, scale_into="self_attn.q_norm.weight"),
-    "gemma4_text": RuntimeRules(softcap_unless_written=30.0),
+    "gemma4_text": RuntimeRules(softcap_unless_written=30.0,
+                                kv_store_offsets=(("sliding_attention", 2), ("full_attention", 1))),
     "gpt_oss": RuntimeRules(swa_period=2),
     "smollm3": RuntimeRules(no_rope_step=4),
     "llama4_text": RuntimeRules(no_rope_step=4, expert_step_key="interleave_moe_layer_step",
@@ -126,7 +134,7 @@ def runtime_refusal(config: dict) -> str | None:
     rules = RULES.get(str(config.get("model_type")))
     if rules is None:
         return None
-    for check in (_dense_among_experts, _assumed_values, _experts_off_step, _rope_off_step):
+    for check in (_dense_among_experts, _assumed_values, _experts_off_step, _rope_off_step, _kv_stores_elsewhere):
         if (reason := check(config, rules)) is not None:
             return reason
     return None
@@ -175,3 +183,16 @@ def _rope_off_step(config: dict, rules: RuntimeRules) -> str | None:
     return (f"llama.cpp runs {config['model_type']} without RoPE on every {step}th block by position and reads no "
             f"per-layer list, so this cut's blocks {wrong[:6]} would run with the wrong RoPE; keep the pattern (remove "
             f"runs of {step} blocks that start at a multiple of {step}, or the last blocks), or {SERVE_STOCK}")
+
+
+def _kv_stores_elsewhere(config: dict, rules: RuntimeRules) -> str | None:
+    shared, kinds = int(config.get("num_kv_shared_layers") or 0), config.get("layer_types") or []
+    if not rules.kv_store_offsets or not shared or not kinds:
+        return None
+    first = len(kinds) - shared
+    ours = {kind: max((j for j in range(first) if kinds[j] == kind), default=None) for kind in set(kinds[first:])}
+    theirs = {kind: first - offset for kind, offset in rules.kv_store_offsets if kind in ours}
+    if ours == theirs:
+        return None
+    return (f"llama.cpp's {config['model_type']} blocks from {first} on reuse the keys and values of blocks {theirs} by "
+            f"position, and this model's come from blocks {ours} (the last earlier block of their kind): {SERVE_STOCK}")

@@ -94,12 +94,11 @@ def stream_fed_inputs(base: nn.Module, config) -> None:
     if not per_layer_width(config):
         return
 
-    def given(inputs_embeds: torch.Tensor, per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
-        if per_layer_inputs is None:
-            raise RuntimeError("a view fed a residual stream needs its per-layer inputs (side_inputs.stream_kwargs)")
-        return per_layer_inputs
+    def missing(input_ids, inputs_embeds=None):  # the base model would look the stream up in its embeddings
+        raise RuntimeError("a view fed a residual stream needs its per-layer inputs (side_inputs.stream_kwargs)")
 
-    base.project_per_layer_inputs = given
+    base.get_per_layer_inputs = missing
+    base.project_per_layer_inputs = lambda inputs_embeds, per_layer_inputs=None: per_layer_inputs
 
 
 def stream_kwargs(view, input_ids: torch.Tensor) -> dict:

@@ -13,6 +13,7 @@ from ghosted_core.cli import main
 from ghosted_core.errors import GhostedError
 from ghosted_core.distill.options import DistillOptions
 from ghosted_core.export.folder import export_variant
+from ghosted_core.model.loading import LoadOptions
 from ghosted_core.run.options import RunOptions, distilled, parse_variants
 from ghosted_core.run.pipeline import run
 from ghosted_core.run.sweep import check_sweep
@@ -145,3 +146,23 @@ def test_cli_refuses_bad_distillation_input_before_loading_weights(tiny_model_fo
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and re.search(message, err), err
 
+
+
+def test_gemma4_e2b_distils_after_its_shared_kv_blocks_and_exports_stock(tiny_folder, tmp_path):
+    """Gemma 4 E2B's last blocks attend with keys and values stored by earlier blocks on the same pass: training the
+    MLP before a removed sharing block (4), block 3, runs its suffix from the first storing block (2), which computes
+    them, and the trained model exports stock with its per-layer embeddings cut to the kept blocks, reloading the
+    same."""
+    options = RunOptions(model=str(tiny_folder("gemma4_e2b")), criterion="manual", layers=(4,),
+                         variants=parse_variants("none,none+kd_mlp"), calibration="ptb", train_size=6, seqlen=32,
+                         eval_corpora=("ptb",), eval_max_tokens=128, distill=DistillOptions(steps=4, lr=1e-4, eval_every=1),
+                         quiet=True, load=LoadOptions(device="cpu"))
+    result = run(options)
+    d = result.to_json()["variants"]["none+kd_mlp"]["distill"]
+    assert d["trained"] == ["model.layers.3.mlp"] and d["prefix"].startswith("dense states")
+    assert d["best_val"] < d["start_val"] and d["stock"] is True
+    done = export_variant(result.models["none+kd_mlp"], result.tokenizer, tmp_path / "kd", "stock")
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(4))
+    loaded = load_in_fresh_process(tmp_path / "fresh", {"kd": done.folder}, ids, trust_remote_code=False)
+    assert loaded["kd"]["class"] == "Gemma4ForCausalLM"
+    assert_same_model(loaded["kd"], result.models["none+kd_mlp"], ids)

@@ -57,6 +57,8 @@ GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
     # Gemma 4 (31B-style heads: wider on its full-attention blocks, keys as values, experts beside the MLP), read
     # from the file: the kept window pattern, head sizes and kv heads per kind
     "gemma4_text": ({}, (1,)),
+    # Gemma 4 E2B/E4B: per-layer embeddings (the kept blocks' slices) and shared KV (the count recounted)
+    "gemma4_e2b": ({}, (1,)),
     "phi3": ({}, (1,)),
     "qwen3_5_text": (dict(head_dim=64), (1,)),  # llama.cpp's mRoPE sections (11, 11, 10) want 64 rotated dims  # a BPE vocabulary named GPT2Tokenizer, as Phi-4-mini ships (no tokenizer.model)
     # Llama-4 as Scout: chunks of 8,192 (the runtime's own), experts on every 2nd block, RoPE off on every 4th;
@@ -73,7 +75,7 @@ def text_file(tmp_path_factory):
 
 
 # the tokenizer class they ship (Gemma 4's converter reads its tokenizer.json as a Llama-style byte-fallback BPE)
-SENTENCEPIECE = {"gemma2": "GemmaTokenizer", "gemma4_text": "GemmaTokenizer"}
+SENTENCEPIECE = {"gemma2": "GemmaTokenizer", "gemma4_text": "GemmaTokenizer", "gemma4_e2b": "GemmaTokenizer"}
 # The fixture's ×20 embeddings leave these cases' greedy choices on near-ties (their perplexities agree to 5e-5
 # nats at ×20 too): they keep the embeddings as initialized.
 PLAIN_EMBEDDINGS = {"gemma3 (27B heads)", "gemma2 (27B heads)"}
@@ -241,3 +243,25 @@ def test_multimodal_gemma3_export_runs_its_text_decoder_in_llamacpp(llamacpp, sm
         tokens = variant.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert list(generated.prompt_tokens) == ids[0].tolist()
     assert list(generated.tokens) == tokens[0, ids.shape[1]:].tolist()
+
+
+def test_every_cut_of_gemma4_e2b_keeps_the_shared_kv_where_llamacpp_reads_it():
+    """llama.cpp's Gemma 4 reads shared keys and values from the blocks 2 (sliding) and 1 (full) before the first
+    sharing block, by position; transformers from the last earlier block of their kind. On E2B's layout (35 blocks,
+    four sliding then one full, the last 20 sharing) every cut that keeps the storing blocks (what a cut must) keeps
+    both agreeing; a layout where they differ is refused for GGUF with the reason."""
+    import random
+
+    from ghosted_core.model.layer_config import required_blocks, sliced_config
+
+    kinds = (["sliding_attention"] * 4 + ["full_attention"]) * 7
+    _, config = _tiny_config("gemma4_e2b", num_hidden_layers=35, layer_types=kinds, num_kv_shared_layers=20)
+    assert runtime_refusal(config.to_dict()) is None and required_blocks(config) == (13, 14, 34)
+    rng = random.Random(0)
+    for _ in range(200):
+        removed = set(rng.sample([j for j in range(35) if j not in (13, 14, 34)], rng.randint(1, 20)))
+        cut = sliced_config(config, [j for j in range(35) if j not in removed])
+        assert runtime_refusal(cut.to_dict()) is None, sorted(removed)
+    _, other = _tiny_config("gemma4_e2b", layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+    assert re.search(r"reuse the keys and values of blocks \{.*\} by position, and this model's come from blocks",
+                     runtime_refusal(other.to_dict()))

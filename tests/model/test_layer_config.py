@@ -38,7 +38,7 @@ def test_a_model_built_from_the_cut_config_has_the_kept_blocks(family, removed, 
     if set(removed) & set(required_blocks(dense.config)):  # the family keeps that block: refused, with the reason
         with pytest.raises(GhostedError, match="must stay"):
             build_variant(dense, removed)
-        removed = (0, 3, 4)
+        removed = next(r for r in [(0, 3, 4), (0, 1, 4)] if not set(r) & set(required_blocks(dense.config)))
     kept = [j for j in range(TINY_LAYERS) if j not in removed]
     config = copy.deepcopy(build_variant(dense, removed).config)
     config.__dict__.pop("ghosted", None)
