@@ -105,7 +105,7 @@ def one(model_type: str) -> dict:
     multimodal = is_wrapper_config(config)  # its text decoder is cut; its exports are stock only
     arch = architecture_of(config.get_text_config())
     record["kind"] = ("multimodal " if multimodal else "") + (arch.kind if not arch.generic else "generic")
-    folds = [v for v, r in (("magcomp", "scale"), ("replaceme", "branch")) if arch.refusal(r, v) is None
+    folds = [v for v, r in (("magcomp", "scale"), ("replaceme", "branch")) if arch.refusal(r, v, config.get_text_config()) is None
              and (not multimodal or v != "replaceme" or arch.branch_folds)]
     variants = ["none"] + ([] if multimodal else ["ghost_capped"]) + folds
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,8 +225,10 @@ SERVING = {
     "granite": ("runs", "multipliers kept in the config"),
     "gemma2": ("runs (its sentencepiece model kept): window pattern written, scale folded into q_proj (27B cut)",
                "`layer_types` sliced"),
-    "gemma4_text": ("runs: read from the file (window pattern, per-kind heads); an uncapped config gets a cap of 0 "
-                    "written (the runtime's default is 30)", "`layer_types` sliced, `per_layer_config` re-keyed"),
+    "gemma4_text": ("runs: read from the file (window pattern, per-kind heads, per-layer embeddings, shared-KV "
+                    "count); an uncapped config gets a cap of 0 written (the runtime's default is 30); E2B/E4B: a "
+                    "layout whose shared KV llama.cpp reads from other blocks refused",
+                    "`layer_types` sliced, `per_layer_config` re-keyed, `num_kv_shared_layers` recounted"),
     "mixtral": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
     "qwen2_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
     "qwen3_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
@@ -261,8 +263,11 @@ def family_section() -> list[str]:
         lines.append(f"| {model_type} | {arch.family} | {arch.kind} | {' | '.join(cells)} | {gguf} | {vllm} |")
     lines += ["", "Gemma 4: the 31B and 26B-A4B shapes run (wider heads on full-attention blocks, keys as values, experts "
               "beside the MLP); a cut keeps the last block, which transformers makes full attention on load. E2B and "
-              "E4B are refused in one line: their per-layer embeddings and shared keys and values are not carried by a "
-              "cut yet.", "",
+              "E4B run too (`ghosted_core/model/side_inputs.py`): each kept block keeps its slice of the per-layer "
+              "embeddings (the export writes the kept slices), and the blocks that store the keys and values the last "
+              "blocks reuse are kept by every criterion; prefix sharing and distillation start no later than the first "
+              "of them, and the criteria that run blocks one at a time from cached streams (sleb, kl, swap_kl, "
+              "swap_kl_repl) are refused for them with the reason.", "",
               "Multimodal checkpoints (`gemma3` 4B–27B, `gemma4`, `llama4`, `mistral3`, `qwen3_5`, …; `tests/model/test_multimodal.py`): "
               "the text decoder inside the wrapper is cut as its family above; the stock export is the whole checkpoint "
               "(vision tower and projector unchanged) and reloads as the same multimodal class. Remote-code saves of a "

@@ -91,15 +91,20 @@ class Architecture:
         """The residual writers inside the module at `path` (relative to a block)."""
         return tuple(w for w in self.residual_writers if w.startswith(path + "."))
 
-    def refusal(self, requirement: str, operator: str) -> str | None:
+    def refusal(self, requirement: str, operator: str, config=None) -> str | None:
         """Why `operator` cannot act on this family, which lacks `requirement` ("writers": modules known to write the
         residual stream; "scale": those, and blocks that read the stream through a norm; "branch": one module
         computing the MLP branch; "mlp": one MLP module; "down_proj": one MLP output projection writing the
-        stream), or None where it can."""
+        stream), or None where it can. `config` (the checkpoint's text config): what a checkpoint adds to its
+        family (Gemma 4 E2B's per-layer embeddings, gated by the raw stream)."""
         if requirement == "scale" and not self.pre_norm:
             return (f"{operator} scales the residual stream, and {self.family}'s blocks read the stream without a "
                     "norm before them (their norms come after each branch), so a scaled stream changes what they "
                     "compute: it would not be the same model")
+        if requirement == "scale" and self.per_layer_width and getattr(config, self.per_layer_width, 0):
+            return (f"{operator} scales the residual stream, and this {self.family} checkpoint's blocks gate their "
+                    "per-layer embeddings with the stream itself (per_layer_input_gate reads it without a norm), so a "
+                    "scaled stream changes what they compute: it would not be the same model")
         if self.generic and requirement in ("writers", "scale"):
             return (f"{operator} acts on the modules that write to the residual stream, and {self.model_type!r} has no "
                     "entry in the architecture table that names them; the residual-stream operators (none, diag, "

@@ -45,3 +45,12 @@ def mlp_width(config) -> int:
         if values:
             return max(values)
     return 4 * int(config.hidden_size)
+
+
+def per_layer_width(config) -> int:
+    """P, the width of each block's slice of per-layer embeddings (Gemma 4 E2B/E4B; the field the family's table
+    entry names), 0 where the family or checkpoint has none."""
+    from ghosted_core.architectures import architecture_of  # the table reads config values too
+
+    field = architecture_of(config).per_layer_width
+    return int(getattr(config, field, 0) or 0) if field else 0

@@ -17,7 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ghosted_core.architectures import architecture_of
-from ghosted_core.config_values import mlp_width, widest
+from ghosted_core.config_values import mlp_width, per_layer_width, widest
 from ghosted_core.statistics import STATS_ITEM
 
 GIB = 2**30
@@ -135,8 +135,16 @@ def block_run_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: in
 
 def forward_bytes(config: PretrainedConfig, tokens: int, seqlen: int, item: int) -> int:
     """A forward's transient tensors for `tokens` (= sequences × seqlen) at their peak: the residual stream entering
-    a block and that block's run (`block_run_bytes`); one block's transients are freed before the next runs."""
-    return tokens * config.hidden_size * item + block_run_bytes(config, tokens, seqlen, item)
+    a block and that block's run (`block_run_bytes`); one block's transients are freed before the next runs; and
+    where blocks read per-layer embeddings, those inputs (`per_layer_input_bytes`)."""
+    return (tokens * config.hidden_size * item + block_run_bytes(config, tokens, seqlen, item)
+            + per_layer_input_bytes(config, tokens, item))
+
+
+def per_layer_input_bytes(config: PretrainedConfig, tokens: int, item: int) -> int:
+    """Gemma 4 E2B/E4B's per-layer inputs for `tokens`, L·P per token: the table's rows, the projection of the
+    embeddings and their sum (held through the blocks, the first two only while it is made); 0 for other families."""
+    return 3 * tokens * config.num_hidden_layers * per_layer_width(config) * item
 
 
 def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: torch.dtype, residuals: int,

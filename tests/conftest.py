@@ -262,7 +262,7 @@ def recovered_variants(model, removed):
     arch = architecture_of(model.config)
     variants = {}
     for name, spec in OPERATORS.items():
-        if any(arch.refusal(need, name) for need in spec.requires):
+        if any(arch.refusal(need, name, model.config) for need in spec.requires):
             continue
         fits = [get_operator(name).fit(s, FitOptions()) for s in stats]
         variants[name] = build_recovered(model, plan, VariantSpec(name, name), fits)

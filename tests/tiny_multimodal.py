@@ -22,6 +22,12 @@ WRAPPERS = {
     "gemma4": (dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
                     global_head_dim=12, num_global_key_value_heads=1, attention_k_eq_v=True,
                     hidden_size_per_layer_input=0), dict(vision=dict(num_key_value_heads=4, head_dim=8)), "magcomp"),
+    # E2B/E4B: per-layer embeddings of the tokens, and the last 2 blocks attending with blocks 2's and 3's keys
+    "gemma4 (E2B)": (dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
+                                                                                   "full_attention"],
+                          global_head_dim=12, hidden_size_per_layer_input=4, num_kv_shared_layers=2,
+                          use_double_wide_mlp=True), dict(vision=dict(num_key_value_heads=4, head_dim=8)), ""),
+    # (magcomp is refused: its blocks gate the per-layer embeddings with the raw stream)
     "llama4": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=48, moe_layers=[1, 3, 5],
                     no_rope_layers=[1, 1, 1, 0, 1, 1], attention_chunk_size=8),
                dict(vision=dict(vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)), "magcomp"),
@@ -38,12 +44,14 @@ def tiny_wrapper_folder(model_type: str, tokenizer, folder):
     text_values, outer, _ = WRAPPERS[model_type]
     outer = dict(outer)
     vision_values = outer.pop("vision", {})
-    config_cls = transformers.CONFIG_MAPPING[model_type]
+    config_cls = transformers.CONFIG_MAPPING[model_type.split()[0]]
     defaults = config_cls()
     text = {k: v for k, v in defaults.text_config.to_dict().items() if k not in ("layer_types", "per_layer_config")}
     # (Gemma 4's vision tower is optional: its class's defaults then)
     vision = (defaults.vision_config or config_cls.sub_configs["vision_config"]()).to_dict()
-    config = config_cls(text_config=text | TEXT | text_values | {"vocab_size": len(tokenizer)},
+    vocab = {"vocab_size": len(tokenizer)} | ({"vocab_size_per_layer_input": len(tokenizer)}
+                                              if text_values.get("hidden_size_per_layer_input") else {})
+    config = config_cls(text_config=text | TEXT | text_values | vocab,
                         vision_config=vision | {k: v for k, v in VISION.items() if k in vision} | vision_values,
                         **outer)
     torch.manual_seed(0)

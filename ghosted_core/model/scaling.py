@@ -137,7 +137,7 @@ def scale_before(model: PreTrainedModel, cut: int, scale: float) -> PreTrainedMo
     if not 0 <= cut <= len(layers):
         raise ValueError(f"cut {cut} outside the model's {len(layers)} blocks")
     arch = architecture_of(model.config)
-    refusal = arch.refusal("scale", "a scale upstream of the cut")
+    refusal = arch.refusal("scale", "a scale upstream of the cut", model.config)
     if refusal:
         raise GhostedError(refusal)
     writers = arch.residual_writers

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ghosted_core.architectures import architecture_of
+from ghosted_core.config_values import per_layer_width
 
 
 class PackedRows(nn.Module):
@@ -59,12 +60,6 @@ class PackedRows(nn.Module):
             return {"weight": torch.empty(shape, dtype=weight.dtype, device="meta")}
         index = torch.tensor([j * self.width + k for j in self.rows for k in range(self.width)])
         return {"weight": weight.detach().index_select(axis, index.to(weight.device)).to(device)}
-
-
-def per_layer_width(config) -> int:
-    """P, the per-layer embedding width (0 where the family or checkpoint has none)."""
-    field = architecture_of(config).per_layer_width
-    return int(getattr(config, field, 0) or 0) if field else 0
 
 
 def dense_rows(model) -> tuple[int, ...]:

@@ -189,8 +189,8 @@ def for_family(options: RunOptions, config) -> tuple[RunOptions, list[str]]:
     arch = architecture_of(config)
     notes, kept = [], []
     for variant in options.variants:
-        refusal = next((arch.refusal(r, variant.operator) for r in get_operator(variant.operator).requires
-                        if arch.refusal(r, variant.operator)), None)
+        refusal = next((arch.refusal(r, variant.operator, config) for r in get_operator(variant.operator).requires
+                        if arch.refusal(r, variant.operator, config)), None)
         if refusal:
             notes.append(f"{variant.name} left out of the default operators: {refusal}")
         else:
@@ -214,7 +214,7 @@ def check_family(options: RunOptions, config, criteria: Sequence[str] | None = N
         if variant.distill is not None:
             asked += [(r, variant.name) for r in get_trainable(variant.distill).requires]
     for requirement, what in asked:
-        refusal = arch.refusal(requirement, what)
+        refusal = arch.refusal(requirement, what, config)
         if refusal:
             raise GhostedError(refusal)
 

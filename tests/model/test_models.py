@@ -165,8 +165,9 @@ def test_every_family_in_the_table_has_a_tiny_config():
 
 def family_variants(family: str) -> str:
     """The least-squares fits, the sequential fit and every fold the family takes (refused ones are not asked)."""
-    arch = architecture_of(_tiny_config(family)[1])
-    folds = [name for name, need in (("magcomp", "scale"), ("replaceme", "branch")) if arch.refusal(need, name) is None]
+    config = _tiny_config(family)[1]
+    arch = architecture_of(config)
+    folds = [name for name, need in (("magcomp", "scale"), ("replaceme", "branch")) if arch.refusal(need, name, config) is None]
     return ",".join(["none", "ghost", "ghost+seq", *folds])
 
 

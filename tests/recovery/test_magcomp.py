@@ -195,7 +195,8 @@ def test_unknown_form_and_missing_sums_are_refused(tiny_llama):
         magnitude_scale(stats)
 
 
-SCALED_FAMILIES = [f for f in TINY_FAMILIES if architecture_of(_tiny_config(f)[1]).refusal("scale", "magcomp") is None]
+SCALED_FAMILIES = [f for f in TINY_FAMILIES
+                   if architecture_of(_tiny_config(f)[1]).refusal("scale", "magcomp", _tiny_config(f)[1]) is None]
 
 
 @pytest.mark.parametrize("family", SCALED_FAMILIES)
@@ -217,23 +218,25 @@ def test_every_family_carries_the_scale_in_its_writers(family):
     assert relative_gap(pruned, reference) > 100 * max(gap, 1e-7), family  # the scale matters: the test can fail
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "olmo2", "olmo3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "olmo2", "olmo3", "gemma4_e2b"])
 def test_the_scale_folds_only_where_every_block_reads_the_stream_through_a_norm(family):
     """Scaling the embeddings and every writer of every block by s leaves a pre-norm model's logits as they were
-    (each block reads RMSNorm(s·h) = RMSNorm(h)); OLMo-2/3 put their norms after each branch only, so their blocks
-    read the scaled stream itself and compute something else: magcomp is refused there, with that reason."""
+    (each block reads RMSNorm(s·h) = RMSNorm(h)); OLMo-2/3 put their norms after each branch only, and Gemma 4 E2B
+    gates its per-layer embeddings with the raw stream, so their blocks read the scaled stream itself and compute
+    something else: magcomp is refused there, with that reason."""
     model = make_tiny_model(family, rms_norm_eps=1e-12).double()
     arch = architecture_of(model.config)
+    normed = arch.refusal("scale", "magcomp", model.config) is None
     blocks = [scale_writers(block, arch.residual_writers, FORCED) for block in model.model.layers]
     blocks[0] = PatchedBlock(StreamScale(FORCED), blocks[0])
     scaled = assemble(model, blocks, model.config, final_norm(model))
     ids = random_tokens(2, 10, seed=3)
     with torch.no_grad():
         gap = relative_gap(scaled(ids).logits, model(ids).logits)
-    if arch.pre_norm:
+    if normed:
         assert gap < 1e-6
         scale_before(model, 3, FORCED)
     else:
         assert gap > 1e-3
-        with pytest.raises(GhostedError, match="read the stream without a norm"):
+        with pytest.raises(GhostedError, match="read the stream without a norm|reads it without a norm"):
             scale_before(model, 3, FORCED)
