@@ -108,15 +108,26 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
             block = PatchedBlock(patches[j], block)
         layers.append(block)
         kept.append(j)
-    check_kept_kinds(dense.config, kept)
-    check_required_kept(dense.config, removed)
-    config = sliced_config(dense.config, kept)
-    if architecture_of(dense.config).generic and removed_set:
-        check_config_describes_blocks(blocks, kept, config)
+    config = check_cut(dense, removed)
     norm = final_norm(dense)
     if num_layers in patches:
         norm = PatchedBlock(patches[num_layers], norm)
     return assemble(dense, layers, config, norm, record, rows=kept)
+
+
+def check_cut(dense: PreTrainedModel, removed: Sequence[int]):
+    """Refuse a cut the model cannot take, with the reason, and return its config (`sliced_config`): one that keeps
+    no attention block of a hybrid model, removes a block the family requires, or (a type outside the table) whose
+    config would describe other blocks. Cheap (no weight is read): selection runs it on every plan it chooses, before
+    any calibration, and `build_variant` on every view."""
+    blocks = decoder_blocks(dense)
+    kept = [j for j in range(len(blocks)) if j not in set(removed)]
+    check_kept_kinds(dense.config, kept)
+    check_required_kept(dense.config, removed)
+    config = sliced_config(dense.config, kept)
+    if architecture_of(dense.config).generic and removed:
+        check_config_describes_blocks(blocks, kept, config)
+    return config
 
 
 def check_config_describes_blocks(blocks: nn.ModuleList, kept: Sequence[int], config) -> None:

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
 from ghosted_core.model.layer_config import required_reasons
+from ghosted_core.model.surgery import check_cut
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, check_request, get_criterion
 from ghosted_core.selection.similarity import SimilarityStats, measure_similarity_depths
@@ -65,6 +66,8 @@ def select_blocks_depths(model: PreTrainedModel, criterion: str, requests: Seque
     for request in requests:
         sim = sims.get(max(request.n, 1)) if spec.needs_similarity else None
         plan = spec.select(request, Scoring(model, batches, sim, quiet, shared=shared))
+        if model is not None:  # refused here, before any calibration
+            check_cut(model, plan.removed)
         log.info("%s removes blocks %s", criterion, list(plan.removed))
         chosen.append((plan, sim))
     return chosen
@@ -125,6 +128,8 @@ def iter_criteria(model: PreTrainedModel, criteria: Sequence[str], request: Sele
         scoring = Scoring(model, batches, sim, quiet, shared=shared)
         fresh, start = scoring.work, time.perf_counter()
         plan = spec.select(request, scoring)
+        if model is not None:  # refused here, before any calibration
+            check_cut(model, plan.removed)
         if scoring.work is fresh:
             scoring.work.seconds = time.perf_counter() - start
         cost = shared_cost if spec.needs_similarity else scoring.work.to_json(windows, model.config)

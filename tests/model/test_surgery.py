@@ -207,6 +207,8 @@ def test_a_cut_whose_config_would_load_other_blocks_is_refused_for_a_type_outsid
     import transformers
 
     from ghosted_core.errors import GhostedError
+    from ghosted_core.selection.choose import select_blocks
+    from ghosted_core.selection.criteria import SelectionRequest
 
     torch.manual_seed(0)
     config = transformers.Ernie4_5_MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -215,6 +217,8 @@ def test_a_cut_whose_config_would_load_other_blocks_is_refused_for_a_type_outsid
     dense = transformers.AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(GhostedError, match=r"would load block 0 \(dense block 1\) as other modules .*mlp"):
         build_variant(dense, (0,))
+    with pytest.raises(GhostedError, match=r"would load block 0 \(dense block 1\)"):  # at selection, before calibrating
+        select_blocks(dense, "manual", SelectionRequest(4, 1, layers=(0,)), [])
     variant = build_variant(dense, (2,))
     ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(1))
     rebuilt = transformers.AutoModelForCausalLM.from_config(variant.config).eval()
