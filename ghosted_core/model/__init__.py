@@ -8,6 +8,7 @@
 - `shallow`: a module sharing every tensor and child with another but the ones given (every view's primitive).
 - `wrapper`: a multimodal checkpoint's text decoder as a causal LM of its own, and the whole checkpoint again on export.
 - `layer_config`: the config of the kept blocks: per-layer lists, layer-index lists and counts, found and made true.
+- `side_inputs`: what blocks read besides the stream (Gemma 4 E2B's per-layer embeddings, shared KV), carried by a cut.
 - `scaling`: a scalar on the residual stream carried by the weights upstream of a cut (magcomp's view), copying none.
 - `low_rank`: a low-rank change of a shared linear layer (distillation's lora), merged by an export.
 - `head`: the LM head as the model finishes it (logits scaling, soft-capping), on chosen positions only.

@@ -63,6 +63,7 @@ class Preset:
     extra: tuple[tuple[str, object], ...] = ()  # further config.json numbers the family has (experts, windows)
     rounded: bool = False  # the card gives only a rounded size ("7B"): the count is held to that rounding
     vision: tuple[tuple[str, object], ...] = ()  # a multimodal checkpoint's vision_config numbers (its tower)
+    audio: tuple[tuple[str, object], ...] = ()  # and its audio_config numbers, where it has an audio tower (Gemma 4 E*)
 
     def config(self) -> PretrainedConfig:
         """A transformers config with these numbers (for the memory plan and the time estimate); a multimodal
@@ -70,13 +71,17 @@ class Preset:
         text = self._text()
         if not self.vision:
             return AutoConfig.for_model(self.model_type, **text)
-        return copy.deepcopy(_wrapper_config(self.model_type, tuple(text.items()), self.vision))
+        return copy.deepcopy(_wrapper_config(self.model_type, _frozen(text), _frozen(dict(self.vision)),
+                                             _frozen(dict(self.audio))))
 
     def checkpoint_config(self) -> PretrainedConfig:
         """The config of the whole checkpoint: `config()` for a text model, the multimodal wrapper's otherwise."""
         if not self.vision:
             return self.config()
-        return AutoConfig.for_model(self.model_type, text_config=self._text(), vision_config=dict(self.vision))
+        return AutoConfig.for_model(self.model_type, text_config=self._text(), **self._towers())
+
+    def _towers(self) -> dict:
+        return {"vision_config": dict(self.vision)} | ({"audio_config": dict(self.audio)} if self.audio else {})
 
     def _text(self) -> dict:
         return dict(hidden_size=self.hidden_size, num_hidden_layers=self.num_layers,
@@ -101,21 +106,42 @@ class Preset:
             (" 🔒 needs a token" if self.gated else "")
 
 
+def _frozen(values: dict) -> tuple:
+    """`values` as a hashable key (lists as tuples), for `_wrapper_config`'s cache; `_thawed` undoes it."""
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in values.items())
+
+
+def _thawed(values: tuple) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values}
+
+
 @functools.cache
-def _wrapper_config(model_type: str, text: tuple, vision: tuple) -> PretrainedConfig:
-    """The text config a multimodal preset plans with (its wrapper built once on the meta device)."""
-    return planning_config(AutoConfig.for_model(model_type, text_config=dict(text), vision_config=dict(vision)))
+def _wrapper_config(model_type: str, text: tuple, vision: tuple, audio: tuple = ()) -> PretrainedConfig:
+    """The text config a multimodal preset plans with (its wrapper built once on the meta device, every tower)."""
+    towers = {"vision_config": _thawed(vision)} | ({"audio_config": _thawed(audio)} if audio else {})
+    return planning_config(AutoConfig.for_model(model_type, text_config=_thawed(text), **towers))
 
 
 def _p(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied, license,
-       gated=False, non_embedding=None, rounded=False, vision=None, **extra) -> Preset:
+       gated=False, non_embedding=None, rounded=False, vision=None, audio=None, **extra) -> Preset:
     return Preset(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied,
-                  license, gated, non_embedding, tuple(extra.items()), rounded, tuple((vision or {}).items()))
+                  license, gated, non_embedding, tuple(extra.items()), rounded, tuple((vision or {}).items()),
+                  tuple((audio or {}).items()))
 
 
 SIGLIP = dict(hidden_size=1152, num_hidden_layers=27, intermediate_size=4304, num_attention_heads=16, image_size=896,
               patch_size=14)  # Gemma-3 4B-27B's tower: 417M (Gemma 3 technical report, Table 1)
 QWEN35_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16)
+# Gemma 4 E2B/E4B (their config.json): per-layer embeddings of 256 per block, the last blocks sharing KV, a vision
+# and an audio tower beside the decoder
+GEMMA4_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
+                     num_key_value_heads=12, head_dim=64, global_head_dim=64, patch_size=16, pooling_kernel_size=3,
+                     position_embedding_size=10240, use_clipped_linears=True, standardize=False)
+GEMMA4_AUDIO = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8, subsampling_conv_channels=[128, 32],
+                    conv_kernel_size=5, attention_chunk_size=12, attention_context_left=13, attention_context_right=0,
+                    residual_weight=0.5, use_clipped_linears=True)
+GEMMA4_SMALL = dict(global_head_dim=512, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+                    sliding_window=512, final_logit_softcapping=30.0)
 
 
 PRESETS: dict[str, Preset] = {p.key: p for p in (
@@ -170,6 +196,13 @@ PRESETS: dict[str, Preset] = {p.key: p for p in (
        "gemma", gated=True, vision=SIGLIP, sliding_window=1024),
     _p("gemma-3-27b", "google/gemma-3-27b-pt", "Gemma3", "gemma3", 27.4e9, 5376, 62, 32, 16, 128, 21504, 262208,
        True, "gemma", gated=True, vision=SIGLIP, sliding_window=1024, query_pre_attn_scalar=168),
+    _p("gemma-4-e2b", "google/gemma-4-E2B", "Gemma4", "gemma4", 5.1e9, 1536, 35, 8, 1, 256, 6144, 262144, True,
+       "apache-2.0", vision=GEMMA4_VISION, audio=GEMMA4_AUDIO | {"output_proj_dims": 1536}, **GEMMA4_SMALL,
+       num_kv_shared_layers=20, use_double_wide_mlp=True,
+       layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 7),
+    _p("gemma-4-e4b", "google/gemma-4-E4B", "Gemma4", "gemma4", 8e9, 2560, 42, 8, 2, 256, 10240, 262144, True,
+       "apache-2.0", rounded=True, vision=GEMMA4_VISION, audio=GEMMA4_AUDIO | {"output_proj_dims": 2560},
+       **GEMMA4_SMALL, num_kv_shared_layers=18, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7),
     _p("qwen3.5-9b", "Qwen/Qwen3.5-9B", "Qwen3.5", "qwen3_5", 9e9, 4096, 32, 16, 4, 256, 12288, 248320, False,
        "apache-2.0", rounded=True, vision=QWEN35_VISION | {"out_hidden_size": 4096}, linear_num_value_heads=32),
     _p("qwen3.5-27b", "Qwen/Qwen3.5-27B", "Qwen3.5", "qwen3_5", 27e9, 5120, 64, 24, 4, 256, 17408, 248320, False,

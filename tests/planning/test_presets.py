@@ -46,7 +46,7 @@ def test_presets_span_the_curated_list():
     families = {p.family for p in PRESETS.values()}
     assert {"Qwen3-MoE", "gpt-oss", "OLMo-3", "SmolLM3", "Phi-3", "Gemma3", "Qwen3.5"} <= families  # 2025-26
     assert {p.key for p in PRESETS.values() if p.vision} == {"gemma-3-4b", "gemma-3-12b", "gemma-3-27b", "qwen3.5-9b",
-                                                               "qwen3.5-27b"}  # multimodal checkpoints
+                                                               "qwen3.5-27b", "gemma-4-e2b", "gemma-4-e4b"}  # multimodal
     gated = {p.key for p in PRESETS.values() if p.gated}
     assert {"llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"} <= gated
     assert not {p.key for p in PRESETS.values() if p.family == "Qwen3" or "smollm2" in p.key} & gated
