@@ -229,6 +229,9 @@ SERVING = {
                     "count); an uncapped config gets a cap of 0 written (the runtime's default is 30); E2B/E4B: a "
                     "layout whose shared KV llama.cpp reads from other blocks refused",
                     "`layer_types` sliced, `per_layer_config` re-keyed, `num_kv_shared_layers` recounted"),
+    "gemma4_unified_text": ("not converted: llama.cpp's converter reads the multimodal checkpoint only "
+                            "(Gemma4UnifiedForConditionalGeneration); not tested", "`layer_types` sliced, "
+                            "`num_kv_shared_layers` recounted"),
     "mixtral": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
     "qwen2_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
     "qwen3_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),

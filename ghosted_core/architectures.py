@@ -155,6 +155,13 @@ ARCHITECTURES: dict[str, Architecture] = {
                      # E2B/E4B: per-layer embeddings, and the last blocks reuse earlier blocks' keys and values
                      per_layer_inputs=("embed_tokens_per_layer", "per_layer_model_projection"),
                      per_layer_width="hidden_size_per_layer_input", shared_kv_start="first_kv_shared_layer_idx"),
+        # Gemma 4 Unified: Gemma 4's dense block (post-norms, a scalar on each block's output, shared KV) in one stack
+        # with the vision tokens
+        Architecture("gemma4_unified_text", "Gemma4-Unified", branch="post_feedforward_layernorm", post_norms=True,
+                     residual_writers=POST_NORMS,
+                     last_block_stays="transformers makes a Gemma 4 Unified checkpoint's last block full attention, so "
+                                      "a cut that ends on a sliding-window block would load as another model",
+                     shared_kv_start="first_kv_shared_layer_idx"),
         # mixture of experts: a dense MLP on some blocks (mlp_only_layers) writes through mlp.down_proj
         _moe("mixtral", "Mixtral"),
         _moe("qwen2_moe", "Qwen2-MoE", ATTENTION_OUT + MLP_OUT + EXPERTS_OUT + SHARED_OUT),

@@ -71,6 +71,11 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                   use_double_wide_mlp=True, config="Gemma4TextConfig",
                                   layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
                                                                            "full_attention"])),
+    # Gemma 4 Unified: Gemma 4's dense blocks, the last 2 attending with blocks 2's and 3's keys and values
+    "gemma4_unified_text": ("Gemma4Unified", dict(IDS, head_dim=6, global_head_dim=12, sliding_window=8,
+                                                  num_kv_shared_layers=2, config="Gemma4UnifiedTextConfig",
+                                                  layer_types=["sliding_attention"] * 3 + [
+                                                      "full_attention", "sliding_attention", "full_attention"])),
     # mixture of experts
     "mixtral": ("Mixtral", dict(IDS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
     "qwen2_moe": ("Qwen2Moe", dict(IDS, **EXPERTS, shared_expert_intermediate_size=48, mlp_only_layers=[0],

@@ -31,7 +31,8 @@ UNTIED = dict(tie_word_embeddings=False)  # these families' checkpoints are unti
 # family -> (config overrides that make the tiny model one the runtime's graph describes, the blocks removed).
 # Every family of the table's tiny configs is here (a new one enters with its config). Qwen2's and Qwen3.5-MoE's
 # folders are saved by transformers with Qwen2's pre-tokenizer whatever vocabulary they hold: they carry Qwen's own
-# (`QWEN_VOCABULARY`), as their checkpoints do, which the converter recognizes.
+# (`QWEN_VOCABULARY`), as their checkpoints do, which the converter recognizes. Not here: gemma4_unified_text, whose
+# text-only checkpoints llama.cpp's converter does not read (it converts Gemma4UnifiedForConditionalGeneration only).
 # Gemma-2 converts with that sentencepiece model (`sentencepiece_folder`), as its checkpoints ship one; it is tied,
 # as they are (the converter drops an lm_head: llama.cpp's Gemma-2 always reads the embeddings).
 GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
