@@ -209,6 +209,9 @@ NOT_ONE_STREAM: dict[str, str] = {
 # config fields that, above 1, give the blocks several residual streams instead of one (DeepSeek-V4's and HY-V4's
 # manifold hyper-connections: (B, T, N, C) between blocks), which the boundary operators (C × C maps) do not map
 STREAM_COUNT_FIELDS = ("hc_mult",)
+# config fields that, above 1, run some blocks several times per forward (Dory's recurrent loops, Inkling-2's looped
+# passes): a removed block would leave every pass, and a boundary inside the loop is crossed once per pass
+LOOP_FIELDS = ("n_recurrent_loops", "loop_num_passes")
 
 
 def stream_refusal(config) -> str | None:
@@ -220,6 +223,10 @@ def stream_refusal(config) -> str | None:
         if isinstance(count := getattr(config, field, None), int) and count > 1:
             return (f"its blocks carry {count} residual streams ({field} {count}: hyper-connections), and the "
                     "boundary operators map one")
+    for field in LOOP_FIELDS:
+        if isinstance(count := getattr(config, field, None), int) and count > 1:
+            return (f"some of its blocks run {count} times per forward ({field} {count}: a loop), so a cut would remove "
+                    "a block from every pass and a boundary inside the loop is crossed once per pass")
     return None
 
 

@@ -163,7 +163,7 @@ def _skeleton(config: PretrainedConfig) -> PreTrainedModel:
 
 def check_layout(model: PreTrainedModel) -> None:
     """Refuse a model whose blocks and final norm are not where a cut looks for them (`model.layers`, the final
-    norm its table entry names), with what was found instead."""
+    norm its table entry names), with what was found instead, or whose `lm_head` is not its vocabulary projection."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     norm = final_norm_name(model)
@@ -173,6 +173,12 @@ def check_layout(model: PreTrainedModel) -> None:
                            f"with a final norm model.{norm} (found {found}); Ghosted Layers cuts decoder-only causal "
                            f"LMs laid out as transformers' Llama-style models are (the architecture table has "
                            f"{families()})")
+    head, projection = getattr(model, "lm_head", None), model.get_output_embeddings()
+    if head is None or projection is not head:  # ModernBERT-decoder: a dense layer and a norm, then `decoder`
+        raise GhostedError(f"unsupported architecture {model.config.model_type!r}: its LM head "
+                           f"({type(head).__name__}) runs layers before the vocabulary projection "
+                           f"({type(projection).__name__}), and the studio's perplexity, distillation targets and "
+                           "next-token criteria apply lm_head as that projection; not supported yet")
 
 
 def resolve_dtype(dtype: str, device: str, model: str | None = None) -> torch.dtype:

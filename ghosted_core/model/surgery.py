@@ -37,8 +37,8 @@ def replace_submodules(module: nn.Module, replacements: Mapping[str, nn.Module])
         if "." in path:
             head, rest = path.split(".", 1)
             nested.setdefault(head, {})[rest] = new
-    for head, inner in nested.items():
-        direct[head] = replace_submodules(module.get_submodule(head), inner)
+    for head, inner in nested.items():  # onto the replacement of `head` itself where there is one (a reindexed parent)
+        direct[head] = replace_submodules(direct.get(head, module.get_submodule(head)), inner)
     return shallow_view(module, **direct)
 
 

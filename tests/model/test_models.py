@@ -78,6 +78,32 @@ def test_blocks_with_several_residual_streams_are_refused_before_loading(tmp_pat
         load_model(str(tmp_path))
 
 
+@pytest.mark.parametrize("config", ["DoryConfig", "Inkling2LoopTextConfig"])
+def test_blocks_that_run_several_times_per_forward_are_refused_before_loading(tmp_path, config):
+    """Dory's recurrent blocks and Inkling-2's looped passes run some blocks several times per forward: a cut would
+    remove a block from every pass. Refused from the config (they failed inside the command line before)."""
+    import transformers
+
+    getattr(transformers, config)().save_pretrained(tmp_path)
+    with pytest.raises(GhostedError, match=r"unsupported architecture '.*': some of its blocks run \d+ times per "
+                                           r"forward \((n_recurrent_loops|loop_num_passes) \d+: a loop\)"):
+        load_model(str(tmp_path))
+
+
+def test_a_head_that_runs_layers_before_its_vocabulary_projection_is_refused(tmp_path):
+    """ModernBERT-decoder's lm_head is a dense layer and a norm, its vocabulary projection another module: refused in
+    one line at load (the perplexity took the head's C outputs for logits and failed on the first target before)."""
+    import transformers
+
+    config = transformers.ModernBertDecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=2, pad_token_id=0,
+                                                  bos_token_id=1, eos_token_id=2, cls_token_id=3, sep_token_id=4)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(GhostedError, match=r"^unsupported architecture 'modernbert-decoder': its LM head "
+                                           r"\(ModernBertDecoderPredictionHead\) runs layers before the vocabulary"):
+        load_model(str(tmp_path), LoadOptions(device="cpu"))
+
+
 @pytest.mark.parametrize("criterion, layers, refused", [
     ("manual", (3,), r"^block 3 must stay: the keys and values it computes are reused by the last 2 blocks"),
     ("sleb", (), r"^the sleb criterion runs blocks one at a time from cached residual streams, and this model's last 2 "

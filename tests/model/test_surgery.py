@@ -225,3 +225,27 @@ def test_a_cut_whose_config_would_load_other_blocks_is_refused_for_a_type_outsid
     rebuilt.load_state_dict(variant.state_dict())  # the kept blocks load as what they are
     with torch.no_grad():
         torch.testing.assert_close(rebuilt(ids).logits, variant(ids).logits)
+
+
+def test_a_block_whose_layer_indexed_modules_nest_is_reindexed_at_every_depth():
+    """Inkling's attention holds short convolutions that carry their own `layer_idx`: renumbering a kept block must
+    reach the attention and the modules inside it (the parent's new index was lost when its children were replaced,
+    and the cut model's cache update failed past the last slot). The dense block is never touched."""
+    from torch import nn
+
+    from ghosted_core.model.surgery import reindexed
+
+    class Indexed(nn.Module):
+        def __init__(self, index: int, inner: nn.Module | None = None):
+            super().__init__()
+            self.layer_idx = index
+            if inner is not None:
+                self.conv = inner
+
+    block = nn.Module()
+    block.self_attn = Indexed(2, Indexed(2))
+    block.mlp_conv = Indexed(2)
+    view = reindexed(block, 1)
+    found = {name: module.layer_idx for name, module in view.named_modules() if hasattr(module, "layer_idx")}
+    assert found == {"self_attn": 1, "self_attn.conv": 1, "mlp_conv": 1}
+    assert {name: m.layer_idx for name, m in block.named_modules() if hasattr(m, "layer_idx")} == dict.fromkeys(found, 2)
