@@ -232,6 +232,8 @@ SERVING = {
     "gemma4_unified_text": ("not converted: llama.cpp's converter reads the multimodal checkpoint only "
                             "(Gemma4UnifiedForConditionalGeneration); not tested", "`layer_types` sliced, "
                             "`num_kv_shared_layers` recounted"),
+    "minicpm3": ("converter knows it (not tested); reads its depth scale from the file's block count, as a reload "
+                 "does", ""),
     "mixtral": ("runs (per-expert Hub layout written)", "per-expert Hub layout"),
     "qwen2_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),
     "qwen3_moe": ("runs when every block has experts; dense blocks among them refused", "`mlp_only_layers` recounted"),

@@ -76,6 +76,10 @@ class Architecture:
     # the base model's attribute holding the index of its first block that reuses earlier keys and values
     # (Gemma 4's `first_kv_shared_layer_idx`), recounted on every view
     shared_kv_start: str = ""
+    # block attributes computed from the block count (MiniCPM3's `residual_scale` = scale_depth / √L, on each
+    # branch): a checkpoint of the cut recomputes them, so a cut keeps each kept block's value by scaling its
+    # writers by old / new (`scaling.depth_rescaled`), and the export folds that into their weights
+    depth_scaled: tuple[str, ...] = ()
 
     @property
     def branch_folds(self) -> bool:
@@ -162,6 +166,8 @@ ARCHITECTURES: dict[str, Architecture] = {
                      last_block_stays="transformers makes a Gemma 4 Unified checkpoint's last block full attention, so "
                                       "a cut that ends on a sliding-window block would load as another model",
                      shared_kv_start="first_kv_shared_layer_idx"),
+        # MiniCPM3: multi-head latent attention (its o_proj writes the stream), branches scaled by scale_depth / √L
+        Architecture("minicpm3", "MiniCPM3", depth_scaled=("residual_scale",)),
         # mixture of experts: a dense MLP on some blocks (mlp_only_layers) writes through mlp.down_proj
         _moe("mixtral", "Mixtral"),
         _moe("qwen2_moe", "Qwen2-MoE", ATTENTION_OUT + MLP_OUT + EXPERTS_OUT + SHARED_OUT),

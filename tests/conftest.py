@@ -76,6 +76,9 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                                   num_kv_shared_layers=2, config="Gemma4UnifiedTextConfig",
                                                   layer_types=["sliding_attention"] * 3 + [
                                                       "full_attention", "sliding_attention", "full_attention"])),
+    # MiniCPM3: latent attention, and each branch scaled by scale_depth / √L (what a cut's checkpoint recomputes)
+    "minicpm3": ("MiniCPM3", dict(IDS, head_dim=6, num_key_value_heads=6, kv_lora_rank=12, q_lora_rank=18, qk_nope_head_dim=4,
+                                  qk_rope_head_dim=4, v_head_dim=6, scale_emb=12, scale_depth=1.4, dim_model_base=256)),
     # mixture of experts
     "mixtral": ("Mixtral", dict(IDS, num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)),
     "qwen2_moe": ("Qwen2Moe", dict(IDS, **EXPERTS, shared_expert_intermediate_size=48, mlp_only_layers=[0],

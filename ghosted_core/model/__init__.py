@@ -6,6 +6,7 @@
 - `embedded`: the catalog of models shipped in PyPI packages, and their GGUF → safetensors conversion.
 - `surgery`: pruned and recovered models as views over the dense model's modules.
 - `shallow`: a module sharing every tensor and child with another but the ones given (every view's primitive).
+- `assembly`: a causal LM view over the dense model with a given block list, final norm and config.
 - `wrapper`: a multimodal checkpoint's text decoder as a causal LM of its own, and the whole checkpoint again on export.
 - `layer_config`: the config of the kept blocks: per-layer lists, layer-index lists and counts, found and made true.
 - `side_inputs`: what blocks read besides the stream (Gemma 4 E2B's per-layer embeddings, shared KV), carried by a cut.

@@ -24,7 +24,8 @@ from ghosted_core.model.loading import final_norm
 from ghosted_core.architectures import architecture_of
 from ghosted_core.errors import GhostedError
 from ghosted_core.model.modeling_ghosted import OPERATOR_TYPES, PatchedBlock
-from ghosted_core.model.surgery import assemble, replace_submodules
+from ghosted_core.model.assembly import assemble
+from ghosted_core.model.shallow import replace_submodules
 
 log = logging.getLogger(__name__)
 
@@ -147,3 +148,28 @@ def scale_before(model: PreTrainedModel, cut: int, scale: float) -> PreTrainedMo
     if cut == len(layers):
         log.info("a scale on the stream entering the final norm changes nothing (it is normalized away)")
     return assemble(model, new, model.config, final_norm(model))
+
+
+def depth_rescaled(block: nn.Module, config, index: int) -> nn.Module:
+    """`block` as block `index` of a model with `config` (a cut's), computing what it computed in the dense model:
+    where the family's blocks derive attributes from the block count (`Architecture.depth_scaled`, MiniCPM3's
+    residual_scale = scale_depth / √L on each branch), the view carries the value `config` gives, as a checkpoint
+    of the cut will, and its writers are scaled by dense / cut value to make up for it (folded on export).
+    Shares every weight; the block class is built once on the meta device to read the value."""
+    arch = architecture_of(config)
+    if not arch.depth_scaled:
+        return block
+    inner = unwrap_patches(block)
+    with torch.device("meta"):
+        rebuilt = type(inner)(config, index)
+    ratios = {name: getattr(inner, name) / getattr(rebuilt, name) for name in arch.depth_scaled}
+    if len(set(ratios.values())) != 1:
+        raise ValueError(f"{arch.family}'s depth-scaled attributes change by different factors: {ratios}")
+    ratio = next(iter(ratios.values()))
+    if ratio == 1.0:
+        return block
+    view = scale_writers(block, arch.residual_writers, ratio)
+    target = unwrap_patches(view)
+    for name in arch.depth_scaled:
+        setattr(target, name, getattr(rebuilt, name))
+    return view

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 from torch import nn
 
@@ -29,3 +30,16 @@ def shallow_view(module: nn.Module, **children: nn.Module) -> nn.Module:
             view.__dict__.pop(attr, None)
         add_hook_to_module(view, hook)
     return view
+
+
+def replace_submodules(module: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:
+    """A view of `module` with the submodules at the given dotted paths replaced."""
+    direct = {path: new for path, new in replacements.items() if "." not in path}
+    nested: dict[str, dict[str, nn.Module]] = {}
+    for path, new in replacements.items():
+        if "." in path:
+            head, rest = path.split(".", 1)
+            nested.setdefault(head, {})[rest] = new
+    for head, inner in nested.items():  # onto the replacement of `head` itself where there is one (a reindexed parent)
+        direct[head] = replace_submodules(direct.get(head, module.get_submodule(head)), inner)
+    return shallow_view(module, **direct)

@@ -20,26 +20,15 @@ from transformers import PreTrainedModel
 from ghosted_core.architectures import architecture_of
 from ghosted_core.errors import GhostedError
 from ghosted_core.model.modeling_ghosted import PatchedBlock  # shared with remote-code exports
-from ghosted_core.model.shallow import shallow_view
-from ghosted_core.model.side_inputs import carry, dense_rows, stream_fed_inputs
-from ghosted_core.model.loading import decoder_blocks, final_norm, final_norm_name
+from ghosted_core.model.assembly import assemble
+from ghosted_core.model.scaling import depth_rescaled
+from ghosted_core.model.shallow import replace_submodules, shallow_view
+from ghosted_core.model.side_inputs import dense_rows, stream_fed_inputs
+from ghosted_core.model.loading import decoder_blocks, final_norm
 from ghosted_core.model.layer_config import check_kept_kinds, check_required_kept, sliced_config
 from ghosted_core.plan import Boundary
 
 log = logging.getLogger(__name__)
-
-
-def replace_submodules(module: nn.Module, replacements: Mapping[str, nn.Module]) -> nn.Module:
-    """A view of `module` with the submodules at the given dotted paths replaced."""
-    direct = {path: new for path, new in replacements.items() if "." not in path}
-    nested: dict[str, dict[str, nn.Module]] = {}
-    for path, new in replacements.items():
-        if "." in path:
-            head, rest = path.split(".", 1)
-            nested.setdefault(head, {})[rest] = new
-    for head, inner in nested.items():  # onto the replacement of `head` itself where there is one (a reindexed parent)
-        direct[head] = replace_submodules(direct.get(head, module.get_submodule(head)), inner)
-    return shallow_view(module, **direct)
 
 
 def reindexed(block: nn.Module, index: int) -> nn.Module:
@@ -63,24 +52,6 @@ def _layer_index(block: nn.Module) -> int | None:
     return None
 
 
-def assemble(dense: PreTrainedModel, layers: Sequence[nn.Module], config, norm: nn.Module,
-             record: Mapping | None = None, rows: Sequence[int] | None = None) -> PreTrainedModel:
-    """A causal LM view over `dense` with the given block list, final norm and config (see `sliced_config`).
-
-    `rows`: the dense indices of `layers` (default: those `dense` holds), for what blocks read besides the stream
-    (`side_inputs.carry`). `record` is stored in the config as `ghosted` (what was removed and how it was
-    recovered) so that saved configs carry it.
-    """
-    if record is not None:
-        config.ghosted = dict(record)
-    base = shallow_view(dense.model, layers=nn.ModuleList(layers), **{final_norm_name(dense): norm})
-    base.config = config
-    carry(base, dense.model, dense_rows(dense) if rows is None else rows, config)
-    view = shallow_view(dense, model=base)
-    view.config = config
-    return view
-
-
 def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mapping[int, nn.Module] | None = None,
                   replacements: Mapping[int, Mapping[str, nn.Module]] | None = None,
                   record: Mapping | None = None) -> PreTrainedModel:
@@ -95,6 +66,7 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
     blocks = decoder_blocks(dense)
     num_layers = len(blocks)
     removed_set = set(removed)
+    config = check_cut(dense, removed)
     layers: list[nn.Module] = []
     kept: list[int] = []
     for j in range(num_layers):
@@ -103,12 +75,12 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
         block = blocks[j]
         if j in replacements:
             block = replace_submodules(block, replacements[j])
-        block = reindexed(block, len(layers))
+        block = depth_rescaled(reindexed(block, len(layers)), config, len(layers)) if removed_set else \
+            reindexed(block, len(layers))
         if j in patches:
             block = PatchedBlock(patches[j], block)
         layers.append(block)
         kept.append(j)
-    config = check_cut(dense, removed)
     norm = final_norm(dense)
     if num_layers in patches:
         norm = PatchedBlock(patches[num_layers], norm)
@@ -134,7 +106,9 @@ def check_config_describes_blocks(blocks: nn.ModuleList, kept: Sequence[int], co
     """Refuse a cut whose config would load other blocks than the kept ones. For a type outside the architecture
     table a per-layer fact may be left uncounted (Ernie-4.5-MoE's `moe_layer_start_index`: remove its dense block 0
     and the config still makes block 0 dense): each kept block's class is built from the cut's config on the meta
-    device (no memory) and must have the same parameters, names and shapes. A class built otherwise is not checked."""
+    device (no memory) and must have the same parameters, names and shapes, and the same float attributes (a value
+    derived from the block count or a block's index, such as MiniCPM3's residual scale, would change on load). A
+    class built otherwise is not checked."""
     for i, j in enumerate(kept):
         cls = type(blocks[j])
         try:
@@ -150,6 +124,16 @@ def check_config_describes_blocks(blocks: nn.ModuleList, kept: Sequence[int], co
                                f"({', '.join(differ[:3])}): a per-layer fact of {config.model_type!r} that the cut does "
                                "not recount (it is not in the architecture table); remove other blocks, or add the "
                                "type to the table")
+        scalars = {f"{path}.{name}".lstrip("."): (value, getattr(rebuilt.get_submodule(path), name, value))
+                   for path, module in blocks[j].named_modules() for name, value in vars(module).items()
+                   if isinstance(value, float)}
+        moved = {name: pair for name, pair in scalars.items() if pair[0] != pair[1]}
+        if moved:
+            name, (old, new) = next(iter(moved.items()))
+            raise GhostedError(f"this cut's config would load block {i} (dense block {j}) with {name} {new:.6g} instead "
+                               f"of {old:.6g} (a value {config.model_type!r} derives from the block count or the block's "
+                               "index, which a checkpoint of the cut recomputes; the type is not in the architecture "
+                               "table, which could carry it as `depth_scaled`); keep the blocks before it, or add the type")
 
 
 def patch_site(boundary: Boundary) -> int:

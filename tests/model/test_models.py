@@ -201,7 +201,8 @@ def family_variants(family: str) -> str:
 def test_family_runs_the_whole_pipeline(tiny_folder, smollm2_tokenizer, family, tmp_path):
     """Every family in the table: load → score → calibrate → fit → perplexity, drift, generation, tasks → export →
     reload. Stock exports reload in plain transformers in a process that cannot import ghosted_core, as the same
-    class, with the same logits and greedy tokens; the others reload through their modeling file, exactly."""
+    class, with the same logits and greedy tokens; the others reload through their modeling file, exactly (to
+    rounding where the cut rescales depth-scaled writers, folded into the saved weights: MiniCPM3)."""
     loaded = load_model(str(tiny_folder(family)), LoadOptions(device="cpu"))
     # the folder's tokenizer is SmolLM2's; the session's copy has its corpus tokens cached on disk across runs
     loaded = dataclasses.replace(loaded, tokenizer=smollm2_tokenizer)
@@ -236,7 +237,10 @@ def test_family_runs_the_whole_pipeline(tiny_folder, smollm2_tokenizer, family, 
             stock[name] = exported.folder
         else:
             reloaded, _ = load_recovered(exported.folder)
-            assert torch.equal(reloaded(ids).logits, full), f"{family} {name} reload"
+            if architecture_of(variant.config).depth_scaled:  # the view scales its writers' outputs; the file, weights
+                torch.testing.assert_close(reloaded(ids).logits, full, rtol=1e-5, atol=1e-4, msg=f"{family} {name}")
+            else:
+                assert torch.equal(reloaded(ids).logits, full), f"{family} {name} reload"
     assert set(stock) >= {"none"} | ({"magcomp"} & set(variants.split(",")))
     fresh = load_in_fresh_process(tmp_path / "fresh", stock, ids, trust_remote_code=False)
     for name, folder in stock.items():

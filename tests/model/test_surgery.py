@@ -249,3 +249,49 @@ def test_a_block_whose_layer_indexed_modules_nest_is_reindexed_at_every_depth():
     found = {name: module.layer_idx for name, module in view.named_modules() if hasattr(module, "layer_idx")}
     assert found == {"self_attn": 1, "self_attn.conv": 1, "mlp_conv": 1}
     assert {name: m.layer_idx for name, m in block.named_modules() if hasattr(m, "layer_idx")} == dict.fromkeys(found, 2)
+
+
+def test_a_cut_of_minicpm3_keeps_each_blocks_depth_scale_and_exports_it(smollm2_tokenizer, tmp_path):
+    """MiniCPM3 scales each branch by scale_depth / √L, computed from the block count when a checkpoint loads: a
+    cut's view keeps what its dense blocks computed (their writers scaled by √L' / √L, the value a checkpoint of
+    the cut recomputes carried by the view), and its stock export, reloaded in transformers, computes the same."""
+    from transformers import AutoModelForCausalLM
+    from transformers.masking_utils import create_causal_mask
+
+    from ghosted_core.export.folder import export_variant
+
+    dense = make_tiny_model("minicpm3", vocab_size=len(smollm2_tokenizer))
+    variant = build_variant(dense, (2,), record={"removed": [2]})
+    ids = random_tokens(2, 12, seed=4)
+    base = dense.model
+    with torch.no_grad():  # the dense blocks by hand, block 2 left out: what the cut must compute
+        h = base.embed_tokens(ids)
+        positions = torch.arange(ids.shape[1])[None]
+        mask = create_causal_mask(config=dense.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        for j in (0, 1, 3, 4, 5):
+            h = base.layers[j](h, position_embeddings=base.rotary_emb(h, positions), attention_mask=mask,
+                               position_ids=positions)
+        expected = dense.lm_head(base.norm(h) / dense.config.logits_scaling)
+        torch.testing.assert_close(variant(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        folder = export_variant(variant, smollm2_tokenizer, tmp_path / "cut").folder
+        reloaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+        assert reloaded.model.layers[0].residual_scale != base.layers[0].residual_scale  # √5 where the dense had √6
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_type_whose_blocks_derive_values_from_their_position_is_refused_outside_the_table():
+    """DiffLlama's attention sets lambda_init from its block index: a kept block after a removed one would load
+    with another value (its export reloaded as another model). Refused in one line, naming the value; removing the
+    last block moves no kept block, and builds."""
+    import transformers
+
+    from ghosted_core.errors import GhostedError
+
+    config = transformers.DiffLlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2)
+    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(GhostedError, match=r"would load block 1 \(dense block 2\) with self_attn.lambda_init "
+                                           r"[0-9.]+ instead of [0-9.]+"):
+        build_variant(dense, (1,))
+    assert len(build_variant(dense, (3,)).model.layers) == 3  # no kept block moves
