@@ -91,6 +91,11 @@ class Architecture:
         """The refit's and ReplaceMe's statistics come from one down projection that writes the stream."""
         return self.branch_folds and self.down_proj is not None
 
+    def per_layer_inputs_width(self, config) -> int:
+        """P, the width of each block's slice of per-layer embeddings in a checkpoint with `config` (its text config),
+        0 where the family or the checkpoint has none."""
+        return int(getattr(config, self.per_layer_width, 0) or 0) if self.per_layer_width else 0
+
     def writers_under(self, path: str) -> tuple[str, ...]:
         """The residual writers inside the module at `path` (relative to a block)."""
         return tuple(w for w in self.residual_writers if w.startswith(path + "."))
@@ -105,7 +110,7 @@ class Architecture:
             return (f"{operator} scales the residual stream, and {self.family}'s blocks read the stream without a "
                     "norm before them (their norms come after each branch), so a scaled stream changes what they "
                     "compute: it would not be the same model")
-        if requirement == "scale" and self.per_layer_width and getattr(config, self.per_layer_width, 0):
+        if requirement == "scale" and self.per_layer_inputs_width(config):
             return (f"{operator} scales the residual stream, and this {self.family} checkpoint's blocks gate their "
                     "per-layer embeddings with the stream itself (per_layer_input_gate reads it without a norm), so a "
                     "scaled stream changes what they compute: it would not be the same model")

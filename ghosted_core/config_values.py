@@ -52,5 +52,4 @@ def per_layer_width(config) -> int:
     entry names), 0 where the family or checkpoint has none."""
     from ghosted_core.architectures import architecture_of  # the table reads config values too
 
-    field = architecture_of(config).per_layer_width
-    return int(getattr(config, field, 0) or 0) if field else 0
+    return architecture_of(config).per_layer_inputs_width(config)

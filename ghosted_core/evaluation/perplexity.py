@@ -94,8 +94,8 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
             ids = ids.to(device)
             h = None
             for depth, segment in zip(depths, segments):
-                h = (segment.model(input_ids=ids, use_cache=False) if h is None else
-                     segment.model(inputs_embeds=h, use_cache=False, **stream_kwargs(segment, ids))).last_hidden_state  # (B, T, C) entering `depth`
+                h = (segment.model(input_ids=ids, use_cache=False) if h is None else  # (B, T, C) entering `depth`
+                     segment.model(inputs_embeds=h, use_cache=False, **stream_kwargs(segment, ids))).last_hidden_state
                 tokens = _add_suffix_nll(nll, {n: suffixes[n] for n in groups[depth]}, variants, h, ids, should_stop)
             count += tokens
     return {name: math.exp(value / count) for name, value in nll.items()}
@@ -122,7 +122,8 @@ def _add_suffix_nll(nll: dict[str, float], suffixes: Mapping[str, PreTrainedMode
     tokens = 0
     for name, suffix in suffixes.items():
         check_stop(should_stop, "perplexity")  # a batch runs every variant: stop between them too
-        out = suffix.model(inputs_embeds=h, use_cache=False, **stream_kwargs(suffix, ids)).last_hidden_state  # (B, T, C) normed
+        out = suffix.model(inputs_embeds=h, use_cache=False,
+                           **stream_kwargs(suffix, ids)).last_hidden_state  # (B, T, C) after the final norm
         total, tokens = _token_nll(variants[name], out, ids)
         nll[name] += total
     return tokens

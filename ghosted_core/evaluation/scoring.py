@@ -241,10 +241,12 @@ class SharedScorer:
                 h = None
                 for depth, segment in zip(self.depths, self.segments):
                     step = dict(attention_mask=mask, position_ids=positions, use_cache=False)
-                    h = (segment.model(input_ids=ids, **step) if h is None else
-                         segment.model(inputs_embeds=h, **step, **stream_kwargs(segment, ids))).last_hidden_state  # (B, L, C) entering `depth`
+                    h = (segment.model(input_ids=ids, **step) if h is None else  # (B, L, C) entering `depth`
+                         segment.model(inputs_embeds=h, **step, **stream_kwargs(segment, ids))).last_hidden_state
                     for name in self.groups[depth]:
-                        out = self.suffixes[name].model(inputs_embeds=h, **step, **stream_kwargs(self.suffixes[name], ids)).last_hidden_state  # (B, L, C) normed
+                        suffix = self.suffixes[name]
+                        out = suffix.model(inputs_embeds=h, **step,
+                                           **stream_kwargs(suffix, ids)).last_hidden_state  # (B, L, C) normed
                         self._read(name, batch, out, pairs)
                 self.forwards += 1
 

@@ -11,7 +11,7 @@ Gemma 4's small checkpoints (E2B, E4B) give each block two more inputs:
   the last earlier block of their kind ("store"), computed on the same forward pass. A cut must keep every store
   (`layer_config.required_blocks`), and a view that starts after a store would miss what its reusers read, so
   prefix sharing and distillation start no later than the first store (`self_contained_start`), and the criteria
-  that run one block at a time from cached streams are refused (`stream_refusal`).
+  that run one block at a time from cached streams are refused (`cached_stream_refusal`).
 
 The family's facts (which modules pack slices, the width field, the base model's index of the first reuser) are
 data in its architecture-table entry; the store/reuse layout is transformers' own `config.kv_sharing_modes`.
@@ -132,7 +132,7 @@ def self_contained_start(config) -> int:
     return min(stores) if stores else int(config.num_hidden_layers)
 
 
-def stream_refusal(config, what: str) -> str | None:
+def cached_stream_refusal(config, what: str) -> str | None:
     """Why `what` (a criterion that runs blocks one at a time from cached streams) cannot run on this model, or None."""
     if kv_stores(config):
         return (f"{what} runs blocks one at a time from cached residual streams, and this model's last "

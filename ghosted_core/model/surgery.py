@@ -75,8 +75,7 @@ def build_variant(dense: PreTrainedModel, removed: Sequence[int], patches: Mappi
         block = blocks[j]
         if j in replacements:
             block = replace_submodules(block, replacements[j])
-        block = depth_rescaled(reindexed(block, len(layers)), config, len(layers)) if removed_set else \
-            reindexed(block, len(layers))
+        block = depth_rescaled(reindexed(block, len(layers)), config, len(layers))
         if j in patches:
             block = PatchedBlock(patches[j], block)
         layers.append(block)
@@ -130,10 +129,11 @@ def check_config_describes_blocks(blocks: nn.ModuleList, kept: Sequence[int], co
         moved = {name: pair for name, pair in scalars.items() if pair[0] != pair[1]}
         if moved:
             name, (old, new) = next(iter(moved.items()))
-            raise GhostedError(f"this cut's config would load block {i} (dense block {j}) with {name} {new:.6g} instead "
-                               f"of {old:.6g} (a value {config.model_type!r} derives from the block count or the block's "
-                               "index, which a checkpoint of the cut recomputes; the type is not in the architecture "
-                               "table, which could carry it as `depth_scaled`); keep the blocks before it, or add the type")
+            raise GhostedError(f"this cut's config would load block {i} (dense block {j}) with {name} {new:.6g} "
+                               f"instead of {old:.6g} (a value {config.model_type!r} derives from the block count or "
+                               "the block's index, which a checkpoint of the cut recomputes; the type is not in the "
+                               "architecture table, which could carry it as `depth_scaled`); keep the blocks before "
+                               "it, or add the type")
 
 
 def patch_site(boundary: Boundary) -> int:
@@ -170,5 +170,6 @@ def slice_view(model: PreTrainedModel, dense: PreTrainedModel, start: int, stop:
     layers = list(model.model.layers)
     kept = range(len(layers))[start:stop]
     norm = final_norm(model) if normed else nn.Identity()
-    view = assemble(dense, layers[start:stop], sliced_config(model.config, kept), norm, rows=dense_rows(model)[start:stop])
+    view = assemble(dense, layers[start:stop], sliced_config(model.config, kept), norm,
+                    rows=dense_rows(model)[start:stop])
     return stream_fed(view) if (start > 0 if stream_input is None else stream_input) else view

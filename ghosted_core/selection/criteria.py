@@ -119,7 +119,8 @@ def register_criterion(name: str, *, paper: str, needs: str, cost: str,
 
     def decorator(fn):
         check_signature(fn, f"criterion {name}", {"request": SelectionRequest, "scoring": Scoring}, PruningPlan)
-        add(CRITERIA, name, CriterionSpec(name, fn, needs, paper, cost, memory, label, contiguous, from_streams), "criterion")
+        add(CRITERIA, name, CriterionSpec(name, fn, needs, paper, cost, memory, label, contiguous, from_streams),
+            "criterion")
         return fn
 
     return decorator

@@ -238,8 +238,8 @@ def sleb_bytes(shapes: ScoreShapes) -> Footprint:
     return Footprint(total, note)
 
 
-@register_criterion("sleb", paper="SLEB (Song et al. 2024)", needs="forward", cost=COST, memory=sleb_bytes, from_streams=True,
-                    label="greedy by calibration NLL, every block a candidate")
+@register_criterion("sleb", paper="SLEB (Song et al. 2024)", needs="forward", cost=COST, memory=sleb_bytes,
+                    from_streams=True, label="greedy by calibration NLL, every block a candidate")
 def select_sleb(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """n greedy rounds, each removing the block whose removal gives the lowest calibration NLL."""
     earlier = scoring.shared.get("sleb")

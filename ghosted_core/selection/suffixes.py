@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from ghosted_core.memory_parts import attention_shape
 from ghosted_core.errors import GhostedError
 from ghosted_core.model.loading import decoder_blocks
-from ghosted_core.model.side_inputs import stream_refusal
+from ghosted_core.model.side_inputs import cached_stream_refusal
 from ghosted_core.model.surgery import assemble, sliced_config, stream_fed
 from ghosted_core.recovery.modules import module_device
 from ghosted_core.config_values import mlp_width
@@ -87,7 +87,7 @@ class CandidateRunner:
     _views: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        why = stream_refusal(self.dense.config, "this criterion")  # blocks reading what a cached stream lacks
+        why = cached_stream_refusal(self.dense.config, "this criterion")  # blocks reading what a cached stream lacks
         if why:
             raise GhostedError(why)
 

@@ -144,14 +144,16 @@ def _select(request: SelectionRequest, scoring: Scoring, probe: str, name: str) 
 
 
 @register_criterion("swap_kl", paper="No Free Swap (arXiv 2605.16234), interchange probe", needs="forward", cost=COST,
-                    memory=swap_bytes, from_streams=True, label=f"interchange-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
+                    memory=swap_bytes, from_streams=True,
+                    label=f"interchange-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
 def select_swap_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Removal guided by the interchange distance d_inter (slots i and j exchange weights)."""
     return _select(request, scoring, "interchange", "swap_kl")
 
 
 @register_criterion("swap_kl_repl", paper="No Free Swap (arXiv 2605.16234), replacement probe", needs="forward",
-                    cost=COST, memory=swap_bytes, from_streams=True, label=f"replacement-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
+                    cost=COST, memory=swap_bytes, from_streams=True,
+                    label=f"replacement-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
 def select_swap_kl_repl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Removal guided by the replacement distance d_repl (one block's weights in the other's slot, worse direction)."""
     return _select(request, scoring, "replacement", "swap_kl_repl")
