@@ -31,7 +31,8 @@ WRAPPERS = {
     # Gemma 4 Unified: Gemma 4's dense blocks with shared KV (blocks 2 and 3 store it for the last two)
     "gemma4_unified": (dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention", "sliding_attention",
                                                                                     "full_attention"],
-                            global_head_dim=12, num_kv_shared_layers=2), {}, "magcomp"),
+                            global_head_dim=12, num_kv_shared_layers=2,
+                            moe_intermediate_size=None), {}, "magcomp"),  # (as its checkpoints' config.json)
     "llama4": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=48, moe_layers=[1, 3, 5],
                     no_rope_layers=[1, 1, 1, 0, 1, 1], attention_chunk_size=8),
                dict(vision=dict(vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)), "magcomp"),

@@ -22,10 +22,11 @@ and reaches the compute graph. A dense checkpoint matches those rules by constru
   the step is refused.
 - `assumed` (Llama-4): values the runtime sets itself whatever the file says (the attention chunk of 8,192
   positions, and the attention temperature on its RoPE-less blocks with floor 8,192 and scale 0.1, as on Scout
-  and Maverick); a config with others is refused.
+  and Maverick); a config with others is refused. MiniCPM3 likewise: the embedding scale 12, the depth scale 1.4
+  and the logit base width 256 are constants of its graph (MiniCPM3-4B's).
 - `window_ignored` (Mistral, Phi-3, Qwen2): the graph runs full attention whatever the file says (Phi-3: "SWA is
   currently disabled"); an export whose config has a sliding window shorter than its context is warned about.
-- `softcap_unless_written` (Gemma 4): the final logits are soft-capped at 30 unless the file says otherwise, and
+- `softcap_unless_written` (Gemma 4, Gemma 4 Unified): the final logits are soft-capped at 30 unless the file says otherwise, and
   the converter writes the key only when the config sets one: a config without capping gets 0 written (off).
   Everything else Gemma 4 needs is read from the file (window pattern, per-kind head sizes and kv heads,
   shared-KV count, attention scale 1 as transformers); its type only names the model.
@@ -36,7 +37,7 @@ and reaches the compute graph. A dense checkpoint matches those rules by constru
   out otherwise is refused for GGUF.
 
 Other uses of the type in these architectures only name the model in logs (llama, mistral, qwen2/3, their MoEs,
-phi3, olmo2/3, olmoe, granite, granitehybrid, lfm2, gemma4); Qwen3-Next's, OLMo's and LFM2's per-layer kinds are read from
+phi3, olmo2/3, olmoe, granite, granitehybrid, lfm2, gemma4, minicpm3); Qwen3-Next's, OLMo's and LFM2's per-layer kinds are read from
 the file the converter writes from the sliced config.
 """
 
@@ -61,14 +62,22 @@ class RuntimeRules:
     kv_store_offsets: tuple[tuple[str, int], ...] = ()
 
 
+# Gemma 4 and Gemma 4 Unified: one llama.cpp graph (the converter writes GEMMA4 for both)
+GEMMA4 = RuntimeRules(softcap_unless_written=30.0, kv_store_offsets=(("sliding_attention", 2), ("full_attention", 1)))
+# MiniCPM3: the graph's own constants (src/models/minicpm3.cpp: "if the model varies, these parameters need to be
+# read from the model"), the values of MiniCPM3-4B; its depth scale divides by the file's block count, as a
+# checkpoint's reload does
+MINICPM3 = RuntimeRules(assumed=(("scale_emb", 12), ("scale_depth", 1.4), ("dim_model_base", 256)))
+
 RULES: dict[str, RuntimeRules] = {
     "mistral": RuntimeRules(window_ignored=True),
     "phi3": RuntimeRules(window_ignored=True),
     "qwen2": RuntimeRules(window_ignored=True),
     "gemma2": RuntimeRules(swa_period=2, scale_layers=46, scale_into="self_attn.q_proj.weight"),
     "gemma3_text": RuntimeRules(swa_period=6, scale_layers=62, scale_into="self_attn.q_norm.weight"),
-    "gemma4_text": RuntimeRules(softcap_unless_written=30.0,
-                                kv_store_offsets=(("sliding_attention", 2), ("full_attention", 1))),
+    "gemma4_text": GEMMA4,
+    "gemma4_unified_text": GEMMA4,
+    "minicpm3": MINICPM3,
     "gpt_oss": RuntimeRules(swa_period=2),
     "smollm3": RuntimeRules(no_rope_step=4),
     "llama4_text": RuntimeRules(no_rope_step=4, expert_step_key="interleave_moe_layer_step",

@@ -32,7 +32,7 @@ UNTIED = dict(tie_word_embeddings=False)  # these families' checkpoints are unti
 # Every family of the table's tiny configs is here (a new one enters with its config). Qwen2's and Qwen3.5-MoE's
 # folders are saved by transformers with Qwen2's pre-tokenizer whatever vocabulary they hold: they carry Qwen's own
 # (`QWEN_VOCABULARY`), as their checkpoints do, which the converter recognizes. Not here: gemma4_unified_text, whose
-# text-only checkpoints llama.cpp's converter does not read (it converts Gemma4UnifiedForConditionalGeneration only).
+# text-only checkpoints llama.cpp's converter does not read: its multimodal checkpoint is (`MULTIMODAL_GGUF`).
 # Gemma-2 converts with that sentencepiece model (`sentencepiece_folder`), as its checkpoints ship one; it is tied,
 # as they are (the converter drops an lm_head: llama.cpp's Gemma-2 always reads the embeddings).
 GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
@@ -67,6 +67,8 @@ GGUF_FAMILIES: dict[str, tuple[dict, tuple[int, ...]]] = {
     "llama4_text": (dict(UNTIED, attention_chunk_size=8192, interleave_moe_layer_step=2), (4, 5)),
     "qwen2": ({}, (1,)),
     "qwen3_5_moe_text": (dict(head_dim=64), (1,)),
+    # MiniCPM3: latent attention; the depth scale is read from the file's block count, as a reload recomputes it
+    "minicpm3": ({}, (1,)),
 }
 
 
@@ -78,7 +80,8 @@ def text_file(tmp_path_factory):
 
 
 # the tokenizer class they ship (Gemma 4's converter reads its tokenizer.json as a Llama-style byte-fallback BPE)
-SENTENCEPIECE = {"gemma2": "GemmaTokenizer", "gemma4_text": "GemmaTokenizer", "gemma4_e2b": "GemmaTokenizer"}
+SENTENCEPIECE = {"gemma2": "GemmaTokenizer", "gemma4_text": "GemmaTokenizer", "gemma4_e2b": "GemmaTokenizer",
+                 "minicpm3": "LlamaTokenizer"}
 # The fixture's ×20 embeddings leave these cases' greedy choices on near-ties (their perplexities agree to 5e-5
 # nats at ×20 too): they keep the embeddings as initialized.
 PLAIN_EMBEDDINGS = {"gemma3 (27B heads)", "gemma2 (27B heads)"}
@@ -235,32 +238,53 @@ def test_llama4_cuts_that_move_its_experts_or_ropeless_blocks_or_other_chunks_ar
     assert "'attention_chunk_size': 8" in runtime_refusal(_tiny_config("llama4_text")[1].to_dict())
 
 
+def test_minicpm3_with_scales_other_than_its_graphs_constants_is_refused():
+    """llama.cpp's MiniCPM3 graph scales the embeddings by 12, the branches by 1.4/√L and the logits by 256/width
+    whatever the file says: MiniCPM3-4B's values (the tiny config's) pass, any other is refused with the reason."""
+    assert runtime_refusal(_tiny_config("minicpm3")[1].to_dict()) is None
+    for key, value in (("scale_emb", 1.0), ("scale_depth", 1.0), ("dim_model_base", 64)):
+        reason = runtime_refusal(_tiny_config("minicpm3", **{key: value})[1].to_dict())
+        assert f"this model has {{'{key}': {value}}}" in reason
+
+
 def test_dense_blocks_among_experts_are_refused_for_qwen_moe():
     _, config = _tiny_config("qwen2_moe")  # mlp_only_layers [0], decoder_sparse_step 2
     assert "dense blocks among them" in runtime_refusal(config.to_dict())
     assert runtime_refusal(_tiny_config("qwen3_moe", mlp_only_layers=[])[1].to_dict()) is None
 
 
-def test_multimodal_gemma3_export_runs_its_text_decoder_in_llamacpp(llamacpp, smollm2_tokenizer, tmp_path):
-    """A cut Gemma-3 4B-style checkpoint (vision tower kept): the converter reads the wrapper's text config, and
-    llama.cpp's greedy tokens equal transformers' (the window pattern and the folded scale read from text_config)."""
+# multimodal checkpoints whose text decoder llama.cpp's converter reads from the wrapper (Gemma 4 Unified's only
+# this way: its converter takes no text-only checkpoint), with the tokenizer their checkpoints ship
+MULTIMODAL_GGUF = {"gemma3": "smollm2", "gemma4_unified": "gemma4_text"}
+
+
+@pytest.mark.parametrize("model_type", MULTIMODAL_GGUF)
+def test_multimodal_export_runs_its_text_decoder_in_llamacpp(model_type, llamacpp, smollm2_tokenizer,
+                                                             sentencepiece_folder, text_file, tmp_path):
+    """A cut multimodal checkpoint (Gemma-3 4B-style with its vision tower kept; Gemma 4 Unified with shared KV):
+    the converter reads the wrapper's text config, and llama.cpp's greedy tokens and f32 perplexity equal
+    transformers' (the window pattern, the folded scale and the recounted shared-KV blocks read from text_config)."""
     from tiny_multimodal import tiny_wrapper_folder
     from ghosted_core.export.folder import export_variant
     from ghosted_core.model.loading import LoadOptions, load_model
     from ghosted_core.model.surgery import build_variant
 
-    tiny_wrapper_folder("gemma3", smollm2_tokenizer, tmp_path / "dense")
+    tokenizer = tokenizer_for(MULTIMODAL_GGUF[model_type], smollm2_tokenizer, sentencepiece_folder, tmp_path)
+    tiny_wrapper_folder(model_type, tokenizer, tmp_path / "dense")
     view = load_model(str(tmp_path / "dense"), LoadOptions(device="cpu")).model
     variant = build_variant(view, (1,), record={"dense_layers": 6, "removed_layers": [1], "operator": "none",
                                                 "boundaries": [[1, 2]]})
-    folder = export_variant(variant, smollm2_tokenizer, tmp_path / "none", mode="stock").folder
-    gguf = convert_to_gguf(folder, tmp_path / "gemma3.gguf", outtype="f32").path
+    folder = export_variant(variant, tokenizer, tmp_path / "none", mode="stock").folder
+    gguf = convert_to_gguf(folder, tmp_path / f"{model_type}.gguf", outtype="f32").path
     generated = llamacpp_generate(gguf, PROMPT, max_new_tokens=NEW_TOKENS)
-    ids = smollm2_tokenizer(PROMPT, return_tensors="pt").input_ids
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         tokens = variant.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert list(generated.prompt_tokens) == ids[0].tolist()
     assert list(generated.tokens) == tokens[0, ids.shape[1]:].tolist()
+    ours = llamacpp_windowed_perplexity(variant, tokenizer, text_file.read_text(), 64, 8)
+    theirs = llamacpp_perplexity(gguf, text_file, 64, 8).value
+    assert math.log(ours) == pytest.approx(math.log(theirs), abs=5e-4), (model_type, ours, theirs)
 
 
 def test_every_cut_of_gemma4_e2b_keeps_the_shared_kv_where_llamacpp_reads_it():
