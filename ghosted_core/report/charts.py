@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -61,6 +63,13 @@ def short_context(report: dict) -> list[str]:
             f"calibration {cal.split(' (')[0]} ({'exact' if 'exact' in cal else 'stand-in'})" if cal else ""]
 
 
+def finite_range(scores) -> tuple[float, float]:
+    """(min, max) of the finite scores ((0, 1) where none is): a block a criterion could not score has None (no
+    bar), and a score axis is never stretched to infinity."""
+    finite = [s for s in scores if isinstance(s, (int, float)) and math.isfinite(s)]
+    return (min(finite), max(finite)) if finite else (0.0, 1.0)
+
+
 def scores_figure(report: dict) -> go.Figure:
     """The criterion's score per block (or per run start) with the removed blocks highlighted."""
     scores, label = report.get("scores", []), report.get("score_label", "")
@@ -75,7 +84,7 @@ def scores_figure(report: dict) -> go.Figure:
                     showlegend=False)
         fig.update_xaxes(title_text="run start s (the run removes s … s+n−1)" if per_run else "block i")
         fig.update_yaxes(title_text=label.rsplit(", per", 1)[0][:60])
-        low, high = min(scores), max(scores)
+        low, high = finite_range(scores)
         pad = 0.1 * (high - low or abs(high) or 1)
         fig.update_yaxes(range=[low - pad, high + pad])
         if per_run and removed:

@@ -14,7 +14,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ghosted_core.report.charts import base_figure, empty_figure, wrap_parts
+from ghosted_core.report.charts import base_figure, empty_figure, finite_range, wrap_parts
 from ghosted_core.report.summary import best_cell, compare_headline
 from ghosted_core.report.tables import PALETTE, blocks_text, corpus_tag, fmt, tokens_text
 from ghosted_core.selection.criteria import CRITERIA, criterion_title
@@ -94,8 +94,7 @@ def criterion_scores_figure(report: dict) -> go.Figure:
                     hovertemplate=f"{name}<br>{'run start' if per_run else 'block'} %{{x}}: %{{y:.4g}}<br>"
                                   f"{html.escape(label)}<extra></extra>")
         if scores:
-            finite = [s for s in scores if s == s and abs(s) != float("inf")]
-            low, high = (min(finite), max(finite)) if finite else (0.0, 1.0)
+            low, high = finite_range(scores)
             pad = 0.1 * (high - low or abs(high) or 1)
             fig.update_yaxes(range=[low - pad, high + pad], row=row, col=1)
         else:

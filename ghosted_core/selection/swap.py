@@ -44,26 +44,46 @@ COST = ("one dense pass per window, then 3 variants per pair within |i−j| ≤ 
 
 
 def with_weights_of(slot: nn.Module, source: nn.Module) -> nn.Module:
-    """A view of `slot` (its attention kind, window and index) that computes with `source`'s parameters."""
+    """A view of `slot` (its attention kind, window and index) that computes with `source`'s parameters and
+    persistent buffers (what a checkpoint holds for the block: Gemma 4's per-block output scalar among them)."""
     children = {name: with_weights_of(child, source.get_submodule(name)) for name, child in slot.named_children()}
     view = shallow_view(slot, **children)
     for name in list(view._parameters):
         view._parameters[name] = source._parameters[name]
+    for name in list(view._buffers):
+        if name not in view._non_persistent_buffers_set:
+            view._buffers[name] = source._buffers[name]
     return view
 
 
-def pairs(num_layers: int, window: int = WINDOW) -> list[tuple[int, int]]:
-    return [(i, j) for i in range(num_layers) for j in range(i + 1, min(i + window, num_layers - 1) + 1)]
+def exchangeable(a: nn.Module, b: nn.Module) -> bool:
+    """Whether blocks a and b have the same modules and tensors (names, classes, shapes), so that either can run in
+    the other's slot. Not so for blocks of other kinds in heterogeneous models: attention and linear-attention,
+    convolution or Mamba mixers (hybrids), experts and a dense MLP (mlp_only_layers), Gemma 4's wider
+    full-attention heads or its KV-sharing blocks (no key and value projections, a double-wide MLP), Llama-4's
+    RoPE blocks (a weightless query-key norm the others lack)."""
+    def layout(block: nn.Module) -> tuple[dict, dict]:
+        return ({name: type(m) for name, m in block.named_modules()},
+                {name: tuple(t.shape) for name, t in block.state_dict(keep_vars=True).items()})
+    return layout(a) == layout(b)
 
 
-def variant_steps(num_layers: int, window: int = WINDOW) -> list[tuple[str, tuple[int, int], int, tuple]]:
+def pairs(num_layers: int, window: int = WINDOW, blocks: Sequence[nn.Module] | None = None) -> list[tuple[int, int]]:
+    """Block pairs i < j with j − i ≤ `window`, and, given the blocks, only the exchangeable ones (`exchangeable`)."""
+    found = [(i, j) for i in range(num_layers) for j in range(i + 1, min(i + window, num_layers - 1) + 1)]
+    return found if blocks is None else [(i, j) for i, j in found if exchangeable(blocks[i], blocks[j])]
+
+
+def variant_steps(num_layers: int, window: int = WINDOW,
+                  chosen: Sequence[tuple[int, int]] | None = None) -> list[tuple[str, tuple[int, int], int, tuple]]:
     """The probes' variants as (kind, pair, entry slot, steps), a step being (slot, the block whose weights run
-    there): i←j runs j's weights at slot i, j←i i's at slot j, i↔j both; dense blocks after the first change."""
+    there): i←j runs j's weights at slot i, j←i i's at slot j, i↔j both; dense blocks after the first change.
+    `chosen`: the pairs (all within the window when None)."""
     def dense(start: int, stop: int = num_layers) -> tuple:
         return tuple((k, k) for k in range(start, stop))
 
     variants = []
-    for i, j in pairs(num_layers, window):
+    for i, j in pairs(num_layers, window) if chosen is None else chosen:
         variants.append(("i<-j", (i, j), i, ((i, j),) + dense(i + 1)))
         variants.append(("j<-i", (i, j), j, ((j, i),) + dense(j + 1)))
         variants.append(("i<->j", (i, j), i, ((i, j),) + dense(i + 1, j) + ((j, i),) + dense(j + 1)))
@@ -85,9 +105,12 @@ def swap_distances(scoring: Scoring, window: int = WINDOW) -> dict[str, dict[tup
     runner = CandidateRunner(scoring.model, scoring.work)
     blocks = runner.blocks
     num_layers = len(blocks)
-    chosen = pairs(num_layers, window)
+    chosen = pairs(num_layers, window, blocks)
+    if not chosen:
+        raise GhostedError(f"no two blocks within {window} of each other hold the same tensors, so no block can run in "
+                           "another's slot (the swap probes' measurement); use another criterion")
     views = {(a, b): with_weights_of(blocks[a], blocks[b]) for i, j in chosen for a, b in ((i, j), (j, i))}
-    variants = variant_steps(num_layers, window)
+    variants = variant_steps(num_layers, window, chosen)
 
     def modules(steps: tuple) -> tuple:
         return tuple((slot, blocks[slot] if source == slot else views[slot, source]) for slot, source in steps)
@@ -101,7 +124,8 @@ def swap_distances(scoring: Scoring, window: int = WINDOW) -> dict[str, dict[tup
 
 
 def layer_scores(distances: dict[tuple[int, int], float], num_layers: int) -> list[float]:
-    """s(i) = min over partners j in the window of d(i, j) (both members of a pair get its value)."""
+    """s(i) = min over partners j in the window of d(i, j) (both members of a pair get its value); infinite for a
+    block with no exchangeable partner in the window (taken last)."""
     scores = [float("inf")] * num_layers
     for (i, j), d in distances.items():
         scores[i], scores[j] = min(scores[i], d), min(scores[j], d)
@@ -133,14 +157,17 @@ def _select(request: SelectionRequest, scoring: Scoring, probe: str, name: str) 
     distances, first, scoring.work = scoring.shared["swap"]  # the measurement's own cost, whoever asks
     scores = layer_scores(distances[probe], request.num_layers)
     removed = guided_removal(scores, request.n, keep=request.keep)
+    unpaired = [i for i, score in enumerate(scores) if score == float("inf")]
     scoring.details[name] = {
-        "probe": probe, "window": WINDOW, "spacing": SPACING,
+        "probe": probe, "window": WINDOW, "spacing": SPACING, "unpaired": unpaired,
         "pairs": [[i, j] for i, j in distances[probe]],
         "replacement": list(distances["replacement"].values()), "interchange": list(distances["interchange"].values()),
         "directions": [list(v) for v in distances["directions"].values()],
     } | ({"shared_with": first} if first != name else {})
-    return PruningPlan(request.num_layers, removed, name, tuple(scores),
-                       f"{probe} score min_j d_{probe[:5]}(i, j) over |i−j| ≤ {WINDOW} (mean KL per token), per block")
+    note = f" (none: no block of the same tensors within {WINDOW}, taken last)" if unpaired else ""
+    return PruningPlan(request.num_layers, removed, name, tuple(None if i in unpaired else x for i, x in enumerate(scores)),
+                       f"{probe} score min_j d_{probe[:5]}(i, j) over |i−j| ≤ {WINDOW} (mean KL per token){note}, "
+                       "per block")
 
 
 @register_criterion("swap_kl", paper="No Free Swap (arXiv 2605.16234), interchange probe", needs="forward", cost=COST,

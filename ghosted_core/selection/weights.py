@@ -39,12 +39,14 @@ from ghosted_core.model.scaling import present_writers
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes
-from ghosted_core.config_values import mlp_width
+from ghosted_core.config_values import mlp_width, per_layer_width
 
 COST = "no forward pass: L·C²·(H·d + I) multiply-adds for the write-space Grams; memory: 2·L Grams of C × C (float32)"
 LABEL = "ours, inspired by WRP's abstract (no WRP code is public)"
 ATTENTION_SIDE = ("self_attn", "linear_attn", "conv", "mamba")  # a block's mixer: its first branch (the rest: MLP)
-BEHIND_NORM = {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj"}
+# the projection a post-norm normalizes (Gemma 4 E2B/E4B: the per-layer-input branch, counted on the MLP side)
+BEHIND_NORM = {"post_attention_layernorm": "self_attn.o_proj", "post_feedforward_layernorm": "mlp.down_proj",
+               "post_per_layer_input_norm": "per_layer_projection"}
 
 
 def _columns(module: nn.Module, transposed: bool) -> torch.Tensor:
@@ -60,17 +62,17 @@ def _write_matrix(block: nn.Module, arch: Architecture, side: int) -> tuple[torc
     """(A (C × k) float32, its scale r) for one branch of one block: side 0 the mixer (attention, linear attention,
     convolution or Mamba, whichever the block has), side 1 the MLP (a down_proj, or every expert and a shared one,
     side by side: memory C × (E·I + I_shared) float32 for experts, none beyond the weight for one fp32 Linear)."""
-    matrices, gain = [], None
+    matrices, gains = [], []
     for writer in present_writers(block, arch.residual_writers):
         if (writer.split(".")[0] in ATTENTION_SIDE or writer == "post_attention_layernorm") != (side == 0):
             continue
         if arch.post_norms:  # the projection behind the norm, rows scaled by the norm's gains
-            gain = block.get_submodule(writer).weight.detach().float() + arch.norm_gain_offset  # (C,)
-            matrices.append(gain[:, None] * _columns(block.get_submodule(BEHIND_NORM[writer]), False))
+            gains.append(block.get_submodule(writer).weight.detach().float() + arch.norm_gain_offset)  # (C,)
+            matrices.append(gains[-1][:, None] * _columns(block.get_submodule(BEHIND_NORM[writer]), False))
         else:
             matrices.append(_columns(block.get_submodule(writer), arch.experts_transposed))
     a = matrices[0] if len(matrices) == 1 else torch.cat(matrices, dim=1)  # (C, k)
-    return a, float(a.norm() if gain is None else gain.norm())
+    return a, float(a.norm() if not gains else torch.cat(gains).norm())  # behind norms: their gains fix the size
 
 
 def weight_similarity(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +123,8 @@ def choose(matrix: torch.Tensor, n: int, keep: Sequence[int] = ()) -> tuple[list
 def write_columns(config) -> int:
     """k of the MLP branch's write matrix: I, or every expert's and a shared expert's intermediate side by side."""
     experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
-    if not experts:
-        return mlp_width(config)
+    if not experts:  # (Gemma 4 E2B/E4B: a double-wide MLP on the KV-sharing blocks, the per-layer-input branch)
+        return mlp_width(config) * (2 if getattr(config, "use_double_wide_mlp", False) else 1) + per_layer_width(config)
     inner = int(getattr(config, "moe_intermediate_size", None) or mlp_width(config))
     shared = int(getattr(config, "shared_expert_intermediate_size", None) or getattr(config, "shared_intermediate_size",
                                                                                    None) or 0)

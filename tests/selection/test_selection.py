@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_LAYERS, make_tiny_model, random_tokens
+from conftest import TINY_FAMILIES, TINY_LAYERS, make_tiny_model, random_tokens
 from ghosted_core.calibration.capture import capture, run_forward
 from ghosted_core.calibration.collect import make_batches
 from ghosted_core.errors import GhostedError
@@ -131,3 +132,37 @@ def test_a_gemma4_cut_keeps_its_last_block():
         assert sorted(plan.removed) == list(range(TINY_LAYERS - 1)), criterion  # all but the last
     with pytest.raises(GhostedError, match="must stay"):
         select_blocks(model, "manual", SelectionRequest(TINY_LAYERS, 1, (TINY_LAYERS - 1,)), batches)
+
+
+# (family, criterion) pairs refused with a reason; every other pair must choose
+REFUSED = {
+    ("olmo2", "prunecomp"): "OLMo-2's blocks read the stream without",  # no pre-norm: a scale is not absorbed
+    ("olmo3", "prunecomp"): "OLMo-3's blocks read the stream without",
+    ("gemma4_e2b", "prunecomp"): "gate their per-layer embeddings",  # the gate reads the raw stream
+    ("lfm2", "sleb"): "removes every attention block",  # its greedy takes both attention blocks of six
+    **{(family, criterion): "runs blocks one at a time from cached residual streams"
+       for family in ("gemma4_e2b", "gemma4_unified_text") for criterion in ("sleb", "kl", "swap_kl", "swap_kl_repl")},
+}
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_every_criterion_chooses_on_every_family_or_refuses_in_one_line(family):
+    """Every criterion on every family's tiny model chooses two blocks the family may lose, or is refused with a
+    one-line reason (`REFUSED`): never another exception, never a silent refusal of a pair that should run."""
+    from ghosted_core.model.layer_config import required_blocks
+
+    model = make_tiny_model(family)
+    batches = make_batches(random_tokens(4, 16, seed=3), None, 2)
+    required = required_blocks(model.config)
+    for criterion in [name for name in CRITERIA if name != "none"]:  # ("none": the dense model, nothing chosen)
+        request = SelectionRequest(TINY_LAYERS, 1 if criterion == "manual" else 2, (1,) if criterion == "manual" else ())
+        request = dataclasses.replace(request, keep=required)
+        expected = REFUSED.get((family, criterion))
+        try:
+            plan = select_blocks(model, criterion, request, batches, quiet=True)[0]
+        except GhostedError as refused:
+            assert expected is not None and expected in str(refused), (family, criterion, str(refused))
+            assert "\n" not in str(refused)
+            continue
+        assert expected is None, (family, criterion, "chose where a refusal was expected")
+        assert len(plan.removed) == request.n and not set(plan.removed) & set(required), (family, criterion, plan)

@@ -43,6 +43,44 @@ def test_replacement_and_interchange_equal_hand_swapped_models(family):
         assert found["interchange"][i, j] == pytest.approx(mean_kl(model, swapped(model, {i: j, j: i}), ids), rel=1e-9)
 
 
+# heterogeneous blocks: only pairs of the same modules and tensors exchange weights
+MIXED = {
+    # sliding blocks 0, 1, 3, 4 alike; full blocks 2 and 5 have wider heads and keys as values
+    "gemma4_text": [(0, 1), (0, 3), (1, 3), (1, 4), (2, 5), (3, 4)],
+    # linear attention on 0, 2, 4; full attention on 1 (a dense MLP: mlp_only_layers), 3 and 5 (experts)
+    "qwen3_next": [(0, 2), (2, 4), (3, 5)],
+}
+
+
+@pytest.mark.parametrize("family", MIXED)
+def test_only_blocks_of_one_layout_swap_and_they_equal_hand_swapped_models(family):
+    """In a model whose blocks differ (attention kinds of other shapes, mixers, experts), the probes pair only
+    blocks with the same modules and tensors, each pair's distances equal the hand-swapped model's (persistent
+    buffers too: Gemma 4's per-block output scalar, set apart here), and a block with no partner gets no score and
+    is taken last."""
+    model = make_tiny_model(family).double()
+    model.config._experts_implementation = "eager"  # the grouped-matmul kernel has no float64
+    for j, block in enumerate(model.model.layers):
+        if hasattr(block, "layer_scalar"):
+            block.layer_scalar.fill_(1.0 + 0.1 * j)
+    ids = random_tokens(3, 12, seed=4)
+    found = swap_distances(Scoring(model, make_batches(ids, None, 2)))
+    assert list(found["interchange"]) == MIXED[family]
+    for i, j in MIXED[family][:3]:
+        forward = mean_kl(model, swapped(model, {i: j}), ids)
+        backward = mean_kl(model, swapped(model, {j: i}), ids)
+        assert found["directions"][i, j] == pytest.approx((forward, backward), rel=1e-9)
+        assert found["interchange"][i, j] == pytest.approx(mean_kl(model, swapped(model, {i: j, j: i}), ids), rel=1e-9)
+    scoring = Scoring(model, make_batches(ids, None, 2))
+    plan = CRITERIA["swap_kl"].select(SelectionRequest(TINY_LAYERS, 2), scoring)
+    paired = {k for pair in MIXED[family] for k in pair}
+    unpaired = [k for k in range(TINY_LAYERS) if k not in paired]
+    assert scoring.details["swap_kl"]["unpaired"] == unpaired
+    assert [k for k, score in enumerate(plan.scores) if score is None] == unpaired
+    assert ("taken last" in plan.score_label) == bool(unpaired)
+    assert set(plan.removed) <= paired
+
+
 def test_guided_removal_takes_ascending_scores_and_no_neighbours():
     scores = [0.5, 0.1, 0.1, 0.3, 0.2, 0.9]
     assert guided_removal(scores, 2) == (1, 4)  # 2 ties with 1 but is adjacent; 4 next
