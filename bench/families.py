@@ -271,9 +271,10 @@ def family_section() -> list[str]:
               "E4B run too (`ghosted_core/model/side_inputs.py`): each kept block keeps its slice of the per-layer "
               "embeddings (the export writes the kept slices), and the blocks that store the keys and values the last "
               "blocks reuse are kept by every criterion; prefix sharing and distillation start no later than the first "
-              "of them. Refused for them with the reason: the criteria that run blocks one at a time from cached "
-              "streams (sleb, kl, swap_kl, swap_kl_repl), and magcomp's scale (their blocks gate the per-layer "
-              "embeddings with the raw stream).", "",
+              "of them; the criteria that run blocks one at a time from cached streams (sleb, kl, swap_kl, "
+              "swap_kl_repl) carry each stream's stored keys and values and give each block its per-layer inputs. "
+              "Refused for them with the reason: magcomp's scale (their blocks gate the per-layer embeddings with the "
+              "raw stream).", "",
               "Multimodal checkpoints (`gemma3` 4B–27B, `gemma4`, `llama4`, `mistral3`, `qwen3_5`, …; `tests/model/test_multimodal.py`): "
               "the text decoder inside the wrapper is cut as its family above; the stock export is the whole checkpoint "
               "(vision tower and projector unchanged) and reloads as the same multimodal class. Remote-code saves of a "

@@ -53,3 +53,12 @@ def per_layer_width(config) -> int:
     from ghosted_core.architectures import architecture_of  # the table reads config values too
 
     return architecture_of(config).per_layer_inputs_width(config)
+
+
+def kv_stores(config) -> tuple[int, ...]:
+    """The blocks whose keys and values later blocks reuse on the same pass (Gemma 4 E2B/E4B: transformers'
+    `kv_sharing_modes`), () where none do."""
+    if not int(getattr(config, "num_kv_shared_layers", 0) or 0):
+        return ()
+    modes = list(getattr(config, "kv_sharing_modes", None) or [])
+    return tuple(j for j, mode in enumerate(modes) if mode == "store") if "reuse" in modes else ()

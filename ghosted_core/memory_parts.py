@@ -17,7 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ghosted_core.architectures import architecture_of
-from ghosted_core.config_values import mlp_width, per_layer_width, widest
+from ghosted_core.config_values import kv_stores, mlp_width, per_layer_width, widest
 from ghosted_core.statistics import STATS_ITEM
 
 GIB = 2**30
@@ -145,6 +145,13 @@ def per_layer_input_bytes(config: PretrainedConfig, tokens: int, item: int) -> i
     """Gemma 4 E2B/E4B's per-layer inputs for `tokens`, L·P per token: the table's rows, the projection of the
     embeddings and their sum (held through the blocks, the first two only while it is made); 0 for other families."""
     return 3 * tokens * config.num_hidden_layers * per_layer_width(config) * item
+
+
+def shared_kv_bytes(config: PretrainedConfig, tokens: int, item: int) -> int:
+    """The keys and values Gemma 4 E2B/E4B's storing blocks keep for later blocks over `tokens` (each store's, at
+    the widest heads: a bound); 0 for other families. A stream cached for later blocks carries them too."""
+    heads, kv, head_dim = attention_shape(config)
+    return len(kv_stores(config)) * 2 * kv * head_dim * tokens * item
 
 
 def activation_bytes(config: PretrainedConfig, tokens: int, seqlen: int, dtype: torch.dtype, residuals: int,

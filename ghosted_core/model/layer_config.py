@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ghosted_core.architectures import architecture_of
 from ghosted_core.config_values import global_value, layer_overrides
 from ghosted_core.errors import GhostedError
-from ghosted_core.model.side_inputs import kv_stores
+from ghosted_core.config_values import kv_stores
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def sliced_values(config, kept: Sequence[int]) -> dict:
 
 def required_reasons(config) -> dict[int, str]:
     """The blocks every cut must keep, by the family's rules, with why: Gemma 4's last (`Architecture.last_block_stays`)
-    and the blocks whose keys and values later blocks reuse (`side_inputs.kv_stores`)."""
+    and the blocks whose keys and values later blocks reuse (`config_values.kv_stores`)."""
     reasons = {j: f"the keys and values it computes are reused by the last {config.num_kv_shared_layers} blocks "
                   "(shared KV): without it they would read another block's" for j in kv_stores(config)}
     if architecture_of(config).last_block_stays:

@@ -10,8 +10,9 @@ Gemma 4's small checkpoints (E2B, E4B) give each block two more inputs:
 - **shared keys and values**: the last `num_kv_shared_layers` blocks ("reuse") attend with the keys and values of
   the last earlier block of their kind ("store"), computed on the same forward pass. A cut must keep every store
   (`layer_config.required_blocks`), and a view that starts after a store would miss what its reusers read, so
-  prefix sharing and distillation start no later than the first store (`self_contained_start`), and the criteria
-  that run one block at a time from cached streams are refused (`cached_stream_refusal`).
+  prefix sharing and distillation start no later than the first store (`self_contained_start`). The criteria that
+  run one block at a time from cached streams (`selection.suffixes`) carry the stored keys and values with each
+  cached stream instead, and give each block its per-layer inputs (`dense_per_layer_inputs`).
 
 The family's facts (which modules pack slices, the width field, the base model's index of the first reuser) are
 data in its architecture-table entry; the store/reuse layout is transformers' own `config.kv_sharing_modes`.
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from ghosted_core.architectures import architecture_of
-from ghosted_core.config_values import per_layer_width
+from ghosted_core.config_values import kv_stores, per_layer_width
 
 
 class PackedRows(nn.Module):
@@ -110,18 +111,14 @@ def stream_kwargs(view, input_ids: torch.Tensor) -> dict:
         return {"per_layer_inputs": cls.project_per_layer_inputs(base, base.embed_tokens(ids), tokens)}
 
 
-def kv_stores(config) -> tuple[int, ...]:
-    """The blocks whose keys and values later blocks reuse (transformers' `kv_sharing_modes`), () where none do."""
-    modes = _modes(config)
-    if "reuse" not in modes:
-        return ()
-    return tuple(j for j, mode in enumerate(modes) if mode == "store")
-
-
-def _modes(config) -> list:
-    if not int(getattr(config, "num_kv_shared_layers", 0) or 0):
-        return []
-    return list(getattr(config, "kv_sharing_modes", None) or [])
+def dense_per_layer_inputs(model, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The per-layer inputs of every block `model` holds for the batch `input_ids` (B, T): (B, T, blocks, P), or
+    None for a family without them. Memory: B·T·blocks·P in the model's dtype."""
+    if not per_layer_width(model.config):
+        return None
+    if input_ids is None:
+        raise ValueError("this model's blocks read per-layer inputs of the tokens: give the batch's input_ids")
+    return stream_kwargs(model, input_ids)["per_layer_inputs"]
 
 
 def self_contained_start(config) -> int:
@@ -130,16 +127,3 @@ def self_contained_start(config) -> int:
     the block count (any)."""
     stores = kv_stores(config)
     return min(stores) if stores else int(config.num_hidden_layers)
-
-
-def cached_stream_refusal(config, what: str) -> str | None:
-    """Why `what` (a criterion that runs blocks one at a time from cached streams) cannot run on this model, or None."""
-    if kv_stores(config):
-        return (f"{what} runs blocks one at a time from cached residual streams, and this model's last "
-                f"{config.num_kv_shared_layers} blocks attend with keys and values that earlier blocks compute on the "
-                "same pass (shared KV, Gemma 4 E2B/E4B), which a cached stream does not carry; use a criterion that "
-                "reads whole passes (streamline, shortgpt, angular, starts, weights, prunecomp) or --layers")
-    if per_layer_width(config):
-        return (f"{what} runs blocks one at a time from cached residual streams, and this model's blocks also read "
-                "per-layer embeddings of the tokens, which a cached stream does not carry")
-    return None

@@ -24,7 +24,6 @@ from ghosted_core.evaluation.generation import GenerationOptions
 from ghosted_core.memory import MemoryPlan, PlanRequest, plan_memory, resident_bytes
 from ghosted_core.memory_parts import dtype_bytes, inner_width, max_boundaries, min_calibration_sequences
 from ghosted_core.model.embedded import DEFAULT_MODEL
-from ghosted_core.model.side_inputs import cached_stream_refusal
 from ghosted_core.model.loading import LoadedModel, LoadOptions, check_load_options, model_placement, peek_config, \
     resolve_device, resolve_dtype
 from ghosted_core.recovery.assessment import SHOWN, Diagnostics
@@ -201,12 +200,7 @@ def for_family(options: RunOptions, config) -> tuple[RunOptions, list[str]]:
 def check_family(options: RunOptions, config, criteria: Sequence[str] | None = None) -> None:
     """Refuse, before any work, an operator that acts on a part of a block the model's family does not have (a
     scale on residual writers the table does not name, an MLP branch no single module computes, experts where
-    the refit needs one down_proj), with the reason (`Architecture.refusal`), and a criterion (`options.criterion`,
-    or a comparison's `criteria`) that runs blocks from cached streams where blocks read more than the stream
-    (`side_inputs.cached_stream_refusal`)."""
-    for name in criteria or (options.criterion,):
-        if get_criterion(name).from_streams and (why := cached_stream_refusal(config, f"the {name} criterion")):
-            raise GhostedError(why)
+    the refit needs one down_proj), with the reason (`Architecture.refusal`)."""
     arch = architecture_of(config)
     asked = [(r, "the weights criterion") for r in (("writers",) if options.criterion == "weights" else ())]
     for variant in options.variants:

@@ -85,7 +85,6 @@ class CriterionSpec:
     memory: Callable[[ScoreShapes], Footprint]  # its scoring's bytes beyond the weights (the memory plan's score phase)
     label: str = ""  # how it differs from the paper's or reference's method, shown beside its name
     contiguous: bool = False  # always removes one run of blocks (one boundary)
-    from_streams: bool = False  # runs blocks one at a time from cached residual streams (`suffixes.CandidateRunner`)
 
     @property
     def needs_similarity(self) -> bool:
@@ -106,8 +105,7 @@ CRITERIA: dict[str, CriterionSpec] = {}
 
 
 def register_criterion(name: str, *, paper: str, needs: str, cost: str,
-                       memory: Callable[[ScoreShapes], Footprint], label: str = "", contiguous: bool = False,
-                       from_streams: bool = False):
+                       memory: Callable[[ScoreShapes], Footprint], label: str = "", contiguous: bool = False):
     """Add `fn(request: SelectionRequest, scoring: Scoring) -> PruningPlan` to CRITERIA.
 
     `memory` is required: `memory(shapes: ScoreShapes) -> Footprint`, the bytes its scoring holds beyond
@@ -119,7 +117,7 @@ def register_criterion(name: str, *, paper: str, needs: str, cost: str,
 
     def decorator(fn):
         check_signature(fn, f"criterion {name}", {"request": SelectionRequest, "scoring": Scoring}, PruningPlan)
-        add(CRITERIA, name, CriterionSpec(name, fn, needs, paper, cost, memory, label, contiguous, from_streams),
+        add(CRITERIA, name, CriterionSpec(name, fn, needs, paper, cost, memory, label, contiguous),
             "criterion")
         return fn
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from ghosted_core.memory_parts import LOGITS_BUDGET, block_run_bytes, forward_bytes
+from ghosted_core.memory_parts import LOGITS_BUDGET, block_run_bytes, forward_bytes, shared_kv_bytes
 from ghosted_core.selection.suffixes import STATE_BUDGET
 
 
@@ -59,8 +59,10 @@ class ScoreShapes:
         return self.sequences * self.seqlen
 
     def state(self, tokens: int | None = None) -> int:
-        """One residual state (tokens × C) in the model's dtype; one batch's when `tokens` is None."""
-        return (self.batch_tokens if tokens is None else tokens) * self.width * self.item
+        """One residual state (tokens × C) in the model's dtype, with the keys and values it carries for later
+        blocks where a model shares them (`memory_parts.shared_kv_bytes`); one batch's when `tokens` is None."""
+        tokens = self.batch_tokens if tokens is None else tokens
+        return tokens * self.width * self.item + shared_kv_bytes(self.config, tokens, self.item)
 
     def forward(self, tokens: int | None = None) -> int:
         """One forward over `tokens` (one batch's when None) at its peak (`memory_parts.forward_bytes`)."""

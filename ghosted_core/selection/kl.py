@@ -14,14 +14,16 @@ L−n+2 heads, against L−n+1 full passes naively. Memory: the candidates' stat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
+from ghosted_core.model.layer_config import required_blocks
 from ghosted_core.plan import PruningPlan
 from ghosted_core.progress import Tracker
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, group_size, logits_chunk
 from ghosted_core.selection.next_token import count_targets, kl_sums
-from ghosted_core.selection.suffixes import Candidate, CandidateRunner, chunks
+from ghosted_core.selection.suffixes import CandidateRunner, chunks
 
 COST = ("one dense pass per window, then every run start's suffix from the cached state: (L−n+1)(L−n)/2 block runs "
         "and L−n+2 heads per window (naive: L−n+1 full passes); memory: L+1 residual states per batch")
@@ -38,24 +40,32 @@ def mean_kl(scoring: Scoring, runner: CandidateRunner, variants: Sequence[tuple[
     batches = scoring.fit_batches
     progress = Tracker(what, len(variants) * len(batches), unit, scoring.quiet)
     for batch in batches:
-        states = runner.dense_states(batch.input_ids, batch.attention_mask)  # h_0 … h_L
-        candidates = [Candidate(states[entry], steps) for entry, steps in variants]
+        entries = runner.dense_states(batch.input_ids, batch.attention_mask)  # h_0 … h_L (and the KV stored)
+        candidates = [dataclasses.replace(entries[entry], steps=steps) for entry, steps in variants]
         sums: list[float] = []
         for group in chunks(candidates):
-            sums += kl_sums(scoring.model, runner.run(group, batch.attention_mask), states[num_layers],
-                            batch.attention_mask, scoring.work)
+            finals = runner.run(group, batch.attention_mask, input_ids=batch.input_ids)
+            sums += kl_sums(scoring.model, finals, entries[num_layers].state, batch.attention_mask, scoring.work)
             progress.advance(len(group))
         totals = [t + x for t, x in zip(totals, sums)]
         positions += count_targets(batch.input_ids, batch.attention_mask, targets=False)
     return [t / max(positions, 1) for t in totals]
 
 
-def run_kl(scoring: Scoring, n: int) -> list[float]:
-    """Mean KL(p_dense ‖ p_without s…s+n−1) per position, for s = 0 … L−n."""
+def run_kl(scoring: Scoring, n: int, keep: Sequence[int] = ()) -> list[float | None]:
+    """Mean KL(p_dense ‖ p_without s…s+n−1) per position, for s = 0 … L−n; None for a run that would remove a
+    block in `keep` or one the family requires (not run: Gemma 4 E2B's later blocks cannot run without the keys
+    and values such a block stores)."""
     runner = CandidateRunner(scoring.model, scoring.work)
     num_layers = len(runner.blocks)
-    return mean_kl(scoring, runner, [(s, tuple((j, runner.blocks[j]) for j in range(s + n, num_layers)))
-                                     for s in range(num_layers - n + 1)], "score kl", "run starts")
+    keep = set(keep) | set(required_blocks(scoring.model.config))
+    starts = [s for s in range(num_layers - n + 1) if not set(range(s, s + n)) & keep]
+    found = mean_kl(scoring, runner, [(s, tuple((j, runner.blocks[j]) for j in range(s + n, num_layers)))
+                                      for s in starts], "score kl", "run starts")
+    scores: list[float | None] = [None] * (num_layers - n + 1)
+    for s, value in zip(starts, found):
+        scores[s] = value
+    return scores
 
 
 def dense_states_bytes(shapes: ScoreShapes, candidates: int, tallest: int | None = None) -> int:
@@ -73,10 +83,10 @@ def kl_bytes(shapes: ScoreShapes) -> Footprint:
 
 
 @register_criterion("kl", memory=kl_bytes, paper="output-grounded removal (the measure the cosine criteria approximate)", needs="forward",
-                    contiguous=True, from_streams=True, cost=COST, label="KL to the dense next-token distribution")
+                    contiguous=True, cost=COST, label="KL to the dense next-token distribution")
 def select_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """The run start s with the lowest mean KL(p_dense ‖ p_pruned); ties to the lowest s."""
-    scores = run_kl(scoring, request.n)
+    scores = run_kl(scoring, request.n, request.keep)
     start = min(filter(request.run_removable, range(len(scores))), key=lambda s: (scores[s], s))
     return PruningPlan(request.num_layers, tuple(range(start, start + request.n)), "kl", tuple(scores),
                        f"mean KL(p_dense ‖ p_pruned) per token with blocks s…s+{request.n - 1} removed, per run start s")

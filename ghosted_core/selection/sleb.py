@@ -42,6 +42,7 @@ from transformers import PreTrainedModel
 from ghosted_core.progress import track
 from ghosted_core.calibration.collect import CalibrationBatch
 from ghosted_core.errors import GhostedError
+from ghosted_core.model.layer_config import required_blocks
 from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, group_size, logits_chunk
@@ -79,28 +80,33 @@ def _steps(runner: CandidateRunner, slots: Sequence[int]) -> tuple:
     return tuple((j, runner.blocks[j]) for j in slots)
 
 
+def _bytes(state: torch.Tensor, shared: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in (state, *(x for kv in shared.values() for x in kv)))
+
+
 class _Memo:
-    """Residual states by the block sequence run to reach them, one table per calibration batch."""
+    """Residual states by the block sequence run to reach them, one table per calibration batch, each with the
+    keys and values its KV-storing blocks computed (`Candidate.shared`; empty for most families)."""
 
     def __init__(self, budget: int):
-        self.tables: list[dict[tuple[int, ...], torch.Tensor]] = []
+        self.tables: list[dict[tuple[int, ...], tuple[torch.Tensor, dict]]] = []
         self.budget, self.bytes = budget, 0
 
-    def longest(self, b: int, sequence: Sequence[int]) -> tuple[int, torch.Tensor]:
-        """(m, state) for the longest stored prefix sequence[:m]."""
+    def longest(self, b: int, sequence: Sequence[int], runner: CandidateRunner) -> Candidate:
+        """The candidate running `sequence` from its longest stored prefix sequence[:m]."""
         table = self.tables[b]
         for m in range(len(sequence), -1, -1):
-            state = table.get(tuple(sequence[:m]))
-            if state is not None:
-                return m, state
+            kept = table.get(tuple(sequence[:m]))
+            if kept is not None:
+                return Candidate(kept[0], _steps(runner, sequence[m:]), tuple(sequence[:m]), kept[1])
         raise KeyError("the embedding of every batch is stored first")
 
     def storer(self, b: int):
         """A `Store` that keeps a state while the budget holds it (the rest is recomputed when needed)."""
-        def store(prefix: tuple[int, ...], state: torch.Tensor) -> None:
-            size = state.numel() * state.element_size()
+        def store(prefix: tuple[int, ...], state: torch.Tensor, shared: dict) -> None:
+            size = _bytes(state, shared)
             if self.bytes + size <= self.budget:
-                self.tables[b][prefix] = state
+                self.tables[b][prefix] = (state, shared)
                 self.bytes += size
         return store
 
@@ -119,9 +125,9 @@ class _Memo:
         for table in self.tables:
             for key in [k for k in table if not useful(k)]:
                 del table[key]
-            for key, state in table.items():
-                table[key] = state.clone()
-                self.bytes += state.numel() * state.element_size()
+            for key, (state, shared) in table.items():
+                table[key] = state.clone(), {kind: (k.clone(), v.clone()) for kind, (k, v) in shared.items()}
+                self.bytes += _bytes(*table[key])
 
 
 def screened(bounds: Sequence[float], exact: Callable[[int], float], skip: Sequence[int] = ()) -> list[float | None]:
@@ -143,35 +149,43 @@ def screened(bounds: Sequence[float], exact: Callable[[int], float], skip: Seque
 
 def _round(runner: CandidateRunner, model: PreTrainedModel, memo: _Memo, alive: Sequence[int],
            batches: Sequence[CalibrationBatch], keep: Sequence[int] = ()) -> tuple[list[float | None], list[float | None]]:
-    """Exact NLL sums (None where the bound ruled a candidate out, or it is in `keep`: never removed) and the
-    bounds, per candidate in `alive` order."""
-    first = memo.tables[0][()]  # (B, T, C): the width and dtype of every state
+    """Exact NLL sums (None where the bound ruled a candidate out, or it is in `keep`: never removed, never run)
+    and the bounds (None for those in `keep`), per candidate in `alive` order."""
+    scored = [p for p, q in enumerate(alive) if q not in keep]
+    exact, bounds = _round_of(runner, model, memo, alive, batches, [alive[p] for p in scored])
+    full_exact: list[float | None] = [None] * len(alive)
+    full_bounds: list[float | None] = [None] * len(alive)
+    for p, x, bound in zip(scored, exact, bounds):
+        full_exact[p], full_bounds[p] = x, bound
+    return full_exact, full_bounds
+
+
+def _round_of(runner: CandidateRunner, model: PreTrainedModel, memo: _Memo, alive: Sequence[int],
+              batches: Sequence[CalibrationBatch], removable: Sequence[int]) -> tuple[list, list]:
+    """`_round` over the candidates removing one block of `removable` each, in that order."""
+    first = memo.tables[0][()][0]  # (B, T, C): the width and dtype of every state
     tokens = sum(batch.input_ids.numel() for batch in batches)
-    screen = len(alive) * tokens * first.shape[-1] * first.element_size() <= FINALS_BUDGET
+    screen = len(removable) * tokens * first.shape[-1] * first.element_size() <= FINALS_BUDGET
     finals: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []
-    exact: list[float] = [0.0] * len(alive)
+    exact: list[float] = [0.0] * len(removable)
     for b, batch in enumerate(batches):
-        m, state = memo.longest(b, alive)  # the current model: its states kept first, under the budget
-        current.append(runner.run([Candidate(state, _steps(runner, alive[m:]), tuple(alive[:m]))],
-                                  batch.attention_mask, memo.storer(b))[0])
-        candidates = []
-        for q in alive:
-            sequence = [j for j in alive if j != q]
-            m, state = memo.longest(b, sequence)
-            candidates.append(Candidate(state, _steps(runner, sequence[m:]), tuple(sequence[:m])))
+        # the current model: its states kept first, under the budget
+        current.append(runner.run([memo.longest(b, alive, runner)], batch.attention_mask, memo.storer(b),
+                                  batch.input_ids)[0])
+        candidates = [memo.longest(b, [j for j in alive if j != q], runner) for q in removable]
         batch_finals: list[torch.Tensor] = []
         for group in chunks(candidates):
-            batch_finals += runner.run(group, batch.attention_mask, memo.storer(b))
+            batch_finals += runner.run(group, batch.attention_mask, memo.storer(b), batch.input_ids)
         if screen:
             finals.append(batch_finals)
         else:  # too big to keep for the bounds: every candidate gets its exact head now
             sums = nll_sums(model, batch_finals, batch.input_ids, batch.attention_mask, work=runner.work)
             exact = [e + s for e, s in zip(exact, sums)]
     if not screen:
-        return list(exact), [None] * len(alive)
+        return list(exact), [None] * len(removable)
     subset = vocabulary_subset(model, current, [b.input_ids for b in batches], SUBSET_TOP, runner.work)
-    bounds = [0.0] * len(alive)
+    bounds = [0.0] * len(removable)
     for batch, batch_finals in zip(batches, finals):
         sums = nll_sums(model, batch_finals, batch.input_ids, batch.attention_mask, subset, runner.work)
         bounds = [x + s for x, s in zip(bounds, sums)]
@@ -179,12 +193,14 @@ def _round(runner: CandidateRunner, model: PreTrainedModel, memo: _Memo, alive: 
         return sum(nll_sums(model, [f[p]], batch.input_ids, batch.attention_mask, work=runner.work)[0]
                    for batch, f in zip(batches, finals))
 
-    return screened(bounds, exact_sum, skip=[p for p, q in enumerate(alive) if q in keep]), bounds
+    return screened(bounds, exact_sum), bounds
 
 
 def sleb_order(model: PreTrainedModel, n: int, batches: Sequence[CalibrationBatch], work: Work | None = None,
                quiet: bool = True, memo_budget: int = MEMO_BUDGET, keep: Sequence[int] = ()) -> SlebResult:
-    """n greedy rounds of SLEB on the calibration batches (held-out ones skipped); blocks in `keep` stay."""
+    """n greedy rounds of SLEB on the calibration batches (held-out ones skipped); blocks in `keep` stay, and so do
+    those the family requires (`layer_config.required_blocks`: without them the other blocks cannot run)."""
+    keep = tuple(sorted(set(keep) | set(required_blocks(model.config))))
     runner = CandidateRunner(model, work or Work())
     num_layers = len(runner.blocks)
     if not 1 <= n < num_layers:
@@ -194,7 +210,7 @@ def sleb_order(model: PreTrainedModel, n: int, batches: Sequence[CalibrationBatc
         raise GhostedError("sleb needs calibration text: no calibration batch was given")
     memo = _Memo(memo_budget)
     for batch in fit:
-        memo.tables.append({(): runner.embed(batch.input_ids)})
+        memo.tables.append({(): (runner.embed(batch.input_ids), {})})
     tokens = sum(count_targets(b.input_ids, b.attention_mask) for b in fit)
     removed: list[int] = []
     rounds = []
@@ -239,7 +255,7 @@ def sleb_bytes(shapes: ScoreShapes) -> Footprint:
 
 
 @register_criterion("sleb", paper="SLEB (Song et al. 2024)", needs="forward", cost=COST, memory=sleb_bytes,
-                    from_streams=True, label="greedy by calibration NLL, every block a candidate")
+                    label="greedy by calibration NLL, every block a candidate")
 def select_sleb(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """n greedy rounds, each removing the block whose removal gives the lowest calibration NLL."""
     earlier = scoring.shared.get("sleb")
@@ -252,7 +268,8 @@ def select_sleb(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
                             request.keep)
         scoring.shared["sleb"] = (result, scoring.work)
     first = result.rounds[0]
-    scores = tuple((x if x is not None else b) / result.tokens for x, b in zip(first.nll, first.bound))
+    scores = tuple(None if x is None and b is None else (x if x is not None else b) / result.tokens
+                   for x, b in zip(first.nll, first.bound))  # None: a block the family keeps (not run)
     scoring.details["sleb"] = {
         "order": list(result.order), "tokens": result.tokens, "reference_note": REFERENCE_NOTE,
         "rounds": [{"removed": r.removed, "nll": [None if x is None else x / result.tokens for x in r.nll],

@@ -9,8 +9,15 @@ that run the same module there are concatenated along the batch axis and run tog
 block runs once per slot on a tall batch instead of once per candidate (the same arithmetic,
 fewer, larger matrix products). No candidate recomputes the shared prefix before its entry.
 
+What a block reads besides the stream travels with it (`side_inputs`): Gemma 4 E2B/E4B's per-layer
+inputs are made once per call from the batch's tokens and each slot is given its own slice; the keys
+and values a KV-storing block computes for later blocks (`Candidate.shared`) follow each candidate
+along its path, split and concatenated with it, and are kept with its states (`Store`).
+
 Memory: the states of the candidates run together, candidates × B × T × C in the model dtype,
-kept under `STATE_BUDGET` by `chunks` (the caller scores chunk by chunk).
+kept under `STATE_BUDGET` by `chunks` (the caller scores chunk by chunk); with shared KV, each
+candidate's stored keys and values (B × kv heads × T × head dim per store, two stores on E2B/E4B)
+and the per-layer inputs of one batch (B × T × L × P).
 """
 
 from __future__ import annotations
@@ -23,9 +30,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ghosted_core.memory_parts import attention_shape
-from ghosted_core.errors import GhostedError
 from ghosted_core.model.loading import decoder_blocks
-from ghosted_core.model.side_inputs import cached_stream_refusal
+from ghosted_core.config_values import kv_stores
+from ghosted_core.model.side_inputs import dense_per_layer_inputs
 from ghosted_core.model.surgery import assemble, sliced_config, stream_fed
 from ghosted_core.recovery.modules import module_device
 from ghosted_core.config_values import mlp_width
@@ -67,15 +74,17 @@ def pass_equivalents(config, block_runs: float, head_runs: float) -> float:
 class Candidate:
     """A model from a cached residual on: `state` (B, T, C) enters the first of `steps`, each (slot, module).
 
-    `prefix`: the slots already run to reach `state` (what `run`'s `store` callback extends).
+    `prefix`: the slots already run to reach `state` (what `run`'s `store` callback extends). `shared`: the keys
+    and values the KV-storing blocks of the prefix computed, by attention kind (empty for most families).
     """
 
     state: torch.Tensor
     steps: tuple[tuple[int, nn.Module], ...]  # ascending slots; empty: `state` goes straight to the final norm
     prefix: tuple[int, ...] = ()
+    shared: dict = field(default_factory=dict)  # {kind: (keys, values)}, each (B, kv heads, T, head dim)
 
 
-Store = Callable[[tuple[int, ...], torch.Tensor], None]
+Store = Callable[[tuple[int, ...], torch.Tensor, dict], None]  # (prefix, state, shared KV after the prefix)
 
 
 @dataclass
@@ -87,9 +96,7 @@ class CandidateRunner:
     _views: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        why = cached_stream_refusal(self.dense.config, "this criterion")  # blocks reading what a cached stream lacks
-        if why:
-            raise GhostedError(why)
+        self.shares_kv = bool(kv_stores(self.dense.config))
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -105,15 +112,17 @@ class CandidateRunner:
         return self._views[key][0]
 
     def run_slot(self, slot: int, module: nn.Module, h: torch.Tensor, windows: int,
-                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`module` at `slot` on h (N, T, C); `windows` calibration windows are in the batch (for the count)."""
+                 attention_mask: torch.Tensor | None = None, **side) -> torch.Tensor:
+        """`module` at `slot` on h (N, T, C); `windows` calibration windows are in the batch (for the count).
+        `side`: what the block reads besides the stream (`per_layer_inputs` (N, T, 1, P) for this slot;
+        `shared_kv_states`, which a storing block fills in place)."""
         view = self._view(slot, module)
         h = h.to(module_device(module))
         mask = None if attention_mask is None else attention_mask.to(h.device)
         with torch.no_grad():
-            out = view.model(inputs_embeds=h, attention_mask=mask, use_cache=False).last_hidden_state  # (N, T, C)
+            out = view.model(inputs_embeds=h, attention_mask=mask, use_cache=False, **side).last_hidden_state
         self.work.block_runs += windows
-        return out
+        return out  # (N, T, C)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """h_0 (B, T, C): the embedding as the model applies it (Gemma's scale included); counts one pass."""
@@ -122,21 +131,27 @@ class CandidateRunner:
         with torch.no_grad():
             return embed(input_ids.to(module_device(embed)))
 
-    def dense_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """One dense pass from the tokens: the residual entering every block, then the final norm's input (L+1 states)."""
-        states = [self.embed(input_ids)]
+    def dense_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> list[Candidate]:
+        """One dense pass from the tokens: the residual entering every block, then the final norm's input (L+1
+        entries, each with the shared KV its prefix stored; no steps: give each its own)."""
+        entries = [Candidate(self.embed(input_ids), ())]
         steps = tuple((j, block) for j, block in enumerate(self.blocks))
-        self.run([Candidate(states[0], steps)], attention_mask, store=lambda _prefix, h: states.append(h))
-        return states
+        self.run([Candidate(entries[0].state, steps)], attention_mask,
+                 lambda prefix, h, shared: entries.append(Candidate(h, (), prefix, shared)), input_ids)
+        return entries
 
     def run(self, candidates: Sequence[Candidate], attention_mask: torch.Tensor | None = None,
-            store: Store | None = None) -> list[torch.Tensor]:
+            store: Store | None = None, input_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Each candidate's residual entering the final norm (B, T, C), every slot run once per distinct module.
 
-        `store(prefix, state)`, if given, receives every state a candidate reaches, keyed by the slots run so far.
+        `store(prefix, state, shared)`, if given, receives every state a candidate reaches, keyed by the slots run
+        so far, with the shared KV stored on the way. `input_ids` (B, T): the batch every candidate's state belongs
+        to, needed where blocks read per-layer inputs of the tokens (Gemma 4 E2B/E4B).
         """
+        per_layer = dense_per_layer_inputs(self.dense, input_ids)  # (B, T, L, P), or None: the family has none
         finals: list[torch.Tensor | None] = [c.state if not c.steps else None for c in candidates]
         current = {k: c.state for k, c in enumerate(candidates) if c.steps}
+        shared = {k: dict(candidates[k].shared) for k in current}
         position = {k: 0 for k in current}
         for slot in sorted({s for c in candidates for s, _ in c.steps}):
             groups: dict[int, list[int]] = {}
@@ -149,11 +164,18 @@ class CandidateRunner:
                 sizes = [current[k].shape[0] for k in members]
                 batch = torch.cat([current[k].to(module_device(module)) for k in members])  # (Σ B, T, C)
                 mask = None if attention_mask is None else attention_mask.repeat(len(members), 1)
-                outs = self.run_slot(slot, module, batch, sum(sizes), mask).split(sizes)
-                for k, out in zip(members, outs):
+                side = {}
+                if per_layer is not None:  # this slot's slice, once per member
+                    side["per_layer_inputs"] = per_layer[:, :, slot:slot + 1].repeat(len(members), 1, 1, 1)
+                if self.shares_kv:
+                    side["shared_kv_states"] = _joined([shared[k] for k in members])
+                outs = self.run_slot(slot, module, batch, sum(sizes), mask, **side).split(sizes)
+                stored = _split(side.get("shared_kv_states", {}), sizes)
+                for k, out, kv in zip(members, outs, stored):
                     position[k] += 1
+                    shared[k] = kv
                     if store is not None:
-                        store(candidates[k].prefix + tuple(s for s, _ in candidates[k].steps[:position[k]]), out)
+                        store(candidates[k].prefix + tuple(s for s, _ in candidates[k].steps[:position[k]]), out, kv)
                     if position[k] == len(candidates[k].steps):
                         finals[k] = out
                         del current[k]
@@ -162,12 +184,31 @@ class CandidateRunner:
         return finals
 
 
+def _joined(members: Sequence[dict]) -> dict:
+    """The members' stored keys and values concatenated along the batch, for the kinds every member has."""
+    from transformers.cache_utils import KVSharingDict
+
+    kinds = set(members[0]).intersection(*members[1:]) if members else set()
+    return KVSharingDict({kind: tuple(torch.cat([m[kind][t] for m in members]) for t in (0, 1)) for kind in kinds})
+
+
+def _split(joined, sizes: Sequence[int]) -> list[dict]:
+    """Each member's part of the (possibly newly stored) keys and values, in order."""
+    parts: list[dict] = [{} for _ in sizes]
+    for kind, (keys, values) in dict(joined).items():
+        for part, k, v in zip(parts, keys.split(list(sizes)), values.split(list(sizes))):
+            part[kind] = (k, v)
+    return parts
+
+
 def chunks(candidates: Sequence[Candidate], budget: int = STATE_BUDGET) -> Iterator[list[Candidate]]:
-    """Consecutive groups of candidates whose states together stay under `budget` bytes (at least one each)."""
+    """Consecutive groups of candidates whose states (with the keys and values they carry) together stay under
+    `budget` bytes (at least one each)."""
     group: list[Candidate] = []
     used = 0
     for candidate in candidates:
-        size = candidate.state.numel() * candidate.state.element_size()
+        size = sum(t.numel() * t.element_size() for t in (candidate.state, *(x for kv in candidate.shared.values()
+                                                                               for x in kv)))
         if group and used + size > budget:
             yield group
             group, used = [], 0

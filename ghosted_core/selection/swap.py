@@ -171,7 +171,7 @@ def _select(request: SelectionRequest, scoring: Scoring, probe: str, name: str) 
 
 
 @register_criterion("swap_kl", paper="No Free Swap (arXiv 2605.16234), interchange probe", needs="forward", cost=COST,
-                    memory=swap_bytes, from_streams=True,
+                    memory=swap_bytes,
                     label=f"interchange-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
 def select_swap_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Removal guided by the interchange distance d_inter (slots i and j exchange weights)."""
@@ -179,7 +179,7 @@ def select_swap_kl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
 
 
 @register_criterion("swap_kl_repl", paper="No Free Swap (arXiv 2605.16234), replacement probe", needs="forward",
-                    cost=COST, memory=swap_bytes, from_streams=True,
+                    cost=COST, memory=swap_bytes,
                     label=f"replacement-guided, |i−j| ≤ {WINDOW}, no adjacent removals")
 def select_swap_kl_repl(request: SelectionRequest, scoring: Scoring) -> PruningPlan:
     """Removal guided by the replacement distance d_repl (one block's weights in the other's slot, worse direction)."""

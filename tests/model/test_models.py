@@ -104,24 +104,25 @@ def test_a_head_that_runs_layers_before_its_vocabulary_projection_is_refused(tmp
         load_model(str(tmp_path), LoadOptions(device="cpu"))
 
 
-@pytest.mark.parametrize("criterion, layers, refused", [
-    ("manual", (3,), r"^block 3 must stay: the keys and values it computes are reused by the last 2 blocks"),
-    ("sleb", (), r"^the sleb criterion runs blocks one at a time from cached residual streams, and this model's last 2 "
-                 r"blocks attend with keys and values that earlier blocks compute"),
-])
-def test_a_gemma4_e2b_cut_that_loses_shared_keys_and_values_is_refused_in_one_line(tiny_folder, criterion, layers,
-                                                                                  refused):
-    """Gemma 4 E2B's last blocks attend with the keys and values of the last earlier block of their kind: a cut that
-    removes such a block, and a criterion that runs blocks from cached streams (which do not carry them), are refused
-    with the reason before any calibration or fit."""
-    options = RunOptions(model=str(tiny_folder("gemma4_e2b")), criterion=criterion, layers=layers, num_prune=1,
-                         variants=parse_variants("none"), calibration="ptb", train_size=2, seqlen=16,
-                         eval_corpora=("ptb",), quiet=True, load=LoadOptions(device="cpu"))
+def test_a_gemma4_e2b_cut_that_loses_shared_keys_and_values_is_refused_and_sleb_keeps_them(tiny_folder):
+    """Gemma 4 E2B's last blocks attend with the keys and values of the last earlier block of their kind: a manual
+    cut that removes such a block is refused in one line before any calibration or fit; sleb, which runs blocks
+    one at a time from cached streams (carrying the stored keys and values), runs and keeps them."""
+    def options(criterion: str, layers: tuple[int, ...]) -> RunOptions:
+        return RunOptions(model=str(tiny_folder("gemma4_e2b")), criterion=criterion, layers=layers, num_prune=2,
+                          variants=parse_variants("none"), calibration="ptb", train_size=2, seqlen=16,
+                          eval_corpora=("ptb",), quiet=True, load=LoadOptions(device="cpu"))
     stages = []
-    with pytest.raises(GhostedError, match=refused) as caught:
-        for stage, _ in run_stages(options):
+    with pytest.raises(GhostedError, match=r"^block 3 must stay: the keys and values it computes are reused by the "
+                                           r"last 2 blocks") as caught:
+        for stage, _ in run_stages(options("manual", (3,))):
             stages.append(stage)
-    assert "\n" not in str(caught.value) and stages == (["load model"] if criterion == "manual" else [])
+    assert "\n" not in str(caught.value) and stages == ["load model"]
+    result = None
+    for _stage, result in run_stages(options("sleb", ())):
+        pass
+    removed = result.plan.removed
+    assert len(removed) == 2 and not set(removed) & {2, 3, 5}, removed
 
 
 def test_local_folder_loads_in_eval_mode(tiny_model_folder):

@@ -23,14 +23,24 @@ def mean_kl(dense, removed, ids) -> float:
     return float((logp.exp() * (logp - logq)).sum(-1).mean())
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+# gemma4_e2b: per-layer inputs of the tokens, and keys and values stored by blocks 2 and 3 for the last two (so
+# runs over 2, 3 or 5 are not scored: those blocks must stay)
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4_e2b"])
 @pytest.mark.parametrize("n", [1, 2])
 def test_kl_equals_kl_from_full_logits(family, n):
+    from ghosted_core.model.layer_config import required_blocks
+
     model = make_tiny_model(family).double()
     ids = random_tokens(4, 16, seed=3)
     scoring = Scoring(model, make_batches(ids, None, 3))  # batches of 3 and 1: sums must add up across batches
-    expected = [mean_kl(model, range(s, s + n), ids) for s in range(TINY_LAYERS - n + 1)]
-    assert run_kl(scoring, n) == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    plan = CRITERIA["kl"].select(SelectionRequest(TINY_LAYERS, n), Scoring(model, make_batches(ids, None, 3)))
-    start = min(range(len(expected)), key=lambda s: (expected[s], s))
+    required = set(required_blocks(model.config))
+    expected = [None if set(range(s, s + n)) & required else mean_kl(model, range(s, s + n), ids)
+                for s in range(TINY_LAYERS - n + 1)]
+    found = run_kl(scoring, n)
+    assert [x is None for x in found] == [x is None for x in expected]
+    assert [x for x in found if x is not None] == pytest.approx([x for x in expected if x is not None], rel=1e-9,
+                                                               abs=1e-12)
+    keep = tuple(sorted(required))
+    plan = CRITERIA["kl"].select(SelectionRequest(TINY_LAYERS, n, keep=keep), Scoring(model, make_batches(ids, None, 3)))
+    start = min((s for s in range(len(expected)) if expected[s] is not None), key=lambda s: (expected[s], s))
     assert plan.removed == tuple(range(start, start + n)) and "per run start" in plan.score_label

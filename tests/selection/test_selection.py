@@ -140,8 +140,6 @@ REFUSED = {
     ("olmo3", "prunecomp"): "OLMo-3's blocks read the stream without",
     ("gemma4_e2b", "prunecomp"): "gate their per-layer embeddings",  # the gate reads the raw stream
     ("lfm2", "sleb"): "removes every attention block",  # its greedy takes both attention blocks of six
-    **{(family, criterion): "runs blocks one at a time from cached residual streams"
-       for family in ("gemma4_e2b", "gemma4_unified_text") for criterion in ("sleb", "kl", "swap_kl", "swap_kl_repl")},
 }
 
 

@@ -31,11 +31,11 @@ class BruteForce:
             self.table[key] = float(-logp.gather(-1, self.ids[:, 1:, None]).sum())
         return self.table[key]
 
-    def greedy(self, rounds: int) -> list[int]:
-        """Replay SLEB's rule on the table: lowest NLL each round, ties to the lowest block."""
+    def greedy(self, rounds: int, keep=()) -> list[int]:
+        """Replay SLEB's rule on the table: lowest NLL each round, ties to the lowest block (never one in `keep`)."""
         removed: list[int] = []
         for _ in range(rounds):
-            alive = [j for j in range(TINY_LAYERS) if j not in removed]
+            alive = [j for j in range(TINY_LAYERS) if j not in removed and j not in keep]
             removed.append(min(alive, key=lambda j: (self([*removed, j]), j)))
         return removed
 
@@ -96,6 +96,28 @@ def test_sleb_refuses_depths_that_leave_nothing(setup):
     model, batches, _ = setup
     with pytest.raises(GhostedError, match="removes 1 to 5"):
         sleb.sleb_order(model, TINY_LAYERS, batches)
+
+
+@pytest.mark.parametrize("memo_budget", [sleb.MEMO_BUDGET, 0])
+def test_sleb_on_gemma4_e2b_carries_per_layer_inputs_and_shared_keys_and_values(memo_budget):
+    """Gemma 4 E2B's blocks read per-layer inputs of the tokens, and its last two attend with the keys and values
+    blocks 2 and 3 store on the same pass: run block by block from cached states (kept ones and recomputed ones),
+    every candidate's NLL equals the full forward of the hand-pruned model, and the greedy never removes a store
+    or the last block (required: the family's rule)."""
+    from ghosted_core.model.layer_config import required_blocks
+
+    model = make_tiny_model("gemma4_e2b").double()
+    ids = random_tokens(4, 16, seed=1)
+    brute = BruteForce(model, ids)
+    keep = required_blocks(model.config)
+    assert keep == (2, 3, 5)
+    result = sleb.sleb_order(model, 3, make_batches(ids, None, 2), memo_budget=memo_budget)
+    assert list(result.order) == brute.greedy(3, keep)
+    for k, rnd in enumerate(result.rounds):
+        assert all(rnd.nll[j] is None for j in keep)
+        for j in range(TINY_LAYERS):
+            if rnd.nll[j] is not None:
+                assert rnd.nll[j] == pytest.approx(brute([*result.order[:k], j]), rel=1e-10)
 
 
 def test_screening_keeps_the_minimum_and_skips_only_candidates_that_cannot_win():

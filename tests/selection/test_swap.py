@@ -10,6 +10,7 @@ import torch
 from conftest import TINY_LAYERS, make_tiny_model, random_tokens
 from ghosted_core.calibration.collect import make_batches
 from ghosted_core.errors import GhostedError
+from ghosted_core.model.layer_config import required_blocks
 from ghosted_core.selection.criteria import CRITERIA, Scoring, SelectionRequest
 from ghosted_core.selection.swap import guided_removal, layer_scores, pairs, swap_distances
 
@@ -49,6 +50,9 @@ MIXED = {
     "gemma4_text": [(0, 1), (0, 3), (1, 3), (1, 4), (2, 5), (3, 4)],
     # linear attention on 0, 2, 4; full attention on 1 (a dense MLP: mlp_only_layers), 3 and 5 (experts)
     "qwen3_next": [(0, 2), (2, 4), (3, 5)],
+    # sliding 0, 1, 2 (2 stores its keys and values), full 3 (stores); 4 (sliding) and 5 (full) reuse them, without
+    # key and value projections and with a double-wide MLP; every block reads its per-layer inputs
+    "gemma4_e2b": [(0, 1), (0, 2), (1, 2)],
 }
 
 
@@ -72,13 +76,15 @@ def test_only_blocks_of_one_layout_swap_and_they_equal_hand_swapped_models(famil
         assert found["directions"][i, j] == pytest.approx((forward, backward), rel=1e-9)
         assert found["interchange"][i, j] == pytest.approx(mean_kl(model, swapped(model, {i: j, j: i}), ids), rel=1e-9)
     scoring = Scoring(model, make_batches(ids, None, 2))
-    plan = CRITERIA["swap_kl"].select(SelectionRequest(TINY_LAYERS, 2), scoring)
+    keep = required_blocks(model.config)  # Gemma 4: the last block; E2B: the stores too
+    plan = CRITERIA["swap_kl"].select(SelectionRequest(TINY_LAYERS, 2, keep=keep), scoring)
     paired = {k for pair in MIXED[family] for k in pair}
     unpaired = [k for k in range(TINY_LAYERS) if k not in paired]
     assert scoring.details["swap_kl"]["unpaired"] == unpaired
     assert [k for k, score in enumerate(plan.scores) if score is None] == unpaired
     assert ("taken last" in plan.score_label) == bool(unpaired)
-    assert set(plan.removed) <= paired
+    best = min((k for k in paired if k not in keep), key=lambda k: (plan.scores[k], k))
+    assert best in plan.removed and not set(plan.removed) & set(keep)
 
 
 def test_guided_removal_takes_ascending_scores_and_no_neighbours():
