@@ -74,7 +74,7 @@ class SkeletonCounts:
     total: int  # parameters (a tied head once)
     block: int  # the largest block's parameters
     mlp: int  # the largest MLP module's parameters (the family's `Architecture.mlp`; a block of experts whole)
-    linear_widths: int  # the largest block's Σ (in + out) over its nn.Linear modules (what rank-r changes add per r)
+    linear_widths: int  # the largest block's Σ (in + out) over its plain nn.Linear modules (what rank-r changes add per r)
 
 
 def skeleton_counts(config: PretrainedConfig) -> SkeletonCounts | None:
@@ -106,11 +106,17 @@ def _count_on_meta(config: PretrainedConfig) -> SkeletonCounts | None:
         return sum(p.numel() for p in module.parameters())
 
     def widths(block) -> int:
-        return sum(m.in_features + m.out_features for m in block.modules() if isinstance(m, torch.nn.Linear))
+        return sum(m.in_features + m.out_features for m in block.modules() if plain_linear(m))
 
     mlps = [size(b.get_submodule(mlp)) for b in blocks if mlp and _has(b, mlp)]
     return SkeletonCounts(size(model), max(map(size, blocks), default=0), max(mlps, default=0),
                           max(map(widths, blocks), default=0))
+
+
+def plain_linear(module) -> bool:
+    """An nn.Linear that computes only x Wᵀ + b (what a rank-r change wraps and the LoRA count adds up): not a
+    subclass with its own forward (Llama-4's router subclasses nn.Linear and returns scores and logits)."""
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 
 def _has(module, path: str) -> bool:

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ghosted_core.architectures import architecture_of
-from ghosted_core.memory_parts import attention_shape, skeleton_counts
+from ghosted_core.memory_parts import attention_shape, plain_linear, skeleton_counts
 from ghosted_core.model.loading import final_norm, final_norm_name
 from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
 from ghosted_core.errors import GhostedError
@@ -279,7 +279,7 @@ def lora_target(variant: PreTrainedModel, dense: PreTrainedModel, sites: CutSite
     found: dict[str, nn.Module] = {}
     for index in lora_blocks(sites, opts.lora_window):
         for path, module in variant.model.layers[index].named_modules():
-            if isinstance(module, nn.Linear):
+            if plain_linear(module):  # (not a router that subclasses nn.Linear)
                 found[f"model.layers.{index}.{path}"] = LowRankLinear(module, opts.lora_rank, generator=generator)
     return found
 

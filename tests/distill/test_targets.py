@@ -68,6 +68,29 @@ def test_lora_blocks_sit_on_both_sides_of_each_cut():
     assert lora_blocks(sites, 0) == list(range(12))
 
 
+def test_lora_wraps_the_plain_projections_and_not_a_router_that_subclasses_linear():
+    """Llama-4's router is an nn.Linear subclass returning (scores, logits): a rank-r change wraps only the plain
+    projections around it (it crashed the forward before); the student starts where the variant is, and the
+    declared count is exactly what trains."""
+    from conftest import make_tiny_model
+    from ghosted_core.plan import PruningPlan
+
+    from students import fitted as fit
+
+    model = make_tiny_model("llama4_text")
+    plan = PruningPlan(6, (2,), "manual")
+    variant = fit(model, "none", plan)
+    opts = DistillOptions()
+    student = make_student(variant, model, plan, "lora", opts, {"operator": "none"})
+    wrapped = set(student.paths)
+    assert wrapped and not any(path.endswith("router") for path in wrapped)
+    assert any(path.endswith("feed_forward.shared_expert.down_proj") for path in wrapped)
+    ids = random_tokens(2, 12, seed=5)
+    with torch.no_grad():
+        assert torch.allclose(student.model(ids).logits, variant(ids).logits, atol=1e-5, rtol=1e-5)
+    assert get_trainable("lora").parameters(model.config, 1, opts, "") >= student.count
+
+
 def test_a_cut_at_block_zero_has_no_block_before_it(tiny_llama):
     from ghosted_core.plan import PruningPlan
 
