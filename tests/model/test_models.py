@@ -19,6 +19,9 @@ from ghosted_core.model.loading import LoadOptions, decoder_blocks, load_model, 
 from ghosted_core.memory import check_fits
 from ghosted_core.memory_parts import estimate_parameters
 from ghosted_core.recovery.assessment import Diagnostics
+from ghosted_core.distill.options import OPERATOR_TARGET, DistillOptions
+from ghosted_core.distill.targets import TRAINABLES
+from ghosted_core.recovery.operators import OPERATORS
 from ghosted_core.run.options import RunOptions, parse_variants
 from ghosted_core.run.pipeline import run, run_stages
 from ghosted_core.architectures import ARCHITECTURES, architecture_of
@@ -247,6 +250,40 @@ def test_family_runs_the_whole_pipeline(tiny_folder, smollm2_tokenizer, family, 
     for name, folder in stock.items():
         assert fresh[name]["class"] == stock_class, name
         assert_same_model(fresh[name], result.models[name], ids)
+
+
+EVERY_VARIANT = ",".join([*(name for name in OPERATORS), "ghost+seq", *(f"ghost+kd_{t}" for t in TRAINABLES
+                                                                       if t != OPERATOR_TARGET), "ghost+kd"])
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_every_operator_and_distillation_target_runs_on_every_family_or_is_refused_in_one_line(tiny_folder,
+                                                                                               smollm2_tokenizer, family):
+    """Every recovery operator, the sequential fit and every distillation target (two steps each) on every family:
+    those the family takes all come out of one run with finite logits; each of the others is refused alone, in one
+    line, before any work (`check_family`). The whole-pipeline test above runs a few of them to export and reload."""
+    from ghosted_core.run.options import check_family
+
+    loaded = load_model(str(tiny_folder(family)), LoadOptions(device="cpu"))
+    loaded = dataclasses.replace(loaded, tokenizer=smollm2_tokenizer)  # its corpus tokens are cached across runs
+    taken, refused = [], {}
+    for variant in parse_variants(EVERY_VARIANT):
+        try:
+            check_family(RunOptions(variants=(variant,)), loaded.model.config)
+            taken.append(variant)
+        except GhostedError as err:
+            refused[variant.name] = str(err)
+    assert all("\n" not in why for why in refused.values()), refused
+    assert {"none", "ghost", "ghost+seq", "diag", "ghost+kd_lora"} <= {v.name for v in taken}, (family, refused)
+    options = RunOptions(model=str(tiny_folder(family)), criterion="shortgpt", num_prune=2, variants=tuple(taken),
+                         calibration="ptb", train_size=4, seqlen=32, eval_corpora=(), quiet=True,
+                         load=LoadOptions(device="cpu"), distill=DistillOptions(steps=2, batch_size=1, val_sequences=1))
+    result = run(options, loaded)
+    assert set(result.models) == {"dense", *(v.name for v in taken)}
+    ids = random_tokens(2, 12, seed=2)
+    for name, model in result.models.items():
+        with torch.no_grad():
+            assert torch.isfinite(model(ids).logits).all(), (family, name)
 
 
 def test_embedded_registry():
