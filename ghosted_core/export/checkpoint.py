@@ -4,7 +4,9 @@
   offloaded them to CPU or disk (their parameters are then meta tensors; the real ones sit in
   the offload hook's weights map). A meta tensor is never written.
 - `ShardWriter` writes safetensors shards of bounded size and, when there is more than one,
-  the `model.safetensors.index.json` that transformers reads.
+  the `model.safetensors.index.json` that transformers reads. It writes each tensor's bytes from
+  its own memory (`write_safetensors`), and a `StreamedTensor` (the kept slices of Gemma 4 E2B's
+  per-layer table) piece by piece, so an export never holds such a tensor whole.
 - `export_config` turns a variant's config into a clean config.json: per-layer lists sliced
   to the kept blocks and nothing that names a path of this machine.
 """
@@ -13,16 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import re
+import struct
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from accelerate.utils import align_module_device, has_offloaded_params
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -73,11 +73,71 @@ def module_tensors(module: nn.Module, prefix: str = "", skip: Sequence[nn.Module
             yield from module_tensors(child, f"{prefix}{name}.", skip, device)
 
 
+class StreamedTensor(Protocol):
+    """A tensor an export writes piece by piece and never holds whole (`side_inputs.StreamedTensor`: the kept
+    slices of a per-layer table, a vocabulary slab at a time): `pieces()` yields contiguous tensors whose bytes, in
+    order, are the tensor's row-major bytes."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def pieces(self) -> Iterator[torch.Tensor]: ...
+
+    def numel(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+
+def streamed(tensor) -> bool:
+    return hasattr(tensor, "pieces")
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2"}
+
+
+def _raw(tensor: torch.Tensor):
+    """The bytes of a contiguous CPU tensor, as a buffer over its own memory (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor | StreamedTensor],
+                      metadata: Mapping[str, str]) -> None:
+    """One safetensors file (the format's 8-byte header length, its JSON header padded to 8 bytes, then each
+    tensor's bytes in order) written from each tensor's own memory, and a `StreamedTensor` piece by piece: beyond
+    the tensors, memory is one piece."""
+    header: dict = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{key}: safetensors has no {tensor.dtype}")
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)))
+        out.write(encoded)
+        for key, tensor in tensors.items():
+            written = 0
+            for piece in tensor.pieces() if streamed(tensor) else (tensor,):
+                piece = piece.detach().to("cpu").contiguous()
+                if piece.numel():
+                    out.write(_raw(piece))
+                written += piece.numel() * piece.element_size()
+            if written != header[key]["data_offsets"][1] - header[key]["data_offsets"][0]:
+                raise RuntimeError(f"{key}: {written} bytes written for a tensor of shape {tuple(tensor.shape)}")
+
+
 class ShardWriter:
     """Collects tensors and writes them as safetensors shards of at most ~`max_bytes` each.
 
     Memory: the tensors of one shard are held until it is written (≤ max_bytes plus one
-    block's tensors); CPU tensors are referenced, not copied.
+    block's tensors); CPU tensors are referenced, not copied, and a `StreamedTensor` is only its recipe.
     """
 
     def __init__(self, folder: Path, max_bytes: int = DEFAULT_SHARD_BYTES):
@@ -92,7 +152,7 @@ class ShardWriter:
         for key, tensor in tensors.items():
             if key in self.pending or any(key in shard for shard in self.shards):
                 raise RuntimeError(f"tensor {key} written twice")
-            self.pending[key] = tensor.contiguous()
+            self.pending[key] = tensor if streamed(tensor) else tensor.contiguous()
             self.pending_bytes += tensor.numel() * tensor.element_size()
         if self.pending_bytes >= self.max_bytes:
             self._flush()
@@ -100,13 +160,7 @@ class ShardWriter:
     def _flush(self) -> None:
         if not self.pending:
             return
-        try:
-            save_file(self.pending, str(self.folder / f".shard-{len(self.shards):05d}"), metadata={"format": "pt"})
-        except SafetensorError as err:  # safetensors reports the OS's write errors (a full disk) as its own type
-            code = re.search(r"os error (\d+)", str(err))
-            if code is None:
-                raise
-            raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from None
+        write_safetensors(self.folder / f".shard-{len(self.shards):05d}", self.pending, {"format": "pt"})
         self.shards.append(list(self.pending))
         self.total_bytes += self.pending_bytes
         self.pending, self.pending_bytes = {}, 0

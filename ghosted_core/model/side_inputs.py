@@ -20,13 +20,37 @@ data in its architecture-table entry; the store/reuse layout is transformers' ow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ghosted_core.architectures import architecture_of
 from ghosted_core.config_values import kv_stores, per_layer_width
+
+
+SLAB_BYTES = 64 * 2**20  # an export's piece of a packed table (vocabulary rows)
+
+
+@dataclass(frozen=True)
+class StreamedTensor:
+    """A tensor made and written a piece at a time (`export.checkpoint.write_safetensors`): its dtype, shape, and
+    `pieces()`, contiguous tensors whose bytes in order are its row-major bytes."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], Iterator[torch.Tensor]]
+
+    def pieces(self) -> Iterator[torch.Tensor]:
+        return self.make()
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
 
 class PackedRows(nn.Module):
@@ -50,17 +74,30 @@ class PackedRows(nn.Module):
     def _packed_axis(self) -> int:
         return 1 if isinstance(self.packed, nn.Embedding) else 0  # Embedding (V, L·P); Linear (L·P, C)
 
-    def export_tensors(self, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The dense module's tensors with the removed blocks' slices left out: what a checkpoint of the cut holds.
-        `device="meta"`: shapes only."""
+    def export_tensors(self, device: str = "cpu") -> dict:
+        """The dense module's tensors with the removed blocks' slices left out: what a checkpoint of the cut holds,
+        as a `StreamedTensor` that the checkpoint writer makes a slab at a time (E2B's kept table is up to 4.7 GB in
+        bf16: never copied whole). `device="meta"`: shapes only."""
         weight = self.packed.weight
         axis = self._packed_axis()
+        shape = list(weight.shape)
+        shape[axis] = len(self.rows) * self.width
         if device == "meta":
-            shape = list(weight.shape)
-            shape[axis] = len(self.rows) * self.width
             return {"weight": torch.empty(shape, dtype=weight.dtype, device="meta")}
-        index = torch.tensor([j * self.width + k for j in self.rows for k in range(self.width)])
-        return {"weight": weight.detach().index_select(axis, index.to(weight.device)).to(device)}
+        return {"weight": StreamedTensor(weight.dtype, tuple(shape), lambda: self._kept_slabs(weight, device))}
+
+    def _kept_slabs(self, weight: torch.Tensor, device: str):
+        """The kept slices, row-major: an Embedding's (V, L·P) a slab of vocabulary rows at a time (SLAB_BYTES),
+        a Linear's (L·P, C) one kept block's P rows at a time (views, no copy)."""
+        weight = weight.detach()
+        if self._packed_axis() == 0:
+            for j in self.rows:
+                yield weight[j * self.width:(j + 1) * self.width].to(device)
+            return
+        rows = max(1, SLAB_BYTES // max(1, weight.shape[1] * weight.element_size()))
+        for start in range(0, weight.shape[0], rows):
+            slab = weight[start:start + rows].unflatten(1, (-1, self.width))[:, list(self.rows)]
+            yield slab.flatten(1).to(device)
 
 
 def dense_rows(model) -> tuple[int, ...]:

@@ -95,6 +95,36 @@ def test_tied_embeddings_stay_tied(tiny_gemma, tmp_path):
     assert "lm_head.weight" not in weight_keys(folder)
 
 
+def test_safetensors_written_from_the_tensors_memory_read_back_by_safetensors(tmp_path):
+    """`write_safetensors` (the shard writer's; no copy of a tensor's bytes, a streamed tensor a piece at a time)
+    writes what safetensors' own reader returns exactly, for every dtype an export holds, scalars and empty
+    tensors, and a streamed tensor whose pieces are uneven; a streamed tensor whose pieces fall short fails."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from ghosted_core.export.checkpoint import write_safetensors
+    from ghosted_core.model.side_inputs import StreamedTensor
+
+    generator = torch.Generator().manual_seed(0)
+    whole = torch.randn(7, 5, generator=generator).to(torch.bfloat16)
+    tensors = {"bf16": torch.randn(3, 4, generator=generator).to(torch.bfloat16),
+               "f32": torch.randn(2, 3, 4, generator=generator), "f16": torch.randn(5, generator=generator).half(),
+               "f64": torch.randn(2, generator=generator).double(), "i64": torch.arange(6), "bool": torch.tensor([1, 0, 1]).bool(),
+               "scalar": torch.tensor(1.5), "empty": torch.zeros(0, 4), "transposed": torch.randn(3, 2).T.contiguous(),
+               "streamed": StreamedTensor(torch.bfloat16, (7, 5), lambda: iter((whole[:1], whole[1:4], whole[4:])))}
+    write_safetensors(tmp_path / "a.safetensors", tensors, {"format": "pt"})
+    loaded = load_file(tmp_path / "a.safetensors")
+    assert set(loaded) == set(tensors)
+    for key, tensor in tensors.items():
+        expected = whole if key == "streamed" else tensor
+        assert loaded[key].dtype == expected.dtype and torch.equal(loaded[key], expected), key
+    with safe_open(tmp_path / "a.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    short = {"streamed": StreamedTensor(torch.float32, (4,), lambda: iter((torch.zeros(3),)))}
+    with pytest.raises(RuntimeError, match="12 bytes written for a tensor of shape"):
+        write_safetensors(tmp_path / "b.safetensors", short, {})
+
+
 def test_sharded_export_writes_an_index_that_transformers_reads(tiny_llama, tmp_path):
     _plan, variants = recovered_variants(tiny_llama, (2, 3))
     result = export_variant(variants["replaceme"], None, tmp_path / "sharded", shard_bytes=40_000)

@@ -12,6 +12,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from conftest import make_tiny_model, random_tokens
 from ghosted_core.evaluation.perplexity import shared_prefix
 from ghosted_core.export.checkpoint import module_tensors
+from ghosted_core.model import side_inputs
 from ghosted_core.model.side_inputs import PackedRows, self_contained_start, stream_kwargs
 from ghosted_core.model.surgery import build_variant, slice_view
 
@@ -76,12 +77,22 @@ def test_a_stream_fed_suffix_is_given_its_per_layer_inputs_and_starts_where_it_c
     assert shared_prefix(e2b, build_variant(e2b, (4,))) == 2
 
 
-def test_an_export_writes_the_kept_blocks_slices_of_the_packed_tensors(e2b):
+def realized(tensor) -> torch.Tensor:
+    """A streamed tensor's pieces joined (what the writer puts in the file), checked against its declared size."""
+    pieces = list(tensor.pieces())
+    assert all(p.is_contiguous() for p in pieces)
+    return torch.cat([p.reshape(-1) for p in pieces]).view(tensor.shape)
+
+
+@pytest.mark.parametrize("slab", [side_inputs.SLAB_BYTES, 1])  # one slab; every vocabulary row its own
+def test_an_export_writes_the_kept_blocks_slices_of_the_packed_tensors(e2b, slab, monkeypatch):
     """The per-layer table (V × L·P) and projection (L·P × C) are written with the removed blocks' slices left out,
-    in the kept blocks' order, and `meta` gives the same shapes without reading anything."""
+    in the kept blocks' order, a slab at a time (never copied whole), and `meta` gives the same shapes without
+    reading anything."""
+    monkeypatch.setattr(side_inputs, "SLAB_BYTES", slab)
     variant = build_variant(e2b, (0, 4))
     width = e2b.config.hidden_size_per_layer_input
-    tensors = dict(module_tensors(variant.model, "model."))
+    tensors = {k: realized(v) if hasattr(v, "pieces") else v for k, v in module_tensors(variant.model, "model.")}
     meta = dict(module_tensors(variant.model, "model.", device="meta"))
     table = e2b.model.embed_tokens_per_layer.weight.unflatten(1, (-1, width))  # (V, L, P)
     projection = e2b.model.per_layer_model_projection.weight.unflatten(0, (-1, width))  # (L, P, C)
