@@ -35,13 +35,13 @@ import ghosted_core.export.folder as folder
 where = sys.argv[1]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 if where == "weights":
-    real_save = checkpoint.save_file
-    def save_file(tensors, filename, metadata=None):
-        real_save(tensors, filename, metadata=metadata)
+    real_write = checkpoint.write_safetensors
+    def write_safetensors(filename, tensors, metadata):
+        real_write(filename, tensors, metadata)
         data = Path(filename).read_bytes()
         Path(filename).write_bytes(data[: len(data) // 2])
         die()
-    checkpoint.save_file = save_file
+    checkpoint.write_safetensors = write_safetensors
 elif where == "config":
     real_json = folder.write_json
     def write_json(path, values):
@@ -162,12 +162,12 @@ def test_a_full_disk_during_the_zip_is_one_message_and_leaves_no_file(tiny_llama
 def test_a_full_disk_while_writing_the_weights_is_one_message_and_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     _plan, variants = recovered_variants(tiny_llama, (2, 3))
 
-    def full(tensors, filename, metadata=None):
+    def full(filename, tensors, metadata):
         with open(filename, "wb") as half:
             half.write(b"\0" * 1024)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "save_file", full)
+    monkeypatch.setattr(checkpoint, "write_safetensors", full)
     with pytest.raises(GhostedError, match="no room to write the ghost export"):
         export_variant(variants["ghost"], None, tmp_path / "saved" / "ghost")
     assert list((tmp_path / "saved").iterdir()) == []
