@@ -24,7 +24,7 @@ from ghosted_core.errors import GhostedError
 from ghosted_core.plan import PruningPlan
 from ghosted_core.stopping import StopCheck, check_stop
 from ghosted_core.model.head import head_logits
-from ghosted_core.model.side_inputs import self_contained_start, stream_kwargs
+from ghosted_core.model.side_inputs import dense_per_layer_inputs, self_contained_start, stream_kwargs
 from ghosted_core.model.surgery import slice_view
 from ghosted_core.memory_parts import LOGITS_BUDGET
 
@@ -92,11 +92,13 @@ def perplexity(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel], 
         for ids in track(windows.split(batch_size), desc, unit="batches", quiet=quiet):
             check_stop(should_stop, "perplexity")
             ids = ids.to(device)
+            side = dense_per_layer_inputs(dense, ids)  # Gemma 4 E2B's per-layer inputs, once per batch (else None)
             h = None
             for depth, segment in zip(depths, segments):
                 h = (segment.model(input_ids=ids, use_cache=False) if h is None else  # (B, T, C) entering `depth`
-                     segment.model(inputs_embeds=h, use_cache=False, **stream_kwargs(segment, ids))).last_hidden_state
-                tokens = _add_suffix_nll(nll, {n: suffixes[n] for n in groups[depth]}, variants, h, ids, should_stop)
+                     segment.model(inputs_embeds=h, use_cache=False, **stream_kwargs(segment, ids, side))).last_hidden_state
+                tokens = _add_suffix_nll(nll, {n: suffixes[n] for n in groups[depth]}, variants, h, ids, should_stop,
+                                         side)
             count += tokens
     return {name: math.exp(value / count) for name, value in nll.items()}
 
@@ -117,13 +119,14 @@ def _by_prefix(dense: PreTrainedModel, variants: Mapping[str, PreTrainedModel],
 
 def _add_suffix_nll(nll: dict[str, float], suffixes: Mapping[str, PreTrainedModel],
                     variants: Mapping[str, PreTrainedModel], h: torch.Tensor, ids: torch.Tensor,
-                    should_stop: StopCheck = None) -> int:
-    """Add each variant's summed NLL of one batch, its suffix fed the shared prefix output h; returns the token count."""
+                    should_stop: StopCheck = None, side: torch.Tensor | None = None) -> int:
+    """Add each variant's summed NLL of one batch, its suffix fed the shared prefix output h (and its slices of
+    the batch's per-layer inputs `side`, where the family has them); returns the token count."""
     tokens = 0
     for name, suffix in suffixes.items():
         check_stop(should_stop, "perplexity")  # a batch runs every variant: stop between them too
         out = suffix.model(inputs_embeds=h, use_cache=False,
-                           **stream_kwargs(suffix, ids)).last_hidden_state  # (B, T, C) after the final norm
+                           **stream_kwargs(suffix, ids, side)).last_hidden_state  # (B, T, C) after the final norm
         total, tokens = _token_nll(variants[name], out, ids)
         nll[name] += total
     return tokens

@@ -39,7 +39,7 @@ from ghosted_core.evaluation.perplexity import _by_prefix, input_device
 from ghosted_core.memory_parts import LOGITS_BUDGET
 from ghosted_core.model.head import head_logits
 from ghosted_core.model.layer_config import recurrent
-from ghosted_core.model.side_inputs import stream_kwargs
+from ghosted_core.model.side_inputs import dense_per_layer_inputs, stream_kwargs
 from ghosted_core.model.surgery import slice_view
 from ghosted_core.progress import track
 
@@ -238,15 +238,16 @@ class SharedScorer:
                     positions[b, :len(row.tokens)] = torch.tensor(row.depth)
                 ids, positions = ids.to(device), positions.to(device)
                 mask = _masks(batch, config, self.dense.dtype, device)
+                side = dense_per_layer_inputs(self.dense, ids)  # Gemma 4 E2B's per-layer inputs, once (else None)
                 h = None
                 for depth, segment in zip(self.depths, self.segments):
                     step = dict(attention_mask=mask, position_ids=positions, use_cache=False)
                     h = (segment.model(input_ids=ids, **step) if h is None else  # (B, L, C) entering `depth`
-                         segment.model(inputs_embeds=h, **step, **stream_kwargs(segment, ids))).last_hidden_state
+                         segment.model(inputs_embeds=h, **step, **stream_kwargs(segment, ids, side))).last_hidden_state
                     for name in self.groups[depth]:
                         suffix = self.suffixes[name]
                         out = suffix.model(inputs_embeds=h, **step,
-                                           **stream_kwargs(suffix, ids)).last_hidden_state  # (B, L, C) normed
+                                           **stream_kwargs(suffix, ids, side)).last_hidden_state  # (B, L, C) normed
                         self._read(name, batch, out, pairs)
                 self.forwards += 1
 

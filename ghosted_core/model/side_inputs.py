@@ -134,13 +134,18 @@ def stream_fed_inputs(base: nn.Module, config) -> None:
     base.project_per_layer_inputs = lambda inputs_embeds, per_layer_inputs=None: per_layer_inputs
 
 
-def stream_kwargs(view, input_ids: torch.Tensor) -> dict:
+def stream_kwargs(view, input_ids: torch.Tensor, dense_inputs: torch.Tensor | None = None) -> dict:
     """The keyword arguments a stream-fed `view` needs beside `inputs_embeds` for the batch of `input_ids` (B, T):
-    {} for most families; Gemma 4's per-layer inputs (B, T, blocks, P) for the blocks the view holds.
+    {} for most families; Gemma 4's per-layer inputs (B, T, blocks, P) for the blocks the view holds: the view's
+    slices of `dense_inputs` (the dense model's for the batch, `dense_per_layer_inputs`, made once for every view
+    fed that batch: each slice is computed on its own, so slicing after equals the view's own), or else made here.
     Memory: B·T·blocks·P in the model's dtype, for one call."""
     base = view.model
     if not per_layer_width(view.config):
         return {}
+    if dense_inputs is not None:
+        rows = torch.tensor(dense_rows(view), device=dense_inputs.device)
+        return {"per_layer_inputs": dense_inputs.index_select(2, rows)}
     cls = type(base)
     with torch.no_grad():
         ids = input_ids.to(base.embed_tokens.weight.device)

@@ -57,6 +57,19 @@ def test_perplexity_with_shared_prefix_equals_plain_on_the_new_families(family):
         assert got[name] == pytest.approx(plain_perplexity(variant, windows), rel=1e-5), (family, name)
 
 
+@pytest.mark.parametrize("removed", [(4,), (0, 1)])
+def test_gemma4_e2b_perplexity_with_shared_prefix_equals_plain(removed):
+    """Gemma 4 E2B's suffixes fed the shared stream are given their slices of the batch's per-layer inputs (made
+    once from the dense model) and start no later than the first KV-storing block: equal to full forwards."""
+    model = make_tiny_model("gemma4_e2b")
+    _plan, variants = recovered_variants(model, removed)
+    models = {"dense": model, "none": variants["none"], "ghost": variants["ghost"]}
+    windows = random_tokens(4, 12, seed=4)
+    got = perplexity(model, models, windows, batch_size=2, quiet=True)
+    for name, variant in models.items():
+        assert got[name] == pytest.approx(plain_perplexity(variant, windows), rel=1e-5), (removed, name)
+
+
 def test_cached_dense_states_serve_variants_that_share_less_than_any_of_them(tiny_llama):
     """magcomp changes block 0 (its writers are scaled): it runs from the embeddings, the others from the cache."""
     from ghosted_core.evaluation.perplexity import dense_prefix_states, perplexity_from_states

@@ -78,6 +78,23 @@ def test_every_variant_agrees_with_hflm(family, tokenizer):
         assert all(parent == node - 1 for row in rows for node, parent in enumerate(row.parent))
 
 
+def test_gemma4_e2b_variants_scored_from_a_shared_prefix_agree_with_hflm(tokenizer):
+    """Gemma 4 E2B's suffixes are given their slices of the batch's per-layer inputs (made once from the dense model)
+    and start no later than the first KV-storing block (2): cut at block 4 (a KV-reusing block), every variant's
+    answers equal HFLM's full forwards."""
+    torch.set_num_threads(1)
+    dense = make_tiny_model("gemma4_e2b")
+    _, fitted = recovered_variants(dense, [4])
+    variants = {"dense": dense, "none": fitted["none"], "ghost": fitted["ghost"]}
+    pairs = token_requests()
+    scorer = SharedScorer(dense, variants, ScoringOptions(row_tokens=48, batch_tokens=96, max_length=256))
+    assert scorer.depths == [2]  # every suffix starts at the first store (the cut at 4, the dense model at 6)
+    for name, model in variants.items():
+        expected, _ = hflm_answers(model, tokenizer, pairs)
+        for (lp, greedy), (ref_lp, ref_greedy) in zip(scorer.answers(name, pairs), expected):
+            assert lp == pytest.approx(ref_lp, abs=1e-4) and greedy == ref_greedy
+
+
 def scorer_batches(pairs, options, config):
     from ghosted_core.evaluation.scoring import _batches
 

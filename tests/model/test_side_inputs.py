@@ -13,7 +13,7 @@ from conftest import make_tiny_model, random_tokens
 from ghosted_core.evaluation.perplexity import shared_prefix
 from ghosted_core.export.checkpoint import module_tensors
 from ghosted_core.model import side_inputs
-from ghosted_core.model.side_inputs import PackedRows, self_contained_start, stream_kwargs
+from ghosted_core.model.side_inputs import PackedRows, dense_per_layer_inputs, self_contained_start, stream_kwargs
 from ghosted_core.model.surgery import build_variant, slice_view
 
 
@@ -75,6 +75,23 @@ def test_a_stream_fed_suffix_is_given_its_per_layer_inputs_and_starts_where_it_c
         with pytest.raises(KeyError):
             late.model(inputs_embeds=h, use_cache=False, **stream_kwargs(late, ids))
     assert shared_prefix(e2b, build_variant(e2b, (4,))) == 2
+
+
+def test_a_views_slices_of_the_dense_per_layer_inputs_equal_its_own():
+    """Perplexity and task scoring make the dense model's per-layer inputs once per batch and give each stream-fed
+    view its slices (`stream_kwargs(view, ids, dense_inputs)`): the same tensors the view's own packed modules make,
+    for suffixes of cuts that keep other blocks."""
+    model = make_tiny_model("gemma4_e2b")
+    ids = random_tokens(2, 12, seed=4)
+    dense_inputs = dense_per_layer_inputs(model, ids)
+    assert dense_inputs.shape == (2, 12, 6, model.config.hidden_size_per_layer_input)
+    for removed, start in (((0,), 0), ((0, 4), 1), ((1,), 1)):
+        variant = build_variant(model, removed)
+        suffix = slice_view(variant, model, start, stream_input=True)
+        own = stream_kwargs(suffix, ids)["per_layer_inputs"]
+        torch.testing.assert_close(stream_kwargs(suffix, ids, dense_inputs)["per_layer_inputs"], own, rtol=1e-6,
+                                   atol=1e-6)
+    assert dense_per_layer_inputs(make_tiny_model("llama"), ids) is None
 
 
 def realized(tensor) -> torch.Tensor:
