@@ -130,16 +130,15 @@ class _Memo:
                 self.bytes += _bytes(*table[key])
 
 
-def screened(bounds: Sequence[float], exact: Callable[[int], float], skip: Sequence[int] = ()) -> list[float | None]:
-    """Exact values (`exact(p)`) of the candidates that can still be the minimum, None for the others (and for
-    the positions in `skip`: no candidates).
+def screened(bounds: Sequence[float], exact: Callable[[int], float]) -> list[float | None]:
+    """Exact values (`exact(p)`) of the candidates that can still be the minimum, None for the others.
 
     Candidates go in ascending order of their lower bounds; once a bound exceeds the best exact value
     so far (by more than rounding), neither it nor any later candidate can be the minimum.
     """
     result: list[float | None] = [None] * len(bounds)
     best = math.inf
-    for p in sorted((p for p in range(len(bounds)) if p not in skip), key=lambda p: (bounds[p], p)):
+    for p in sorted(range(len(bounds)), key=lambda p: (bounds[p], p)):
         if bounds[p] > best + BOUND_MARGIN * abs(best):
             break
         result[p] = exact(p)

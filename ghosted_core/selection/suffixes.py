@@ -31,11 +31,10 @@ from transformers import PreTrainedModel
 
 from ghosted_core.memory_parts import attention_shape
 from ghosted_core.model.loading import decoder_blocks
-from ghosted_core.config_values import kv_stores
 from ghosted_core.model.side_inputs import dense_per_layer_inputs
 from ghosted_core.model.surgery import assemble, sliced_config, stream_fed
 from ghosted_core.recovery.modules import module_device
-from ghosted_core.config_values import mlp_width
+from ghosted_core.config_values import kv_stores, mlp_width
 
 STATE_BUDGET = 2**29  # bytes of candidate residual states alive at once (512 MiB)
 
