@@ -64,6 +64,7 @@ class Preset:
     rounded: bool = False  # the card gives only a rounded size ("7B"): the count is held to that rounding
     vision: tuple[tuple[str, object], ...] = ()  # a multimodal checkpoint's vision_config numbers (its tower)
     audio: tuple[tuple[str, object], ...] = ()  # and its audio_config numbers, where it has an audio tower (Gemma 4 E*)
+    card_decoder_only: bool = False  # the card's size counts the text decoder alone (its tower listed apart)
 
     def config(self) -> PretrainedConfig:
         """A transformers config with these numbers (for the memory plan and the time estimate); a multimodal
@@ -123,10 +124,11 @@ def _wrapper_config(model_type: str, text: tuple, vision: tuple, audio: tuple = 
 
 
 def _p(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied, license,
-       gated=False, non_embedding=None, rounded=False, vision=None, audio=None, **extra) -> Preset:
+       gated=False, non_embedding=None, rounded=False, vision=None, audio=None, card_decoder_only=False,
+       **extra) -> Preset:
     return Preset(key, hub_id, family, model_type, published, c, layers, heads, kv, head_dim, inter, vocab, tied,
                   license, gated, non_embedding, tuple(extra.items()), rounded, tuple((vision or {}).items()),
-                  tuple((audio or {}).items()))
+                  tuple((audio or {}).items()), card_decoder_only)
 
 
 SIGLIP = dict(hidden_size=1152, num_hidden_layers=27, intermediate_size=4304, num_attention_heads=16, image_size=896,
@@ -142,6 +144,15 @@ GEMMA4_AUDIO = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=
                     residual_weight=0.5, use_clipped_linears=True)
 GEMMA4_SMALL = dict(global_head_dim=512, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
                     sliding_window=512, final_logit_softcapping=30.0)
+# Gemma 4 26B-A4B (its config.json, as several public fixtures copy it): 128 experts of 704 beside a dense MLP of 2112
+# on every block, keys as values on the full-attention blocks (2 KV heads of 512), 8 KV heads of 256 on the sliding
+# ones; its card's 25.2B counts the decoder, the ~550M vision encoder listed apart
+GEMMA4_26B = dict(num_global_key_value_heads=2, global_head_dim=512, attention_k_eq_v=True, enable_moe_block=True,
+                  num_experts=128, top_k_experts=8, moe_intermediate_size=704, hidden_size_per_layer_input=0,
+                  sliding_window=1024, final_logit_softcapping=30.0,
+                  layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5)
+GEMMA4_LARGE_VISION = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           num_key_value_heads=16, head_dim=72, global_head_dim=72, patch_size=16)
 
 
 PRESETS: dict[str, Preset] = {p.key: p for p in (
@@ -203,6 +214,8 @@ PRESETS: dict[str, Preset] = {p.key: p for p in (
     _p("gemma-4-e4b", "google/gemma-4-E4B", "Gemma4", "gemma4", 8e9, 2560, 42, 8, 2, 256, 10240, 262144, True,
        "apache-2.0", rounded=True, vision=GEMMA4_VISION, audio=GEMMA4_AUDIO | {"output_proj_dims": 2560},
        **GEMMA4_SMALL, num_kv_shared_layers=18, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7),
+    _p("gemma-4-26b-a4b", "google/gemma-4-26B-A4B", "Gemma4", "gemma4", 25.2e9, 2816, 30, 16, 8, 256, 2112, 262144,
+       True, "apache-2.0", vision=GEMMA4_LARGE_VISION, card_decoder_only=True, **GEMMA4_26B),
     _p("qwen3.5-9b", "Qwen/Qwen3.5-9B", "Qwen3.5", "qwen3_5", 9e9, 4096, 32, 16, 4, 256, 12288, 248320, False,
        "apache-2.0", rounded=True, vision=QWEN35_VISION | {"out_hidden_size": 4096}, linear_num_value_heads=32),
     _p("qwen3.5-27b", "Qwen/Qwen3.5-27B", "Qwen3.5", "qwen3_5", 27e9, 5120, 64, 24, 4, 256, 17408, 248320, False,
