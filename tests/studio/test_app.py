@@ -121,6 +121,21 @@ def test_manual_plans_show_the_removed_blocks_without_scores():
     assert len(fig.data[0].x) == 30 and "manual" in fig.layout.xaxis.title.text
 
 
+def test_blocks_a_criterion_could_not_score_get_no_bar_and_the_axis_stays_finite():
+    """swap_kl gives a block with no exchangeable partner no score (None; sleb and kl likewise for blocks the family
+    keeps): the chart leaves its bar out and sets the axis from the scores there are, on both pages."""
+    from ghosted_core.report.compare import criterion_scores_figure
+
+    scores = [0.4, None, 0.1, 0.3] + [0.2] * 26
+    report = synthetic_report() | {"criterion": "swap_kl", "scores": scores, "removed_layers": [2, 5],
+                                   "score_label": "interchange score (none: taken last), per block"}
+    low, high = charts.scores_figure(report).layout.yaxis.range
+    assert low < 0.1 and 0.4 < high < 0.5
+    compared = report | {"compare": {"selections": {"swap_kl": {"scores": scores, "removed_layers": [2, 5],
+                                                                "score_label": report["score_label"]}}}}
+    assert criterion_scores_figure(compared).layout.yaxis.range[1] < 0.5
+
+
 def test_status_says_where_a_run_is_and_what_the_page_shows():
     report = synthetic_report()
     loading = {"model": "smollm2-135m", "num_layers": 30, "criterion": "streamline", "removed_layers": [],
