@@ -156,7 +156,7 @@ def per_layer_input_bytes(config: PretrainedConfig, tokens: int, item: int) -> i
 def shared_kv_bytes(config: PretrainedConfig, tokens: int, item: int) -> int:
     """The keys and values Gemma 4 E2B/E4B's storing blocks keep for later blocks over `tokens` (each store's, at
     the widest heads: a bound); 0 for other families. A stream cached for later blocks carries them too."""
-    heads, kv, head_dim = attention_shape(config)
+    _heads, kv, head_dim = attention_shape(config)
     return len(kv_stores(config)) * 2 * kv * head_dim * tokens * item
 
 

@@ -19,7 +19,6 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from accelerate.utils import align_module_device, has_offloaded_params
@@ -28,6 +27,7 @@ from transformers import PretrainedConfig
 
 from ghosted_core.architectures import architecture_of
 from ghosted_core.model.layer_config import layer_fields
+from ghosted_core.model.side_inputs import StreamedTensor
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +73,6 @@ def module_tensors(module: nn.Module, prefix: str = "", skip: Sequence[nn.Module
             yield from module_tensors(child, f"{prefix}{name}.", skip, device)
 
 
-class StreamedTensor(Protocol):
-    """A tensor an export writes piece by piece and never holds whole (`side_inputs.StreamedTensor`: the kept
-    slices of a per-layer table, a vocabulary slab at a time): `pieces()` yields contiguous tensors whose bytes, in
-    order, are the tensor's row-major bytes."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    def pieces(self) -> Iterator[torch.Tensor]: ...
-
-    def numel(self) -> int: ...
-
-    def element_size(self) -> int: ...
-
-
-def streamed(tensor) -> bool:
-    return hasattr(tensor, "pieces")
-
-
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
@@ -124,7 +105,7 @@ def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor | StreamedT
         out.write(encoded)
         for key, tensor in tensors.items():
             written = 0
-            for piece in tensor.pieces() if streamed(tensor) else (tensor,):
+            for piece in tensor.pieces() if isinstance(tensor, StreamedTensor) else (tensor,):
                 piece = piece.detach().to("cpu").contiguous()
                 if piece.numel():
                     out.write(_raw(piece))
@@ -152,7 +133,7 @@ class ShardWriter:
         for key, tensor in tensors.items():
             if key in self.pending or any(key in shard for shard in self.shards):
                 raise RuntimeError(f"tensor {key} written twice")
-            self.pending[key] = tensor if streamed(tensor) else tensor.contiguous()
+            self.pending[key] = tensor if isinstance(tensor, StreamedTensor) else tensor.contiguous()
             self.pending_bytes += tensor.numel() * tensor.element_size()
         if self.pending_bytes >= self.max_bytes:
             self._flush()

@@ -47,7 +47,7 @@ from ghosted_core.plan import PruningPlan
 from ghosted_core.selection.criteria import Scoring, SelectionRequest, register_criterion
 from ghosted_core.selection.footprint import Footprint, ScoreShapes, candidate_group, group_size, logits_chunk
 from ghosted_core.selection.next_token import count_targets, nll_sums, vocabulary_subset
-from ghosted_core.selection.suffixes import Candidate, CandidateRunner, Work, chunks
+from ghosted_core.selection.suffixes import Candidate, CandidateRunner, Work, carried_bytes, chunks
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,6 @@ def _steps(runner: CandidateRunner, slots: Sequence[int]) -> tuple:
     return tuple((j, runner.blocks[j]) for j in slots)
 
 
-def _bytes(state: torch.Tensor, shared: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in (state, *(x for kv in shared.values() for x in kv)))
-
-
 class _Memo:
     """Residual states by the block sequence run to reach them, one table per calibration batch, each with the
     keys and values its KV-storing blocks computed (`Candidate.shared`; empty for most families)."""
@@ -104,7 +100,7 @@ class _Memo:
     def storer(self, b: int):
         """A `Store` that keeps a state while the budget holds it (the rest is recomputed when needed)."""
         def store(prefix: tuple[int, ...], state: torch.Tensor, shared: dict) -> None:
-            size = _bytes(state, shared)
+            size = carried_bytes(state, shared)
             if self.bytes + size <= self.budget:
                 self.tables[b][prefix] = (state, shared)
                 self.bytes += size
@@ -127,7 +123,7 @@ class _Memo:
                 del table[key]
             for key, (state, shared) in table.items():
                 table[key] = state.clone(), {kind: (k.clone(), v.clone()) for kind, (k, v) in shared.items()}
-                self.bytes += _bytes(*table[key])
+                self.bytes += carried_bytes(*table[key])
 
 
 def screened(bounds: Sequence[float], exact: Callable[[int], float]) -> list[float | None]:

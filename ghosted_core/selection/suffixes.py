@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.cache_utils import KVSharingDict
 
 from ghosted_core.memory_parts import attention_shape
 from ghosted_core.model.loading import decoder_blocks
@@ -183,10 +184,13 @@ class CandidateRunner:
         return finals
 
 
+def carried_bytes(state: torch.Tensor, shared: dict) -> int:
+    """Bytes of a cached state and the stored keys and values it carries (`Candidate.shared`)."""
+    return sum(t.numel() * t.element_size() for t in (state, *(x for kv in shared.values() for x in kv)))
+
+
 def _joined(members: Sequence[dict]) -> dict:
     """The members' stored keys and values concatenated along the batch, for the kinds every member has."""
-    from transformers.cache_utils import KVSharingDict
-
     kinds = set(members[0]).intersection(*members[1:]) if members else set()
     return KVSharingDict({kind: tuple(torch.cat([m[kind][t] for m in members]) for t in (0, 1)) for kind in kinds})
 
@@ -206,8 +210,7 @@ def chunks(candidates: Sequence[Candidate], budget: int = STATE_BUDGET) -> Itera
     group: list[Candidate] = []
     used = 0
     for candidate in candidates:
-        size = sum(t.numel() * t.element_size() for t in (candidate.state, *(x for kv in candidate.shared.values()
-                                                                               for x in kv)))
+        size = carried_bytes(candidate.state, candidate.shared)
         if group and used + size > budget:
             yield group
             group, used = [], 0
