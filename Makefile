@@ -68,8 +68,9 @@ browser:
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+# --durations: CI's log ends with where the time went (a test past pytest.ini's timeout fails with its stack).
 test: setup browser llamacpp
-	$(PYTEST)
+	$(PYTEST) --durations=15
 
 test-fast: setup
 	$(PYTEST) -m "not slow"

@@ -3,9 +3,12 @@ the tiny model (`tiny_server`)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -23,6 +26,11 @@ os.environ.setdefault("GHOSTED_APP_LOCAL_MODELS", "1")  # the app tests open the
 os.environ.setdefault("GHOSTED_APP_UPLOADS_PER_ADDRESS", "100000")  # every test client uploads from one address
 os.environ.setdefault("GHOSTED_SPEED", "0")  # runs measure sizes only unless a test asks for speed (tests/export/test_gain.py)
 os.environ.setdefault("GHOSTED_APP_UPLOAD_DISK_MB", "100000")  # test servers share one upload folder (their own tests set it)
+# The app servers' files (uploads, downloads) go to a folder of this test process, removed when it exits: gradio's
+# default (/tmp/gradio) is never emptied, and a suite's ~1 GB a run there would pile up on a machine that runs it often.
+if "GRADIO_TEMP_DIR" not in os.environ:
+    os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix="ghosted-tests-gradio-")
+    atexit.register(shutil.rmtree, os.environ["GRADIO_TEMP_DIR"], ignore_errors=True)
 
 ALL_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)  # tiny models: thread start-up costs more than the maths (and spins under load)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,13 +62,15 @@ class FreshWorker:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self.work: Path | None = None
+        atexit.register(self.close)
 
     def run(self, job: dict) -> None:
         if self.proc is None or self.proc.poll() is not None:
-            work = Path(tempfile.mkdtemp(prefix="fresh-worker-"))
+            self.close()
+            work = self.work = Path(tempfile.mkdtemp(prefix="fresh-worker-"))
             self.proc = subprocess.Popen([sys.executable, "-c", FRESH_LOOP], cwd=work, env=fresh_env(work), text=True,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-            atexit.register(self.close)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
@@ -82,6 +85,9 @@ class FreshWorker:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
+        if self.work is not None:
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work = None
 
 
 FRESH_WORKER = FreshWorker()

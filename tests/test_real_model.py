@@ -16,7 +16,8 @@ import pytest
 
 from ghosted_core.model.embedded import needs_conversion
 
-pytestmark = [pytest.mark.real, pytest.mark.slow]
+# The CLI on the 1.5B on 2 cores takes ~10 min: an hour is the subprocess's own limit, above pytest.ini's 15 min.
+pytestmark = [pytest.mark.real, pytest.mark.slow, pytest.mark.timeout(3900)]
 
 
 def test_the_cli_on_the_real_model(tmp_path):

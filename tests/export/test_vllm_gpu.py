@@ -28,7 +28,7 @@ from ghosted_core.run.fitting import build_recovered
 from ghosted_core.run.options import VariantSpec
 
 VLLM_PYTHON = os.environ.get("GHOSTED_VLLM_PYTHON", "")
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800),  # vLLM's own start-up and its 900 s subprocess limit
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.skipif(not VLLM_PYTHON, reason="needs GHOSTED_VLLM_PYTHON: a Python with vLLM (it pins "
                                                         "torch and transformers versions this venv does not have)")]
