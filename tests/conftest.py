@@ -32,6 +32,36 @@ if "GRADIO_TEMP_DIR" not in os.environ:
     os.environ["GRADIO_TEMP_DIR"] = tempfile.mkdtemp(prefix="ghosted-tests-gradio-")
     atexit.register(shutil.rmtree, os.environ["GRADIO_TEMP_DIR"], ignore_errors=True)
 
+SUITE_DISK_BYTES = 4 * 2**30  # what the suite writes at once (measured: ~3.5 GB above its start, exports and servers)
+_TEMP_BEFORE = set(os.listdir(tempfile.gettempdir()))
+
+
+def _remove_empty_download_folders() -> None:
+    """gradio_client downloads each file through a folder of its own in the temporary directory (40 hex digits)
+    and leaves it there, empty: remove the empty ones that appeared while this process ran."""
+    temp = tempfile.gettempdir()
+    for name in set(os.listdir(temp)) - _TEMP_BEFORE:
+        if len(name) == 40 and all(ch in "0123456789abcdef" for ch in name):
+            try:
+                os.rmdir(os.path.join(temp, name))  # only an empty one
+            except OSError:
+                pass
+
+
+atexit.register(_remove_empty_download_folders)
+
+
+def pytest_configure(config) -> None:
+    """Refuse to start, in one line, where the temporary directory cannot hold what the suite writes: a full disk
+    otherwise fails tests at random and can hang a served app mid-download."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller checked
+        return
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if free < SUITE_DISK_BYTES:
+        raise pytest.UsageError(f"the tests write up to {SUITE_DISK_BYTES / 2**30:.0f} GiB under "
+                                f"{tempfile.gettempdir()} and {free / 2**30:.1f} GiB is free there: free some space "
+                                "(old /tmp/pytest-of-*, /tmp/gradio) or point TMPDIR elsewhere")
+
 ALL_THREADS = torch.get_num_threads()
 torch.set_num_threads(1)  # tiny models: thread start-up costs more than the maths (and spins under load)
 
