@@ -14,6 +14,7 @@ kept. A save being written is never evicted to make room for another.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -80,8 +81,9 @@ class SavedModels:
         self._lock = threading.Lock()
 
     def _root(self) -> Path:
-        if self.root is None:
+        if self.root is None:  # made on the first save; gone with the server, whose sessions can no longer reach it
             self.root = Path(tempfile.mkdtemp(prefix="ghosted-saved-"))
+            atexit.register(shutil.rmtree, self.root, ignore_errors=True)
         return self.root
 
     def new_folder(self, session: str, owner: str | None = None) -> Path:

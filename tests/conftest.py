@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -38,12 +39,15 @@ _TEMP_BEFORE = set(os.listdir(tempfile.gettempdir()))
 
 def _remove_empty_download_folders() -> None:
     """gradio_client downloads each file through a folder of its own in the temporary directory (40 hex digits)
-    and leaves it there, empty: remove the empty ones that appeared while this process ran."""
+    and leaves it there, empty: remove the empty ones that appeared while this process ran and have not changed
+    for a minute (another test process may be between making one and writing its file into it)."""
     temp = tempfile.gettempdir()
     for name in set(os.listdir(temp)) - _TEMP_BEFORE:
+        path = os.path.join(temp, name)
         if len(name) == 40 and all(ch in "0123456789abcdef" for ch in name):
             try:
-                os.rmdir(os.path.join(temp, name))  # only an empty one
+                if time.time() - os.stat(path).st_mtime > 60:
+                    os.rmdir(path)  # only an empty one
             except OSError:
                 pass
 

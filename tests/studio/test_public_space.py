@@ -358,3 +358,21 @@ def test_saved_models_are_evicted_least_recently_used_first_and_never_while_writ
     assert refusal and "retrying will not help" in refusal and SAVED_ENV in refusal and not g.exists() and d.exists()
     saved.release("e", e)  # its run failed: nothing to push, no room held
     assert not e.exists() and saved.latest("e") is None and saved.stored_bytes() == int(1.2 * 1024)
+
+
+def test_the_saved_models_go_with_the_server_process(tmp_path):
+    """A server's saved models live in a folder of its own, removed when its process exits (no session can reach
+    them after that): a machine that serves the app again and again does not fill its disk."""
+    import subprocess
+    import sys
+
+    script = ("from studio.saved import SavedModels\n"
+              "folder = SavedModels().new_folder('s')\n"
+              "(folder / 'model.safetensors').write_bytes(b'0' * 4096)\n"
+              "print(folder.parent)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    root = Path(done.stdout.strip().splitlines()[-1])
+    assert root.parent == tmp_path and root.name.startswith("ghosted-saved-")
+    assert not root.exists()
