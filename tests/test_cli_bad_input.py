@@ -39,16 +39,16 @@ FORK_SERVER = textwrap.dedent("""
         sys.stdout.flush(); sys.stderr.flush()
         os._exit(code)
 
-    folder = tempfile.mkdtemp()
-    for k, argv in enumerate(json.loads(sys.stdin.read())):
-        out, err = f"{folder}/{k}.out", f"{folder}/{k}.err"
-        start = time.perf_counter()
-        pid = os.fork()
-        if pid == 0:
-            child(argv, out, err)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"code": os.waitstatus_to_exitcode(status), "seconds": time.perf_counter() - start,
-                          "stderr": open(err).read()}), flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        for k, argv in enumerate(json.loads(sys.stdin.read())):
+            out, err = f"{folder}/{k}.out", f"{folder}/{k}.err"
+            start = time.perf_counter()
+            pid = os.fork()
+            if pid == 0:
+                child(argv, out, err)
+            _, status = os.waitpid(pid, 0)
+            print(json.dumps({"code": os.waitstatus_to_exitcode(status), "seconds": time.perf_counter() - start,
+                              "stderr": open(err).read()}), flush=True)
 """)
 
 
